@@ -1,0 +1,27 @@
+# `make run`: set up and run the demo on the embedded model. `make test`: set up and pass the tests.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and alone, exactly pinned: it resolves to the local CPU build on these machines
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/moeflow generate --model tiny --prompt "The quick brown fox" --max-tokens 32
+
+test: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(VENV)/bin/moeflow bench prefill --json docs/results/prefill.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,67 @@
+"""``moeflow`` command line: generate, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help='local Hugging Face directory, or "tiny" (embedded, random weights)')
+    p.add_argument("--mode", default="colocated", help="deployment mode (default: colocated)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moeflow import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    with LLM(args.model, mode=args.mode, dtype=args.dtype, seed=args.seed) as llm:
+        t_load = time.perf_counter() - t0
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        t1 = time.perf_counter()
+        out = llm.generate([args.prompt], params)[0]
+        t_gen = time.perf_counter() - t1
+    c, m = out.outputs[0], out.metrics
+    n_out = len(c.token_ids)
+    decode_s = (m.token_times_s[-1] - m.token_times_s[0]) if n_out > 1 else 0.0
+    print(f"prompt ({len(out.prompt_token_ids)} tokens): {args.prompt!r}")
+    print(f"output ({n_out} tokens, finish_reason={c.finish_reason}): {c.text!r}")
+    print(f"token ids: {c.token_ids}")
+    print(f"model load {t_load:.2f} s | TTFT {m.ttft_s * 1e3:.1f} ms | "
+          f"decode {(n_out - 1) / decode_s if decode_s > 0 else 0.0:.1f} tok/s | total {t_gen:.2f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moeflow", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    _add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from moeflow.bench import prefill
+
+    prefill.add_parser(bsub)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # ConfigError, RequestError, CheckpointError: a clear message, no traceback
+        print(f"moeflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Frozen, self-validating configuration objects.
+
+ModelConfig is the architecture-neutral description every model component reads; the per-family
+files in ``moeflow/model/`` translate a Hugging Face ``config.json`` into it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type, or out of range."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # Hugging Face class name, e.g. "Qwen3MoeForCausalLM"
+    vocab_size: int
+    hidden_size: int  # H
+    num_layers: int  # L
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    num_experts: int  # E_total (routed experts)
+    num_experts_per_tok: int  # K
+    moe_intermediate_size: int  # F of one routed expert
+    norm_topk_prob: bool  # renormalize the top-k softmax weights to sum to 1
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
+    intermediate_size: int = 0  # F of a dense MLP layer (0 when every layer is MoE)
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(x @ gate) scales the shared expert
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k (Qwen3)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, f"ModelConfig.{name} must be a positive int, got {v!r}")
+        _require(self.num_heads % self.num_kv_heads == 0,
+                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        _require(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        _require(len(self.sparse_layers) == self.num_layers,
+                 f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers")
+        if any(self.sparse_layers):
+            _require(self.num_experts > 0, "a config with MoE layers needs num_experts > 0")
+            _require(0 < self.num_experts_per_tok <= self.num_experts,
+                     f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                     f"got {self.num_experts_per_tok}")
+            _require(self.moe_intermediate_size > 0, "moe_intermediate_size must be > 0")
+        if not all(self.sparse_layers):
+            _require(self.intermediate_size > 0, "dense layers need intermediate_size > 0")
+        _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+    @property
+    def moe_layer_index(self) -> tuple[int, ...]:
+        """Model layer id -> index into the stacked expert weights (-1 for dense layers)."""
+        out, k = [], 0
+        for is_sparse in self.sparse_layers:
+            out.append(k if is_sparse else -1)
+            k += int(is_sparse)
+        return tuple(out)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime settings of one deployment (the same object reaches every worker)."""
+
+    model: str = "tiny"  # a local Hugging Face directory, or "tiny" for the embedded model
+    dtype: str = "bfloat16"
+    max_num_batched_tokens: int = 8192  # S: most tokens in one forward batch
+    max_num_seqs: int = 256  # most requests running at once
+    kv_block_size: int = 16  # tokens per KV-cache block
+    num_kv_blocks: int = 4096  # blocks in the cache of one attention worker
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_threads: int = 1  # torch threads per process
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "kv_block_size", "num_kv_blocks",
+                     "num_threads"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, f"EngineConfig.{name} must be a positive int, got {v!r}")
+        _require(self.max_model_len is None or self.max_model_len > 0,
+                 f"max_model_len must be positive, got {self.max_model_len}")

@@ -1,0 +1,188 @@
+"""The shared nouns: SamplingParams, Request, RequestOutput (vLLM-shaped), Logprob.
+
+Pure Python (no torch): the scheduler and the simulator import this module.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request (prompt or sampling parameters) is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings, with vLLM's names and meanings."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) means all tokens
+    seed: int | None = None  # a seed makes this request's sampling reproducible on its own
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (plus the actual one)
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise RequestError(f"SamplingParams: {msg}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature < float("inf")):
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k must be -1, 0 (all tokens) or a positive int, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an int or None, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                bad(f"{name} must be None or an int >= 0, got {v!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One entry of a logprobs dict (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+# Position -> {token id: Logprob}; ``None`` for the first prompt token (no context to predict it).
+LogprobsDict = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[LogprobsDict] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | None = None  # the stop token id that ended the request, if any
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[LogprobsDict | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: "RequestMetrics | None" = None
+    error: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock marks of one request (seconds on the engine's monotonic clock)."""
+
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def queued_s(self) -> float | None:
+        return None if self.first_scheduled_s is None else self.first_scheduled_s - self.arrival_s
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One request as the scheduler and runners see it: token ids and counters only."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float = 0.0
+    prompt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def append_token(self, token_id: int) -> bool:
+        """Record a sampled token; returns True when the request is now finished."""
+        self.output_token_ids.append(token_id)
+        p = self.params
+        if token_id in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token_id
+        elif not p.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= p.max_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None:
+            self.status = RequestStatus.FINISHED
+            return True
+        return False
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a batch: tokens [start, start + num_tokens) are computed."""
+
+    request_id: str
+    start: int  # first position computed this step (== tokens already in the KV cache)
+    num_tokens: int
+    block_ids: tuple[int, ...]  # KV-cache blocks of the request, in position order
+    is_last_chunk: bool  # the batch reaches the end of the known tokens: sample a token
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one forward step computes (ragged: no padding between requests)."""
+
+    batch_id: int
+    seqs: tuple[ScheduledSeq, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)

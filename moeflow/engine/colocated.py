@@ -1,0 +1,60 @@
+"""Mode ``colocated``: the whole model in this process; the reference every other mode must match."""
+from __future__ import annotations
+
+import torch
+
+from moeflow.config import ConfigError, EngineConfig
+from moeflow.core import Request, RequestError
+from moeflow.engine.base import Engine, StepResult, register_mode
+from moeflow.model.kv_cache import KVCache
+from moeflow.model.transformer import MoETransformer
+from moeflow.model.weights import load_weights
+from moeflow.scheduler.block_allocator import BlockAllocator
+from moeflow.scheduler.continuous import ContinuousBatching
+from moeflow.workers.runner import ModelRunner
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@register_mode("colocated")
+class ColocatedEngine(Engine):
+    def __init__(self, model_path: str, config: EngineConfig, **mode_kwargs):
+        if mode_kwargs:
+            raise ConfigError(f"mode 'colocated' takes no options, got {sorted(mode_kwargs)}")
+        self.config = config
+        torch.set_num_threads(config.num_threads)
+        dtype = TORCH_DTYPES[config.dtype]
+        self.model_config, weights = load_weights(model_path, dtype)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        kv = KVCache(mc.num_layers, config.num_kv_blocks, config.kv_block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        self.runner = ModelRunner(MoETransformer(mc, weights), kv, seed=config.seed)
+        allocator = BlockAllocator(config.num_kv_blocks, config.kv_block_size)
+        self.scheduler = ContinuousBatching(allocator, config.max_num_batched_tokens, config.max_num_seqs,
+                                            self.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})")
+        self.scheduler.add(request)
+        self.runner.add_request(request.request_id, request.prompt_token_ids, request.params)
+
+    def step(self) -> StepResult:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return StepResult({}, [])
+        outputs = self.runner.execute(batch)
+        sampled = {rid: o.token_id for rid, o in outputs.items() if o.token_id is not None}
+        finished = self.scheduler.update(batch, sampled)
+        for r in finished:
+            self.runner.remove_request(r.request_id)
+        return StepResult(outputs, finished)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id, "abort")
+        self.runner.remove_request(request_id)

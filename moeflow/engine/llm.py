@@ -1,0 +1,97 @@
+"""``LLM``: the vLLM-shaped front object over any mode."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from moeflow.config import EngineConfig
+from moeflow.core import Request, RequestError, RequestOutput, SamplingParams
+from moeflow.engine.base import clock, create_engine
+from moeflow.engine.output import OutputTracker
+from moeflow.engine.tokenizer import load_tokenizer
+from moeflow.model.tiny import tiny_path
+from moeflow.settings import cache_dir
+
+Prompt = str | list[int] | dict
+
+
+def resolve_model(model: str) -> str:
+    """A local Hugging Face directory, or "tiny" for the embedded model (written on first use)."""
+    return tiny_path(cache_dir()) if model == "tiny" else model
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", mode: str = "colocated", dtype: str = "bfloat16", seed: int = 0,
+                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, num_kv_blocks: int = 4096,
+                 kv_block_size: int = 16, max_model_len: int | None = None, num_threads: int = 1,
+                 **mode_kwargs):
+        self.config = EngineConfig(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs, kv_block_size=kv_block_size,
+                                   num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                                   num_threads=num_threads, seed=seed)
+        self.model_path = resolve_model(model)
+        self.mode = mode
+        self.engine = create_engine(mode, self.model_path, self.config, **mode_kwargs)
+        mc = self.engine.model_config
+        self.tokenizer = load_tokenizer(self.model_path, mc.vocab_size)
+        self._eos = mc.eos_token_ids or tuple(
+            t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _to_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return None, [int(t) for t in prompt["prompt_token_ids"]]
+            return self._to_ids(prompt["prompt"])
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise RequestError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        text, ids = self._to_ids(prompt)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        return Request(rid, ids, params, arrival_s=clock(), prompt=text, eos_token_ids=self._eos)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        requests = [self.make_request(p, sp) for p, sp in zip(prompts, params)]
+        trackers = {}
+        try:
+            for r in requests:
+                self.engine.add_request(r)
+                trackers[r.request_id] = OutputTracker(r, self.tokenizer)
+        except Exception:
+            for rid in trackers:  # nothing half-accepted stays queued
+                self.engine.abort(rid)
+            raise
+        pending = set(trackers)
+        while pending:
+            result = self.engine.step()
+            for rid, out in result.outputs.items():
+                if rid in trackers:
+                    trackers[rid].on_step(out)
+            pending -= {r.request_id for r in result.finished}
+            if not result.outputs and not result.finished and not self.engine.has_unfinished():
+                raise RuntimeError("the engine went idle with requests still pending")
+        return [trackers[r.request_id].output() for r in requests]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,45 @@
+"""Accumulates per-step results of one request into a vLLM-shaped ``RequestOutput``."""
+from __future__ import annotations
+
+from moeflow.core import CompletionOutput, Logprob, LogprobsDict, Request, RequestMetrics, RequestOutput
+from moeflow.engine.base import clock
+
+
+class OutputTracker:
+    def __init__(self, request: Request, tokenizer):
+        self.request = request
+        self.tokenizer = tokenizer
+        self.metrics = RequestMetrics(arrival_s=request.arrival_s)
+        wants_plp = request.params.prompt_logprobs is not None
+        self.prompt_logprobs: list[LogprobsDict | None] | None = [None] if wants_plp else None
+        self.logprobs: list[LogprobsDict] | None = [] if request.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0 if request.params.logprobs is not None else None
+
+    def _dict(self, raw) -> LogprobsDict:
+        return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in raw.items()}
+
+    def on_step(self, seq_output) -> None:
+        now = clock()
+        if self.metrics.first_scheduled_s is None:
+            self.metrics.first_scheduled_s = now  # NOTE: marks the end of the first step, not its start
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs += [self._dict(d) for d in seq_output.prompt_logprobs]
+        if seq_output.token_id is not None:
+            if self.metrics.first_token_s is None:
+                self.metrics.first_token_s = now
+            self.metrics.token_times_s.append(now)
+            if self.logprobs is not None:
+                self.logprobs.append(self._dict(seq_output.logprobs))
+                self.cumulative_logprob += seq_output.logprobs[seq_output.token_id][0]
+
+    def output(self) -> RequestOutput:
+        r = self.request
+        finished = r.finish_reason is not None
+        if finished and self.metrics.finished_s is None:
+            self.metrics.finished_s = clock()
+        completion = CompletionOutput(
+            index=0, text=self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
+            token_ids=list(r.output_token_ids), cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+        return RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), self.prompt_logprobs,
+                             [completion], finished, self.metrics, r.error)

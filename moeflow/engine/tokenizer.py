@@ -1,0 +1,35 @@
+"""Tokenizer: the model directory's Hugging Face tokenizer, or a byte-level fallback."""
+from __future__ import annotations
+
+import os
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then <bos>=256 and <eos>=257; ids above decode to nothing."""
+
+    bos_token_id = 256
+    eos_token_id = 257
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.vocab_size < 256:
+            raise ValueError(f"this model has no tokenizer files and only {self.vocab_size} ids, too few for "
+                             "the byte-level fallback: pass prompts as token ids")
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    chat_template = None
+
+
+def load_tokenizer(model_dir: str, vocab_size: int):
+    if any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+    return ByteTokenizer(vocab_size)

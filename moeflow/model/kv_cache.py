@@ -1,0 +1,83 @@
+"""Paged KV cache (block pool tensors) and the per-batch metadata attention reads.
+
+Block allocation is bookkeeping on ints and lives in ``moeflow.scheduler.block_allocator``; this
+module only owns the tensors. Shape legend: L layers, N slots (= blocks * block_size),
+Hkv key-value heads, D head_dim, T new tokens in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)  # [L, N, Hkv, D]
+        self.v = torch.zeros(shape, dtype=dtype)  # [L, N, Hkv, D]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots: [T] int64; k, v: [T, Hkv, D]."""
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots: [S] int64 -> (k, v), each [S, Hkv, D]."""
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+
+def slots_for(block_ids: tuple[int, ...] | list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions [start, stop) of a request whose blocks are ``block_ids``."""
+    pos = torch.arange(start, stop, dtype=torch.int64)  # [stop - start]
+    table = torch.as_tensor(block_ids, dtype=torch.int64)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's new tokens sit in the batch and in the cache."""
+
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    query_lens: list[int]  # per request: new tokens this step
+    context_lens: list[int]  # per request: tokens already in the cache before this step
+    slot_mapping: torch.Tensor | None  # [T] int64 cache slot of each new token; None: no cache
+    block_tables: list[tuple[int, ...]]  # per request: its blocks, in position order
+    block_size: int
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int],
+              block_tables: list[tuple[int, ...]] | None, block_size: int) -> "AttentionMetadata":
+        positions = torch.cat([torch.arange(c, c + q, dtype=torch.int64)
+                               for q, c in zip(query_lens, context_lens)]) if query_lens else \
+            torch.empty(0, dtype=torch.int64)
+        slot_mapping = None
+        if block_tables is not None:
+            parts = [slots_for(bt, c, c + q, block_size)
+                     for bt, q, c in zip(block_tables, query_lens, context_lens)]
+            slot_mapping = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return cls(positions, list(query_lens), list(context_lens), slot_mapping,
+                   list(block_tables or []), block_size)
+
+    @classmethod
+    def no_cache(cls, query_lens: list[int]) -> "AttentionMetadata":
+        """Prefill from scratch without keeping KV (e.g. scoring prompts)."""
+        return cls.build(query_lens, [0] * len(query_lens), None, 1)
+
+    def iter_seqs(self):
+        """Yield (first row in the batch, new tokens, cached tokens) per request."""
+        start = 0
+        for q, c in zip(self.query_lens, self.context_lens):
+            yield start, q, c
+            start += q
+
+    def context_slots(self, i: int) -> torch.Tensor:
+        """Slots of all positions a request's queries attend to (cached + new)."""
+        return slots_for(self.block_tables[i], 0, self.context_lens[i] + self.query_lens[i], self.block_size)

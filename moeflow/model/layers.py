@@ -1,0 +1,104 @@
+"""RMSNorm, rotary embedding, ragged attention over a paged KV cache, dense SwiGLU MLP.
+
+Shape legend: T tokens in the batch (all requests concatenated, no padding), H hidden size,
+Hq / Hkv query / key-value heads, D head_dim, F intermediate size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moeflow.model.kv_cache import AttentionMetadata, KVCache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # NOTE: normalize in float32 and cast back before scaling, in Hugging Face's order, so bf16
+    # results round the same way as transformers'.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """Non-interleaved (rotate-half) RoPE with a lazily grown cos/sin table."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim = head_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self._cos = torch.empty(0, head_dim)
+        self._sin = torch.empty(0, head_dim)
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self._cos.shape[0], 256)
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)  # [n, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
+        self._cos, self._sin = emb.cos(), emb.sin()
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D]; positions: [T] int64 -> rotated x, same dtype."""
+        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+            self._grow(int(positions.max()) + 1)
+        cos = self._cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
+        sin = self._sin[positions].unsqueeze(1).to(x.dtype)
+        half = self.head_dim // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                   kv_cache: KVCache | None, layer: int) -> torch.Tensor:
+    """Causal attention per request over a ragged batch.
+
+    q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq, D].
+    New k/v are written to the cache first; a request with earlier tokens in the cache reads them
+    back through its block table.
+    """
+    if kv_cache is not None:
+        kv_cache.write(layer, meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    for i, (q_start, q_len, ctx_len) in enumerate(meta.iter_seqs()):
+        if q_len == 0:
+            continue
+        # NOTE: SDPA takes its fused (flash) CPU kernel only for 4-D inputs; 3-D falls back to the
+        # math path, ~5x slower at 2k tokens.
+        qi = q[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        if ctx_len == 0:
+            ki = k[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
+            vi = v[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+        else:
+            assert kv_cache is not None, "a request with cached context needs a KV cache"
+            ki, vi = kv_cache.gather(layer, meta.context_slots(i))  # [ctx+q_len, Hkv, D]
+            ki, vi = ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0)
+            mask = None
+            if q_len > 1:
+                # query j sits at absolute position ctx_len + j and sees keys 0..ctx_len + j
+                kpos = torch.arange(ctx_len + q_len)
+                qpos = torch.arange(q_len) + ctx_len
+                mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)  # [q_len, ctx+q_len]
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+        out[q_start:q_start + q_len] = oi[0].transpose(0, 1)
+    return out
+
+
+def attention_reference(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """Slow oracle for one request: explicit softmax(QK^T)V in float32.
+
+    q: [n, Hq, D] at positions ctx_len..ctx_len+n-1; k_all/v_all: [ctx_len+n, Hkv, D].
+    """
+    n, hq, d = q.shape
+    group = hq // k_all.shape[1]
+    k = k_all.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+    v = v_all.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,shd->hns", q.float(), k) / d ** 0.5  # [Hq, n, S]
+    qpos = torch.arange(n).unsqueeze(1) + ctx_len
+    kpos = torch.arange(k.shape[0]).unsqueeze(0)
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    return torch.einsum("hns,shd->nhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Dense SwiGLU MLP. x: [T, H]; w_gate_up: [2F, H] (gate rows first); w_down: [H, F]."""
+    gate_up = F.linear(x, w_gate_up)  # [T, 2F]
+    f = w_down.shape[1]
+    return F.linear(F.silu(gate_up[:, :f]) * gate_up[:, f:], w_down)  # [T, H]

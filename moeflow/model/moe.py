@@ -1,0 +1,120 @@
+"""Router, the layer-oblivious experts op, and its loop-over-experts oracle.
+
+Expert weights of all MoE layers sit in two stacked tensors, so "the experts of layer l" is an
+index, not a Python object: a MoE worker runs whatever layer arrives with the same code path.
+
+Shape legend: T tokens, K experts per token, P = T*K (token, expert) pairs, H hidden,
+F expert intermediate size, Lm MoE layers held, El experts held locally.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk_prob: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k router. x: [T, H]; gate_w: [E, H] -> (ids [T, K] int64, weights [T, K] float32)."""
+    probs = F.linear(x, gate_w).float().softmax(dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+@dataclass
+class ExpertWeights:
+    """Routed experts of the MoE layers this process holds.
+
+    ``expert_ids`` lists the global expert ids held, in local order; ``layer_ids`` the model
+    layers held. Either may be a subset (a MoE worker loads only what it owns).
+    """
+
+    w13: torch.Tensor  # [Lm, El, 2F, H] gate rows then up rows
+    w2: torch.Tensor  # [Lm, El, H, F]
+    layer_ids: tuple[int, ...]  # model layer id of each stacked entry
+    expert_ids: tuple[int, ...]  # global expert id of each local expert
+
+    def __post_init__(self) -> None:
+        self._layer_slot = {lid: i for i, lid in enumerate(self.layer_ids)}
+        lut = torch.full((max(self.expert_ids, default=-1) + 1,), -1, dtype=torch.int64)
+        lut[list(self.expert_ids)] = torch.arange(len(self.expert_ids))
+        self.global_to_local = lut  # [max id + 1] int64, -1 where not held
+
+    def layer_slot(self, layer: int) -> int:
+        try:
+            return self._layer_slot[layer]
+        except KeyError:
+            raise KeyError(f"experts of layer {layer} are not held here (held: {self.layer_ids})") from None
+
+    def local_ids(self, global_ids: torch.Tensor) -> torch.Tensor:
+        """Map global expert ids to local ones; -1 where this process does not hold the expert."""
+        lut = self.global_to_local
+        inside = global_ids < lut.numel()
+        return torch.where(inside, lut[global_ids.clamp(max=lut.numel() - 1)], -1)
+
+
+def experts_grouped(w: ExpertWeights, layer: int, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Run the experts of ``layer`` on rows already grouped by local expert.
+
+    x_sorted: [N, H], rows of local expert 0 first, then 1, ...; counts: [El] int rows per expert.
+    Returns [N, H] in the same order. One grouped GEMM per projection, no per-expert Python loop.
+    """
+    slot = w.layer_slot(layer)
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # [El]
+    w13, w2 = w.w13[slot], w.w2[slot]  # [El, 2F, H], [El, H, F]
+    gate_up = F.grouped_mm(x_sorted, w13.transpose(-2, -1), offs=offs)  # [N, 2F]
+    f = w2.shape[-1]
+    h = F.silu(gate_up[:, :f]) * gate_up[:, f:]  # [N, F]
+    return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)  # [N, H]
+
+
+def experts_loop(w: ExpertWeights, layer: int, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Oracle for ``experts_grouped``: one plain matmul per expert."""
+    slot = w.layer_slot(layer)
+    out = torch.empty_like(x_sorted)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            xe = x_sorted[start:start + n]
+            gate_up = xe @ w.w13[slot, e].T
+            f = w.w2.shape[-1]
+            out[start:start + n] = (F.silu(gate_up[:, :f]) * gate_up[:, f:]) @ w.w2[slot, e].T
+        start += n
+    return out
+
+
+@dataclass
+class ExpertPlan:
+    """Which (token, k) pairs go to which local expert, in grouped order."""
+
+    pair_index: torch.Tensor  # [N] int64 flat index t*K + k of each grouped row
+    token_index: torch.Tensor  # [N] int64 token row of each grouped row
+    counts: torch.Tensor  # [El] int64 rows per local expert
+
+
+def plan_pairs(topk_ids: torch.Tensor, w: ExpertWeights) -> ExpertPlan:
+    """Group the pairs whose expert is held locally by local expert id (stable order).
+
+    topk_ids: [T, K] global ids. Pairs of experts not held here are left out.
+    """
+    k = topk_ids.shape[1]
+    local = w.local_ids(topk_ids.reshape(-1))  # [P]
+    held = torch.nonzero(local >= 0).squeeze(1)  # [N]
+    local_held = local[held]
+    order = torch.argsort(local_held, stable=True)
+    pair_index = held[order]
+    counts = torch.bincount(local_held, minlength=len(w.expert_ids))
+    return ExpertPlan(pair_index, pair_index // k, counts)
+
+
+def weighted_sum(num_tokens: int, plan: ExpertPlan, y_sorted: torch.Tensor, topk_weights: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Scatter-add weight * expert output back per token. Returns [T, H] (accumulated in ``out``)."""
+    if out is None:
+        out = torch.zeros(num_tokens, y_sorted.shape[1], dtype=y_sorted.dtype)
+    wts = topk_weights.reshape(-1)[plan.pair_index].to(y_sorted.dtype).unsqueeze(1)  # [N, 1]
+    out.index_add_(0, plan.token_index, y_sorted * wts)
+    return out

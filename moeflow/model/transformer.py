@@ -1,0 +1,104 @@
+"""The MoE decoder as separately callable stages, in plain single-device PyTorch.
+
+embed -> per layer {attention, route, experts, combine} (or a dense MLP) -> logits.
+The runtime calls the stages one by one (possibly on different processes); ``forward`` chains
+them for the colocated case. Shape legend: T tokens, H hidden, K experts per token, V vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeflow.config import ModelConfig
+from moeflow.model.kv_cache import AttentionMetadata, KVCache
+from moeflow.model.layers import Rotary, attention_core, rms_norm, swiglu
+from moeflow.model.moe import experts_grouped, experts_loop, plan_pairs, route, weighted_sum
+from moeflow.model.weights import ModelWeights
+
+
+@dataclass
+class AttentionOut:
+    residual: torch.Tensor  # [T, H] hidden state after attention + residual
+    moe_input: torch.Tensor  # [T, H] post-attention RMSNorm of ``residual`` (what the FFN reads)
+
+
+class MoETransformer:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, use_grouped_experts: bool = True):
+        self.cfg, self.w = cfg, weights
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self._experts_op = experts_grouped if use_grouped_experts else experts_loop
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids: [T] int64 -> [T, H]."""
+        return F.embedding(token_ids, self.w.embed)
+
+    def attention(self, layer: int, hidden: torch.Tensor, meta: AttentionMetadata,
+                  kv_cache: KVCache | None) -> AttentionOut:
+        """Input norm, attention, residual add, then the post-attention norm. hidden: [T, H]."""
+        c, a = self.cfg, self.w.attention[layer]
+        x = rms_norm(hidden, a.input_norm, c.rms_norm_eps)
+        qkv = F.linear(x, a.qkv, a.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        t = qkv.shape[0]
+        q = qkv[:, :c.q_size].view(t, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size:c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size:].view(t, c.num_kv_heads, c.head_dim)
+        if a.q_norm is not None:
+            q = rms_norm(q, a.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, a.k_norm, c.rms_norm_eps)
+        q = self.rotary(q, meta.positions)
+        k = self.rotary(k, meta.positions)
+        o = attention_core(q, k, v.contiguous(), meta, kv_cache, layer)  # [T, Hq, D]
+        residual = hidden + F.linear(o.reshape(t, c.q_size), a.o, a.o_bias)
+        return AttentionOut(residual, rms_norm(residual, a.post_norm, c.rms_norm_eps))
+
+    def route(self, layer: int, moe_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (top-k expert ids [T, K] int64, weights [T, K] float32)."""
+        return route(moe_input, self.w.routers[layer], self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+
+    def experts(self, layer: int, moe_input: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum over the locally held experts of each token's top-k. -> [T, H]
+        (tokens whose experts are all elsewhere get zeros)."""
+        plan = plan_pairs(topk_ids, self.w.experts)
+        y = self._experts_op(self.w.experts, layer, moe_input[plan.token_index], plan.counts)
+        return weighted_sum(moe_input.shape[0], plan, y, topk_weights)
+
+    def combine(self, layer: int, attn: AttentionOut, routed: torch.Tensor) -> torch.Tensor:
+        """Routed expert sum + shared expert (if any) + residual. -> next layer's hidden [T, H]."""
+        out = attn.residual + routed
+        shared = self.w.shared.get(layer)
+        if shared is not None:
+            s = swiglu(attn.moe_input, shared.gate_up, shared.down)
+            if shared.gate is not None:
+                s = torch.sigmoid(F.linear(attn.moe_input, shared.gate)) * s
+            out = out + s
+        return out
+
+    def dense_mlp(self, layer: int, attn: AttentionOut) -> torch.Tensor:
+        d = self.w.dense[layer]
+        return attn.residual + swiglu(attn.moe_input, d.gate_up, d.down)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head. hidden: [N, H] (only the rows whose logits are needed) -> [N, V] float32."""
+        x = rms_norm(hidden, self.w.final_norm, self.cfg.rms_norm_eps)
+        return F.linear(x, self.w.lm_head).float()
+
+    # -- colocated chain ----------------------------------------------------------------------
+
+    def layer(self, layer: int, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None) -> torch.Tensor:
+        attn = self.attention(layer, hidden, meta, kv_cache)
+        if not self.cfg.sparse_layers[layer]:
+            return self.dense_mlp(layer, attn)
+        ids, wts = self.route(layer, attn.moe_input)
+        return self.combine(layer, attn, self.experts(layer, attn.moe_input, ids, wts))
+
+    def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None) -> torch.Tensor:
+        """All layers on one process. token_ids: [T] -> final hidden states [T, H] (before the norm)."""
+        h = self.embed(token_ids)
+        for layer in range(self.cfg.num_layers):
+            h = self.layer(layer, h, meta, kv_cache)
+        return h

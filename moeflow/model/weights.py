@@ -1,0 +1,189 @@
+"""Hugging Face safetensors checkpoint -> moeflow's layout, loading only the requested subset.
+
+Layout: q/k/v fused per layer as one ``[(Hq + 2 Hkv) D, H]`` matrix; gate/up fused as ``[2F, H]``;
+routed experts of all held MoE layers stacked as ``[Lm, El, 2F, H]`` and ``[Lm, El, H, F]``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+
+from moeflow.config import ConfigError, ModelConfig
+from moeflow.model.family import Family, family_for, load_families
+from moeflow.model.moe import ExpertWeights
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is incomplete or inconsistent with its config.json."""
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Which part of the model a process holds."""
+
+    layers: tuple[int, ...] | None = None  # None: every layer
+    experts: tuple[int, ...] | None = None  # routed experts held; None: all
+    attention: bool = True  # embeddings, attention, norms, router, dense MLPs, shared experts, LM head
+    routed_experts: bool = True
+
+
+@dataclass
+class AttentionWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    o: torch.Tensor  # [H, Hq D]
+    o_bias: torch.Tensor | None  # [H]
+    q_norm: torch.Tensor | None  # [D]
+    k_norm: torch.Tensor | None  # [D]
+    post_norm: torch.Tensor  # [H]
+
+
+@dataclass
+class MLPWeights:
+    """A dense SwiGLU MLP, also the shape of a shared expert."""
+
+    gate_up: torch.Tensor  # [2F, H]
+    down: torch.Tensor  # [H, F]
+    gate: torch.Tensor | None = None  # [1, H] sigmoid gate of a shared expert
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor | None = None  # [V, H]
+    final_norm: torch.Tensor | None = None  # [H]
+    lm_head: torch.Tensor | None = None  # [V, H] (the embedding itself when tied)
+    attention: dict[int, AttentionWeights] = field(default_factory=dict)
+    routers: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E, H]
+    dense: dict[int, MLPWeights] = field(default_factory=dict)
+    shared: dict[int, MLPWeights] = field(default_factory=dict)
+    experts: ExpertWeights | None = None
+
+
+def load_config(path: str) -> tuple[ModelConfig, Family]:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path} is not a Hugging Face model directory: config.json not found")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    load_families()
+    family = family_for(hf)
+    return family.to_model_config(hf), family
+
+
+class _Reader:
+    """Key -> tensor over a single or sharded safetensors checkpoint, with precise errors."""
+
+    def __init__(self, path: str, dtype: torch.dtype):
+        self.path, self.dtype = path, dtype
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.key_file = {k: os.path.join(path, v) for k, v in weight_map.items()}
+        elif os.path.isfile(single):
+            with safe_open(single, framework="pt") as f:
+                self.key_file = {k: single for k in f.keys()}
+        else:
+            raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+        self._open: dict[str, object] = {}
+
+    def has(self, key: str) -> bool:
+        return key in self.key_file
+
+    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        file = self.key_file.get(key)
+        if file is None:
+            raise CheckpointError(f"{self.path}: tensor {key!r} is missing from the checkpoint")
+        if file not in self._open:
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{self.path}: shard {os.path.basename(file)} (holding {key!r}) not found")
+            self._open[file] = safe_open(file, framework="pt")
+        t = self._open[file].get_tensor(key)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        return t.to(self.dtype)
+
+    def maybe(self, key: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:
+        return self.get(key, shape) if wanted else None
+
+
+def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec()) -> tuple[ModelConfig, ModelWeights]:
+    cfg, fam = load_config(path)
+    r = _Reader(path, dtype)
+    layers = tuple(range(cfg.num_layers)) if spec.layers is None else spec.layers
+    for lid in layers:
+        if not 0 <= lid < cfg.num_layers:
+            raise ConfigError(f"layer {lid} out of range: the model has {cfg.num_layers} layers")
+    w = ModelWeights()
+    h, d = cfg.hidden_size, cfg.head_dim
+    if spec.attention:
+        w.embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
+        w.final_norm = r.get("model.norm.weight", (h,))
+        if cfg.tie_word_embeddings and not r.has("lm_head.weight"):
+            w.lm_head = w.embed
+        else:
+            w.lm_head = r.get("lm_head.weight", (cfg.vocab_size, h))
+        for lid in layers:
+            _load_attention_side(r, fam, cfg, lid, w)
+    if spec.routed_experts and cfg.num_moe_layers:
+        w.experts = _load_experts(r, fam, cfg, [l for l in layers if cfg.sparse_layers[l]], spec.experts)
+    return cfg, w
+
+
+def _load_attention_side(r: _Reader, fam: Family, cfg: ModelConfig, lid: int, w: ModelWeights) -> None:
+    h, d, q, kv = cfg.hidden_size, cfg.head_dim, cfg.q_size, cfg.kv_size
+    p = fam.layer(lid)
+    a = f"{p}self_attn."
+    qkv = torch.cat([r.get(f"{a}q_proj.weight", (q, h)), r.get(f"{a}k_proj.weight", (kv, h)),
+                     r.get(f"{a}v_proj.weight", (kv, h))])
+    qkv_bias = None
+    if cfg.qkv_bias:
+        qkv_bias = torch.cat([r.get(f"{a}q_proj.bias", (q,)), r.get(f"{a}k_proj.bias", (kv,)),
+                              r.get(f"{a}v_proj.bias", (kv,))])
+    w.attention[lid] = AttentionWeights(
+        input_norm=r.get(f"{p}input_layernorm.weight", (h,)),
+        qkv=qkv, qkv_bias=qkv_bias,
+        o=r.get(f"{a}o_proj.weight", (h, q)),
+        o_bias=r.maybe(f"{a}o_proj.bias", (h,), cfg.o_bias),
+        q_norm=r.maybe(f"{a}q_norm.weight", (d,), cfg.qk_norm),
+        k_norm=r.maybe(f"{a}k_norm.weight", (d,), cfg.qk_norm),
+        post_norm=r.get(f"{p}post_attention_layernorm.weight", (h,)),
+    )
+    if cfg.sparse_layers[lid]:
+        w.routers[lid] = r.get(fam.router_key(lid), (cfg.num_experts, h))
+        fs = cfg.shared_expert_intermediate_size
+        if fs:
+            w.shared[lid] = MLPWeights(
+                gate_up=torch.cat([r.get(fam.shared_expert_key(lid, "gate_proj"), (fs, h)),
+                                   r.get(fam.shared_expert_key(lid, "up_proj"), (fs, h))]),
+                down=r.get(fam.shared_expert_key(lid, "down_proj"), (h, fs)),
+                gate=r.maybe(fam.shared_gate_key(lid), (1, h), cfg.shared_expert_gated))
+    else:
+        f = cfg.intermediate_size
+        w.dense[lid] = MLPWeights(
+            gate_up=torch.cat([r.get(fam.dense_key(lid, "gate_proj"), (f, h)),
+                               r.get(fam.dense_key(lid, "up_proj"), (f, h))]),
+            down=r.get(fam.dense_key(lid, "down_proj"), (h, f)))
+
+
+def _load_experts(r: _Reader, fam: Family, cfg: ModelConfig, moe_layers: list[int],
+                  experts: tuple[int, ...] | None) -> ExpertWeights:
+    expert_ids = tuple(range(cfg.num_experts)) if experts is None else tuple(experts)
+    for e in expert_ids:
+        if not 0 <= e < cfg.num_experts:
+            raise ConfigError(f"expert {e} out of range: the model has {cfg.num_experts} routed experts")
+    h, f = cfg.hidden_size, cfg.moe_intermediate_size
+    w13 = torch.empty(len(moe_layers), len(expert_ids), 2 * f, h, dtype=r.dtype)  # [Lm, El, 2F, H]
+    w2 = torch.empty(len(moe_layers), len(expert_ids), h, f, dtype=r.dtype)  # [Lm, El, H, F]
+    for i, lid in enumerate(moe_layers):
+        for j, e in enumerate(expert_ids):
+            w13[i, j, :f] = r.get(fam.expert_key(lid, e, 0), (f, h))
+            w13[i, j, f:] = r.get(fam.expert_key(lid, e, 1), (f, h))
+            w2[i, j] = r.get(fam.expert_key(lid, e, 2), (h, f))
+    return ExpertWeights(w13, w2, tuple(moe_layers), expert_ids)

@@ -1,0 +1,92 @@
+"""ModelRunner: turns a scheduled ``Batch`` into tensors, runs the model, samples.
+
+It keeps each request's tokens and sampling state (like vLLM's per-request worker state), so a
+batch only names requests and counts. The colocated engine calls it in-process; attention
+workers will call it behind a message loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moeflow.core import Batch, SamplingParams
+from moeflow.model.kv_cache import AttentionMetadata, KVCache
+from moeflow.model.sampler import RawLogprobs, logprobs_of, sample_row
+from moeflow.model.transformer import MoETransformer
+
+_LOGITS_ROWS = 1024  # prompt logprobs are computed in slices to bound the [rows, V] buffer
+
+
+@dataclass
+class _ReqState:
+    token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass
+class SeqOutput:
+    """What one step produced for one request."""
+
+    token_id: int | None = None  # sampled token (only when the batch reached the end of its tokens)
+    logprobs: RawLogprobs | None = None
+    prompt_logprobs: list[RawLogprobs] = field(default_factory=list)  # positions start+1 .. of this chunk
+
+
+class ModelRunner:
+    def __init__(self, model: MoETransformer, kv_cache: KVCache, seed: int = 0):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.requests: dict[str, _ReqState] = {}
+        self._default_gen = torch.Generator().manual_seed(seed)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.requests[request_id] = _ReqState(list(prompt_token_ids), params, gen)
+
+    def remove_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> dict[str, SeqOutput]:
+        seqs = batch.seqs
+        states = [self.requests[s.request_id] for s in seqs]
+        tokens = torch.tensor([t for s, st in zip(seqs, states)
+                               for t in st.token_ids[s.start:s.start + s.num_tokens]], dtype=torch.int64)  # [T]
+        meta = AttentionMetadata.build([s.num_tokens for s in seqs], [s.start for s in seqs],
+                                       [s.block_ids for s in seqs], self.kv_cache.block_size)
+        hidden = self.model.forward(tokens, meta, self.kv_cache)  # [T, H]
+        return self.sample(batch, hidden)
+
+    def sample(self, batch: Batch, hidden: torch.Tensor) -> dict[str, SeqOutput]:
+        """Sampling and logprobs from the final hidden states [T, H] of a batch."""
+        out: dict[str, SeqOutput] = {}
+        row = 0
+        last_rows, last_ids = [], []
+        for s in batch.seqs:
+            st = self.requests[s.request_id]
+            res = out[s.request_id] = SeqOutput()
+            n_prompt = len(st.token_ids) if st.params.prompt_logprobs is not None else 0
+            # rows whose next token is a known prompt token: positions start .. min(end, n_prompt - 1)
+            n_plp = max(0, min(s.start + s.num_tokens, n_prompt - 1) - s.start)
+            for a in range(0, n_plp, _LOGITS_ROWS):
+                b = min(a + _LOGITS_ROWS, n_plp)
+                logits = self.model.logits(hidden[row + a:row + b])
+                nxt = torch.tensor(st.token_ids[s.start + a + 1:s.start + b + 1], dtype=torch.int64)
+                res.prompt_logprobs += logprobs_of(logits, nxt, st.params.prompt_logprobs)
+            if s.is_last_chunk:
+                last_rows.append(row + s.num_tokens - 1)
+                last_ids.append(s.request_id)
+            row += s.num_tokens
+        if last_rows:
+            logits = self.model.logits(hidden[last_rows])  # [B, V]
+            for i, rid in enumerate(last_ids):
+                st, res = self.requests[rid], out[rid]
+                p = st.params
+                tok = sample_row(logits[i], p.temperature, p.top_k, p.top_p, st.generator or self._default_gen)
+                res.token_id = tok
+                if p.logprobs is not None:
+                    res.logprobs = logprobs_of(logits[i:i + 1], torch.tensor([tok]), p.logprobs)[0]
+                st.token_ids.append(tok)
+        return out
