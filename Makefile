@@ -7,7 +7,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	# torch first and alone, exactly pinned: it resolves to the local CPU build on these machines
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'

@@ -5,8 +5,8 @@ import abc
 import time
 from dataclasses import dataclass
 
-from moeflow.config import ConfigError, EngineConfig
-from moeflow.core import Request
+from moeflow.config import ConfigError, EngineConfig, ModelConfig
+from moeflow.core import Request, RequestError
 
 
 def clock() -> float:
@@ -41,6 +41,20 @@ class Engine(abc.ABC):
 
     def shutdown(self) -> None:
         """Release processes and shared memory (nothing to do for in-process engines)."""
+
+
+def validate_request(request: Request, model: ModelConfig) -> None:
+    """Checks every mode makes before accepting a request (the scheduler checks lengths)."""
+    vocab = model.vocab_size
+    bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})")
+    # NOTE: checked here, not later: top-n over V < n fails inside a step, after the request is
+    # scheduled, and would leave it stuck in the running set.
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(request.params, name)
+        if n is not None and n > vocab:
+            raise RequestError(f"request {request.request_id}: {name}={n} exceeds the vocabulary size {vocab}")
 
 
 MODES: dict[str, type[Engine]] = {}

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from moeflow.config import ConfigError, EngineConfig
-from moeflow.core import Request, RequestError
-from moeflow.engine.base import Engine, StepResult, register_mode
+from moeflow.core import Request
+from moeflow.engine.base import Engine, StepResult, register_mode, validate_request
 from moeflow.model.kv_cache import KVCache
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import load_weights
@@ -34,10 +34,7 @@ class ColocatedEngine(Engine):
                                             self.max_model_len)
 
     def add_request(self, request: Request) -> None:
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})")
+        validate_request(request, self.model_config)
         self.scheduler.add(request)
         self.runner.add_request(request.request_id, request.prompt_token_ids, request.params)
 

@@ -34,8 +34,8 @@ class LLM:
         self.engine = create_engine(mode, self.model_path, self.config, **mode_kwargs)
         mc = self.engine.model_config
         self.tokenizer = load_tokenizer(self.model_path, mc.vocab_size)
-        self._eos = mc.eos_token_ids or tuple(
-            t for t in [getattr(self.tokenizer, "eos_token_id", None)] if t is not None)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        self._eos = mc.eos_token_ids or (() if tok_eos is None else (tok_eos,))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -77,14 +77,19 @@ class LLM:
                 self.engine.abort(rid)
             raise
         pending = set(trackers)
-        while pending:
-            result = self.engine.step()
-            for rid, out in result.outputs.items():
-                if rid in trackers:
-                    trackers[rid].on_step(out)
-            pending -= {r.request_id for r in result.finished}
-            if not result.outputs and not result.finished and not self.engine.has_unfinished():
-                raise RuntimeError("the engine went idle with requests still pending")
+        try:
+            while pending:
+                result = self.engine.step()
+                for rid, out in result.outputs.items():
+                    if rid in trackers:
+                        trackers[rid].on_step(out)
+                pending -= {r.request_id for r in result.finished}
+                if not result.outputs and not result.finished and not self.engine.has_unfinished():
+                    raise RuntimeError("the engine went idle with requests still pending")
+        except BaseException:  # an error or Ctrl-C: leave no request of this call queued
+            for rid in pending:
+                self.engine.abort(rid)
+            raise
         return [trackers[r.request_id].output() for r in requests]
 
     def shutdown(self) -> None:

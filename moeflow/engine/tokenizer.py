@@ -7,10 +7,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then <bos>=256 and <eos>=257; ids above decode to nothing."""
+    """UTF-8 bytes as ids 0..255; other ids (the embedded model's <bos>=256, <eos>=257) decode to nothing.
 
-    bos_token_id = 256
-    eos_token_id = 257
+    It claims no special ids of its own: end-of-sequence comes from the model's config.json.
+    """
+
+    bos_token_id = None
+    eos_token_id = None
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size

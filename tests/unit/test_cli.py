@@ -1,0 +1,47 @@
+"""``python -m moeflow generate`` end to end, in a subprocess."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    env = {**os.environ, "MOEFLOW_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "moeflow", *args], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    return run
+
+
+def test_generate_prints_output_and_timings(checkpoints, run_cli):
+    ck = checkpoints("qwen3")  # vocab 300 >= 258: the byte-level tokenizer fallback applies
+    res = run_cli("generate", "--model", ck.path, "--prompt", "hi", "--max-tokens", "4")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "prompt (2 tokens): 'hi'" in out
+    assert "output (4 tokens, finish_reason=length)" in out
+    ids = re.search(r"token ids: \[(.*)\]", out).group(1)
+    assert len(ids.split(",")) == 4
+    assert re.search(r"model load [\d.]+ s \| TTFT [\d.]+ ms \| decode [\d.]+ tok/s \| total [\d.]+ s", out), out
+
+
+def test_bad_model_path_exits_2_with_a_clear_message(tmp_path, run_cli):
+    missing = str(tmp_path / "no-such-model")
+    res = run_cli("generate", "--model", missing, "--prompt", "hi")
+    assert res.returncode == 2
+    assert res.stderr.startswith("moeflow: error:")
+    assert missing in res.stderr and "config.json not found" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_bad_sampling_argument_exits_2(checkpoints, run_cli):
+    res = run_cli("generate", "--model", checkpoints("qwen3").path, "--prompt", "hi", "--max-tokens", "0")
+    assert res.returncode == 2
+    assert "max_tokens" in res.stderr and "Traceback" not in res.stderr
