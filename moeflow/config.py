@@ -112,3 +112,23 @@ class EngineConfig:
             _require(isinstance(v, int) and v > 0, f"EngineConfig.{name} must be a positive int, got {v!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching policy of the disaggregated (asap) scheduler; each optimization can be switched off."""
+
+    min_batch_tokens: int = 256  # length-aware batching: form a batch once it holds this many tokens
+    max_batch_tokens: int = 16384  # S: never more tokens in one batch
+    max_batch_wait_s: float = 0.05  # ... or once its oldest request has waited this long
+    long_prompt_tokens: int = 16384  # prompts above this run alone (no interleaving partner)
+    length_aware: bool = True  # False: a batch of whatever is waiting, at once
+    dual_batch: bool = True  # False: one batch per DP group at a time
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.min_batch_tokens, int) and self.min_batch_tokens > 0,
+                 f"min_batch_tokens must be a positive int, got {self.min_batch_tokens!r}")
+        _require(isinstance(self.max_batch_tokens, int) and self.max_batch_tokens >= self.min_batch_tokens,
+                 f"max_batch_tokens ({self.max_batch_tokens}) must be >= min_batch_tokens ({self.min_batch_tokens})")
+        _require(self.max_batch_wait_s >= 0, f"max_batch_wait_s must be >= 0, got {self.max_batch_wait_s}")
+        _require(self.long_prompt_tokens > 0, f"long_prompt_tokens must be > 0, got {self.long_prompt_tokens}")

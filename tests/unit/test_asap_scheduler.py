@@ -1,0 +1,97 @@
+"""ASAP scheduling policies on ints: length-aware batching, dual-batch pairing, groups, decode."""
+from __future__ import annotations
+
+import pytest
+
+from moeflow.config import SchedulerConfig
+from moeflow.core import Request, RequestError, SamplingParams
+from moeflow.scheduler.asap import AsapScheduler
+from moeflow.scheduler.block_allocator import BlockAllocator
+
+
+def _req(rid: str, n: int, t: float = 0.0, max_tokens: int = 1) -> Request:
+    return Request(rid, list(range(n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
+
+
+def _sched(groups: int = 1, blocks: int = 1000, **kw) -> AsapScheduler:
+    cfg = SchedulerConfig(**{"min_batch_tokens": 100, "max_batch_tokens": 400, "max_batch_wait_s": 1.0,
+                             "long_prompt_tokens": 300, **kw})
+    return AsapScheduler(cfg, [BlockAllocator(blocks, 16) for _ in range(groups)], max_model_len=4096,
+                         max_num_seqs=64)
+
+
+def _ids(work) -> list[list[str]]:
+    return [[s.request_id for s in b.seqs] for b in work.batches]
+
+
+def test_length_aware_waits_for_min_tokens_then_pairs():
+    s = _sched()
+    s.add(_req("a", 60))
+    assert s.schedule(now=0.1) == []  # 60 < 100 tokens and not due
+    s.add(_req("b", 50))
+    assert s.schedule(now=0.2) == []  # one full batch (110) but no partner yet, not due
+    s.add(_req("c", 120))
+    (w,) = s.schedule(now=0.3)
+    assert _ids(w) == [["a", "b"], ["c"]]
+
+
+def test_a_lone_batch_goes_when_due():
+    s = _sched()
+    s.add(_req("a", 60, t=0.0))
+    assert s.schedule(now=0.5) == []
+    assert s.next_wakeup_s() == pytest.approx(1.0)
+    (w,) = s.schedule(now=1.0)
+    assert _ids(w) == [["a"]]
+
+
+def test_long_prompt_runs_alone_and_groups_take_work_in_order():
+    s = _sched(groups=2)
+    for rid, n in [("long", 350), ("x", 100), ("y", 100)]:
+        s.add(_req(rid, n))
+    works = s.schedule(now=0.0)
+    assert [(w.group, _ids(w)) for w in works] == [(0, [["long"]]), (1, [["x"], ["y"]])]
+
+
+def test_decode_rides_with_the_next_prefill_and_release_frees_the_group():
+    s = _sched(max_batch_wait_s=0.0)
+    s.add(_req("a", 120, max_tokens=3))
+    (w,) = s.schedule(now=0.0)
+    assert s.schedule(now=0.0) == []  # busy group takes nothing
+    s.update(0, w.batches[0], {"a": 7})
+    s.release(0)
+    s.add(_req("b", 120))
+    (w2,) = s.schedule(now=0.0)
+    assert _ids(w2) == [["a"], ["b"]]
+    dec = w2.batches[0].seqs[0]
+    assert (dec.start, dec.num_tokens) == (120, 1)
+
+
+def test_ablations_single_batch_and_immediate():
+    s = _sched(dual_batch=False, length_aware=False)
+    s.add(_req("a", 10))
+    s.add(_req("b", 20))
+    (w,) = s.schedule(now=0.0)
+    assert _ids(w) == [["a", "b"]]  # immediate: whatever waits, one batch
+
+
+def test_fifo_respects_kv_capacity_and_rejects_oversized():
+    s = _sched(blocks=10)  # 160 tokens of KV per group
+    with pytest.raises(RequestError, match="max_batch_tokens"):
+        s.add(_req("huge", 500))
+    s.add(_req("a", 150, max_tokens=1))
+    s.add(_req("b", 150, max_tokens=1))
+    (w,) = s.schedule(now=5.0)
+    assert _ids(w) == [["a"]]  # b does not fit until a finishes
+    s.update(0, w.batches[0], {"a": 1})
+    s.release(0)
+    (w,) = s.schedule(now=5.0)
+    assert _ids(w) == [["b"]]
+
+
+def test_abort_frees_blocks():
+    s = _sched(max_batch_wait_s=0.0)
+    s.add(_req("a", 100, max_tokens=5))
+    s.schedule(now=0.0)
+    free = s.groups[0].allocator.num_free
+    assert s.abort("a", "abort").finish_reason == "abort"
+    assert s.groups[0].allocator.num_free > free and not s.has_unfinished()
