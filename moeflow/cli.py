@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     from moeflow.bench import prefill
 
     prefill.add_parser(bsub)
+    from moeflow.bench import comm
+    comm.add_parser(bsub)
 
     args = parser.parse_args(argv)
     try:

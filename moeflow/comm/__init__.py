@@ -1,0 +1,17 @@
+"""One-sided communication between attention and MoE workers (ASAP 3.2): buffers, slots, tensors.
+
+Knows nothing of requests or models. Start with ``transport.py`` (the four primitives and their
+contract), then ``mailbox.py`` (the shared buffer and its slot protocol).
+"""
+from moeflow.comm import dist, handshake, p2p, reference, shm  # noqa: F401  (register the transports)
+from moeflow.comm.config import CommConfig
+from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, DispatchRow, ProtocolError,
+                                  SendStats)
+from moeflow.comm.segment import cleanup, list_segments
+from moeflow.comm.spec import CommSpec
+from moeflow.comm.transport import TRANSPORTS, Transport, make_transport
+from moeflow.comm.wait import POLICIES, WaitPolicy
+
+__all__ = ["CommConfig", "CommSpec", "WaitPolicy", "POLICIES", "Transport", "TRANSPORTS", "make_transport",
+           "DispatchMessage", "DispatchRow", "CombineMessage", "CombineSegment", "SendStats", "ProtocolError",
+           "cleanup", "list_segments"]

@@ -1,0 +1,37 @@
+"""CommConfig: which transport a deployment uses, and how it waits. Every process gets the same one."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeflow.comm.segment import check_deployment_id
+from moeflow.comm.spec import CommSpec
+from moeflow.comm.wait import WaitPolicy
+from moeflow.config import ConfigError
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    spec: CommSpec  # buffer geometry (ASAP Table 2)
+    transport: str = "shm"  # a key of transport.TRANSPORTS: shm | shm-handshake | dist | p2p | reference
+    deployment_id: str = "default"  # names the /dev/shm segments: moeflow-<id>.*
+    wait: WaitPolicy = field(default_factory=WaitPolicy)  # receivers, and senders under backpressure
+    attach_timeout_s: float = 60.0  # how long a sender waits for its receivers' buffers to appear
+    device: str = "cpu"  # dist/p2p: where staging buffers live ("cuda" with the nccl backend)
+    stream_chunk_bytes: int = 1 << 20  # shm: payloads larger than this are written (and read) in
+    # chunks of about this size, so the receiver's copy overlaps the sender's; 0: one copy each
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, CommSpec):
+            raise ConfigError(f"CommConfig.spec must be a CommSpec, got {type(self.spec).__name__}")
+        from moeflow.comm.transport import TRANSPORTS  # registry fills on import of the package
+
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"CommConfig.transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
+        try:
+            check_deployment_id(self.deployment_id)
+        except ValueError as e:
+            raise ConfigError(f"CommConfig.{e}") from None
+        if not isinstance(self.stream_chunk_bytes, int) or self.stream_chunk_bytes < 0:
+            raise ConfigError(f"CommConfig.stream_chunk_bytes must be an int >= 0, got {self.stream_chunk_bytes!r}")
+        if not self.attach_timeout_s > 0:
+            raise ConfigError(f"CommConfig.attach_timeout_s must be > 0, got {self.attach_timeout_s}")

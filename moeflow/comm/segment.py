@@ -1,0 +1,132 @@
+"""Segment: one POSIX shared-memory file in /dev/shm, mapped into this process.
+
+Names are ``moeflow-<deployment>.<what>``; ``cleanup(deployment)`` removes everything of one
+deployment, so the process that launched it can clean up after workers that were SIGKILLed.
+Files are created mode 0600 (owner only) under a temporary name, initialized, then renamed into
+place: an attacher never sees a half-initialized segment, and a restart with the same deployment
+id atomically replaces stale ones. Linux only (/dev/shm is where shm_open puts them).
+
+We use raw files rather than ``multiprocessing.shared_memory``: before Python 3.13 every
+attaching process registers the segment with its resource tracker, which unlinks it when that
+process exits, taking the buffer away from its owner.
+"""
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import re
+import time
+from typing import Callable
+
+SHM_DIR = "/dev/shm"
+PREFIX = "moeflow-"
+_DEPLOYMENT_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_deployment_id(deployment_id: str) -> str:
+    # NOTE: '.' separates the deployment from the rest of the name; allowing it would let
+    # cleanup("a") match deployment "a.b".
+    if not isinstance(deployment_id, str) or not _DEPLOYMENT_RE.match(deployment_id):
+        raise ValueError(f"deployment id must match {_DEPLOYMENT_RE.pattern}, got {deployment_id!r}")
+    return deployment_id
+
+
+def segment_path(deployment_id: str, what: str) -> str:
+    return os.path.join(SHM_DIR, f"{PREFIX}{check_deployment_id(deployment_id)}.{what}")
+
+
+def list_segments(deployment_id: str) -> list[str]:
+    """Every /dev/shm entry of this deployment (its segments, and leftovers of a crash)."""
+    return sorted(glob.glob(os.path.join(SHM_DIR, f"{PREFIX}{check_deployment_id(deployment_id)}.*")))
+
+
+def cleanup(deployment_id: str) -> list[str]:
+    """Unlink everything of ``deployment_id``; returns what was removed. Safe to call twice."""
+    removed = []
+    for path in list_segments(deployment_id):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Segment:
+    """A mapped shared-memory file. ``buf`` is the mmap (a writable buffer for torch/memoryview)."""
+
+    def __init__(self, path: str, buf: mmap.mmap, is_owner: bool):
+        self.path, self.buf, self.is_owner = path, buf, is_owner
+        self.size_bytes = len(buf)
+
+    @classmethod
+    def create(cls, path: str, size_bytes: int, init: Callable[[mmap.mmap], None]) -> "Segment":
+        """Create ``path`` (replacing any stale file), run ``init`` on the zeroed mapping, publish."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # the open mode is masked by umask; be exact
+            os.ftruncate(fd, size_bytes)
+            buf = _map(fd, size_bytes)
+        finally:
+            os.close(fd)  # the mapping keeps the file alive
+        init(buf)
+        os.rename(tmp, path)
+        return cls(path, buf, is_owner=True)
+
+    @classmethod
+    def attach(cls, path: str, accept: Callable[[mmap.mmap], bool], timeout_s: float) -> "Segment":
+        """Map an existing segment once ``accept`` says it is the live one (a stale file of a
+        crashed run is refused until its owner's successor replaces it)."""
+        deadline = time.monotonic() + timeout_s
+        nap = 1e-3
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    size = os.fstat(fd).st_size
+                    buf = _map(fd, size) if size > 0 else None
+                finally:
+                    os.close(fd)
+                if buf is not None and accept(buf):
+                    return cls(path, buf, is_owner=False)
+                if buf is not None:
+                    buf.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no live shared buffer at {path} after {timeout_s:.1f} s")
+            time.sleep(nap)
+            nap = min(nap * 2, 50e-3)
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks. Views still held elsewhere keep the mapping (not the name)."""
+        if self.is_owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        try:
+            self.buf.close()
+        except BufferError:
+            pass  # a tensor or memoryview still views it; the mapping goes when they do
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    # MAP_POPULATE maps every page now, once: a message never pays page faults (static allocation).
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -1,0 +1,256 @@
+"""ShmTransport: the one-sided primitives over shared memory on one host (ASAP 3.2).
+
+Every MoE worker owns a dispatch mailbox of D x T lanes (region i = lanes i*T .. i*T+T-1, one
+per TP member); every attention rank owns a combine mailbox of E lanes (one segment per MoE
+worker). See ``mailbox.py`` for the layout, the slot protocol and the memory-ordering argument.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from moeflow.comm.doorbell import NapDoorbell
+from moeflow.comm.mailbox import Mailbox, MailboxLayout
+from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, DispatchRow, ProtocolError,
+                                  SendStats)
+from moeflow.comm.segment import pid_alive, segment_path
+from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
+                                    private_rows, register)
+from moeflow.comm.wait import wait_for
+
+_OWNER_CHECK_S = 0.5  # a sender under backpressure checks this often that its reader still lives
+
+
+def dispatch_layout(spec) -> MailboxLayout:
+    return MailboxLayout(spec.num_attention_ranks, spec.num_slots, spec.dispatch_header_words,
+                         spec.dispatch_rows, spec.hidden_size, spec.dtype)
+
+
+def combine_layout(spec) -> MailboxLayout:
+    return MailboxLayout(spec.num_moe_workers, spec.num_slots, spec.combine_header_words,
+                         spec.segment_rows, spec.hidden_size, spec.dtype)
+
+
+def dispatch_path(deployment_id: str, worker: int) -> str:
+    return segment_path(deployment_id, f"dispatch{worker}")
+
+
+def combine_path(deployment_id: str, rank: int) -> str:
+    return segment_path(deployment_id, f"combine{rank}")
+
+
+class LaneWriter:
+    """The writing half of the slot protocol, for one lane in each of several mailboxes."""
+
+    def __init__(self, mailboxes: list[Mailbox], lane: int, config, stats: SendStats):
+        self.mailboxes, self.lane, self.policy, self.stats = mailboxes, lane, config.wait, stats
+        self.num_slots = mailboxes[0].layout.num_slots if mailboxes else 0
+        row_bytes = config.spec.hidden_size * config.spec.dtype_bytes
+        self.chunk_rows = max(1, config.stream_chunk_bytes // row_bytes) if config.stream_chunk_bytes else 0
+        self.seq = [0] * len(mailboxes)  # last seq written to each mailbox's lane
+        self._nap = NapDoorbell(config.wait.nap_s)
+
+    def write(self, dst: int, words: list[int], payload: torch.Tensor) -> tuple[Mailbox, int]:
+        """Write one message to mailbox ``dst``; returns (mailbox, slot) for a caller that waits."""
+        t0 = time.perf_counter()
+        mb, lane, seq = self.mailboxes[dst], self.lane, self.seq[dst] + 1
+        slot = seq % self.num_slots
+        held = mb.flag(lane, slot)
+        if held != 0:
+            if held != seq - self.num_slots:
+                raise ProtocolError(f"{mb.segment.path} lane {lane} slot {slot}: flag {held}, expected 0 "
+                                    f"or {seq - self.num_slots} (another writer on this lane?)")
+            self.stats.num_backpressure += 1
+            while wait_for(lambda: True if mb.flag(lane, slot) == 0 else None, self._nap, self.policy,
+                           _OWNER_CHECK_S) is None:
+                if not pid_alive(mb.owner_pid):
+                    raise ConnectionError(f"the reader of {mb.segment.path} (pid {mb.owner_pid}) is gone")
+            self.stats.backpressure_s += time.perf_counter() - t0
+        elif seq > 1 and mb.flag(lane, (slot - 1) % self.num_slots) != 0:
+            self.stats.num_overlapped += 1
+        mb.write_header(lane, slot, words)
+        n, out = payload.shape[0], mb.payload(lane, slot)
+        step = self.chunk_rows or n
+        if 0 < n <= step:
+            out[:n].copy_(payload)
+        elif n:
+            for start in range(0, n, step):  # stream: the reader may copy each chunk as it lands
+                end = min(n, start + step)
+                out[start:end].copy_(payload[start:end])
+                mb.set_progress(lane, slot, seq, end)
+                mb.bell.ring()
+        mb.set_flag(lane, slot, seq)  # publishes the message (release point)
+        mb.bell.ring()
+        self.seq[dst] = seq
+        self.stats.num_sends += 1
+        self.stats.blocked_s += time.perf_counter() - t0
+        return mb, slot
+
+    def close(self) -> None:
+        for mb in self.mailboxes:
+            mb.close()
+        self.mailboxes = []
+
+
+class LaneReader:
+    """The reading half: takes complete messages to private memory, and meanwhile copies the
+    rows a streaming writer has already published, so that the two copies overlap."""
+
+    def __init__(self, mailbox: Mailbox):
+        self.mb, self.num_slots = mailbox, mailbox.layout.num_slots
+        self.streamed = [0] * mailbox.layout.num_lanes  # rows of each lane's next message already copied
+        self.num_streamed_rows = 0  # rows copied before their message was complete, in total
+
+    def stream(self, lane: int, seq: int, out: torch.Tensor) -> None:
+        """Copy whatever more of message ``seq`` has been published into ``out`` [R, H]."""
+        slot, done = seq % self.num_slots, self.streamed[lane]
+        ready = self.mb.progress(lane, slot, seq)
+        if ready > done:
+            out[done:ready].copy_(self.mb.payload(lane, slot)[done:ready])
+            self.streamed[lane] = ready
+            self.num_streamed_rows += ready - done
+
+    def take(self, lane: int, seq: int, out: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Header words and payload view ``out[:n]`` of the complete message ``seq``. The caller
+        clears the flag once every lane it takes together is copied."""
+        slot, done = seq % self.num_slots, self.streamed[lane]
+        words = self.mb.read_header(lane, slot)
+        n = words[2]
+        if n > done:
+            out[done:n].copy_(self.mb.payload(lane, slot)[done:n])
+        self.streamed[lane] = 0
+        return words, out[:n]
+
+
+class ShmDispatchSender(DispatchSender):
+    def __init__(self, config, group: int, member: int):
+        super().__init__(config, group, member)
+        layout = dispatch_layout(self.spec)
+        boxes = [Mailbox.attach(dispatch_path(config.deployment_id, e), layout, config.attach_timeout_s)
+                 for e in range(self.spec.num_moe_workers)]
+        self.writer = LaneWriter(boxes, self.lane, config, self.stats)
+
+    def send(self, worker, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
+        self.writer.write(worker, self.header(payload, layer_id, batch_id, tokens_per_expert), payload)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class ShmDispatchReceiver(DispatchReceiver):
+    def __init__(self, config, worker: int):
+        super().__init__(config, worker)
+        self.mailbox = Mailbox.create(dispatch_path(config.deployment_id, worker), dispatch_layout(self.spec))
+        self.bell = self.mailbox.bell
+        self.reader = LaneReader(self.mailbox)
+        self._expect = [1] * self.spec.num_groups  # next seq of each region
+        self._next_region = 0  # fairness: the scan starts after the region served last
+        self._private: list = [None] * self.spec.num_groups  # per region, on first use: [T, R, H]
+
+    def poll(self) -> DispatchMessage | None:
+        d, t, mb = self.spec.num_groups, self.spec.tp_size, self.mailbox
+        for k in range(d):
+            i = (self._next_region + k) % d
+            seq = self._expect[i]
+            slot = seq % self.spec.num_slots
+            if all(_ready(mb, i * t + j, slot, seq) for j in range(t)):
+                self._expect[i] = seq + 1
+                self._next_region = (i + 1) % d
+                return self._take(i, seq, slot)
+        for i in range(d):  # nothing complete: copy what is being written meanwhile
+            for j in range(t):
+                self.reader.stream(i * t + j, self._expect[i], self._region_private(i)[j])
+        return None
+
+    def _region_private(self, group: int) -> torch.Tensor:
+        if self._private[group] is None:
+            self._private[group] = private_rows(self.spec, self.spec.tp_size, self.spec.dispatch_rows)
+        return self._private[group]
+
+    def _take(self, group: int, seq: int, slot: int) -> DispatchMessage:
+        t, mb, private = self.spec.tp_size, self.mailbox, self._region_private(group)
+        rows = []
+        for j in range(t):
+            (layer_id, batch_id, _n, *tpe), payload = self.reader.take(group * t + j, seq, private[j])
+            rows.append(DispatchRow(j, layer_id, batch_id, tpe, payload))
+        for j in range(t):
+            mb.clear_flag(group * t + j, slot)  # after every copy: the senders may write again
+        if any((r.layer_id, r.batch_id) != (rows[0].layer_id, rows[0].batch_id) for r in rows):
+            raise ProtocolError(f"region {group} seq {seq}: rows disagree on (layer, batch): "
+                                f"{[(r.layer_id, r.batch_id) for r in rows]}")
+        return DispatchMessage(group, seq, rows)
+
+    def close(self) -> None:
+        self.mailbox.close()
+
+
+class ShmCombineSender(CombineSender):
+    def __init__(self, config, worker: int):
+        super().__init__(config, worker)
+        layout = combine_layout(self.spec)
+        boxes = [Mailbox.attach(combine_path(config.deployment_id, r), layout, config.attach_timeout_s)
+                 for r in range(self.spec.num_attention_ranks)]
+        self.writer = LaneWriter(boxes, worker, config, self.stats)
+
+    def send(self, group, member, payload, layer_id, batch_id) -> None:
+        self.writer.write(self.spec.attention_rank(group, member), self.header(payload, layer_id, batch_id), payload)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class ShmCombineReceiver(CombineReceiver):
+    def __init__(self, config, group: int, member: int):
+        super().__init__(config, group, member)
+        rank = self.spec.attention_rank(group, member)
+        self.mailbox = Mailbox.create(combine_path(config.deployment_id, rank), combine_layout(self.spec))
+        self.bell = self.mailbox.bell
+        self.reader = LaneReader(self.mailbox)
+        self._expect = [1] * self.spec.num_moe_workers  # next seq of each segment
+        self._private = private_rows(self.spec, self.spec.num_moe_workers, self.spec.segment_rows)  # [E, R, H]
+
+    def poll(self, workers: Sequence[int]) -> CombineMessage | None:
+        mb, s = self.mailbox, self.spec.num_slots
+        if not all(_ready(mb, e, self._expect[e] % s, self._expect[e]) for e in workers):
+            for e in workers:  # copy what is being written meanwhile
+                self.reader.stream(e, self._expect[e], self._private[e])
+            return None
+        segments = {}
+        for e in workers:
+            seq = self._expect[e]
+            (layer_id, batch_id, _n), payload = self.reader.take(e, seq, self._private[e])
+            mb.clear_flag(e, seq % s)
+            self._expect[e] = seq + 1
+            segments[e] = CombineSegment(e, seq, layer_id, batch_id, payload)
+        return CombineMessage(segments)
+
+    def close(self) -> None:
+        self.mailbox.close()
+
+
+def _ready(mb: Mailbox, lane: int, slot: int, seq: int) -> bool:
+    flag = mb.flag(lane, slot)  # NOTE: the acquire point: header and payload are read after this
+    if flag == seq:
+        return True
+    if flag != 0:
+        raise ProtocolError(f"{mb.segment.path} lane {lane} slot {slot}: flag {flag}, expected 0 or {seq}")
+    return False
+
+
+@register
+class ShmTransport(Transport):
+    name = "shm"
+
+    def dispatch_sender(self, group, member):
+        return ShmDispatchSender(self.config, group, member)
+
+    def dispatch_receiver(self, worker):
+        return ShmDispatchReceiver(self.config, worker)
+
+    def combine_sender(self, worker):
+        return ShmCombineSender(self.config, worker)
+
+    def combine_receiver(self, group, member):
+        return ShmCombineReceiver(self.config, group, member)
