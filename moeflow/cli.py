@@ -5,25 +5,24 @@ import argparse
 import sys
 import time
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help='local Hugging Face directory, or "tiny" (embedded, random weights)')
-    p.add_argument("--mode", default="colocated", help="deployment mode (default: colocated)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--seed", type=int, default=0)
+from moeflow.engine.args import add_engine_args
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from moeflow import LLM, SamplingParams
+    from moeflow.engine.args import engine_kwargs
+    from moeflow.engine.trace import write_chrome_trace
 
     t0 = time.perf_counter()
-    with LLM(args.model, mode=args.mode, dtype=args.dtype, seed=args.seed) as llm:
+    with LLM(**engine_kwargs(args)) as llm:
         t_load = time.perf_counter() - t0
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
         t1 = time.perf_counter()
         out = llm.generate([args.prompt], params)[0]
         t_gen = time.perf_counter() - t1
+        if args.trace:
+            write_chrome_trace(llm.engine.collect_spans(), args.trace)
     c, m = out.outputs[0], out.metrics
     n_out = len(c.token_ids)
     decode_s = (m.token_times_s[-1] - m.token_times_s[0]) if n_out > 1 else 0.0
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    _add_engine_args(g)
+    add_engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -51,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from moeflow.bench import prefill
+    from moeflow.bench import comm, experts, prefill
 
     prefill.add_parser(bsub)
-    from moeflow.bench import comm
     comm.add_parser(bsub)
+    experts.add_parser(bsub)
 
     args = parser.parse_args(argv)
     try:

@@ -132,3 +132,46 @@ class SchedulerConfig:
                  f"max_batch_tokens ({self.max_batch_tokens}) must be >= min_batch_tokens ({self.min_batch_tokens})")
         _require(self.max_batch_wait_s >= 0, f"max_batch_wait_s must be >= 0, got {self.max_batch_wait_s}")
         _require(self.long_prompt_tokens > 0, f"long_prompt_tokens must be > 0, got {self.long_prompt_tokens}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Process layout of a disaggregated deployment (ASAP Table 1 names)."""
+
+    attn_dp: int = 1  # D: attention data-parallel groups
+    attn_tp: int = 1  # T: tensor-parallel members inside one group
+    moe_workers: int = 1  # E: MoE worker processes
+    # per MoE worker, the global expert ids it holds; None: contiguous ranges. An expert listed
+    # for several workers is replicated (DP group g uses replica g mod copies).
+    expert_placement: tuple[tuple[int, ...], ...] | None = None
+    pin_cpus: bool = False  # pin each worker process to one CPU (round robin)
+    transport: str = "shm"  # "shm" (one host) or "gloo" (torch.distributed, across hosts)
+
+    def __post_init__(self) -> None:
+        for name in ("attn_dp", "attn_tp", "moe_workers"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, f"ParallelConfig.{name} must be a positive int, got {v!r}")
+        if self.expert_placement is not None:
+            _require(len(self.expert_placement) == self.moe_workers,
+                     f"expert_placement lists {len(self.expert_placement)} workers, moe_workers is {self.moe_workers}")
+            for w, ids in enumerate(self.expert_placement):
+                _require(len(ids) > 0 and len(set(ids)) == len(ids),
+                         f"expert_placement[{w}] must list distinct expert ids, got {ids}")
+
+    @property
+    def num_attention_workers(self) -> int:
+        return self.attn_dp * self.attn_tp
+
+    def placement(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
+        """Experts held by each MoE worker; validated against the model's expert count."""
+        if self.expert_placement is None:
+            _require(self.moe_workers <= num_experts,
+                     f"{self.moe_workers} MoE workers for {num_experts} experts: some would hold none")
+            bounds = [w * num_experts // self.moe_workers for w in range(self.moe_workers + 1)]
+            return tuple(tuple(range(bounds[w], bounds[w + 1])) for w in range(self.moe_workers))
+        held = {e for ids in self.expert_placement for e in ids}
+        _require(all(0 <= e < num_experts for e in held),
+                 f"expert_placement names experts outside [0, {num_experts})")
+        missing = sorted(set(range(num_experts)) - held)
+        _require(not missing, f"expert_placement leaves experts {missing} on no worker")
+        return self.expert_placement

@@ -96,6 +96,11 @@ class RequestMetrics:
     first_token_s: float | None = None
     finished_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
+    # where the first token's wait went (ASAP Fig. 15): queueing until its batch started, this
+    # batch's own compute, and the rest (waiting on other stages / the interleaved partner)
+    prefill_start_s: float | None = None
+    prefill_compute_s: float | None = None
+    prefill_wait_s: float | None = None
 
     @property
     def ttft_s(self) -> float | None:

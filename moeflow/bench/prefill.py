@@ -12,16 +12,17 @@ import platform
 import statistics
 import time
 
+from moeflow.engine.args import add_engine_args, engine_kwargs
+
 SINGLE_LEN = 2048
 RAGGED_LENS = [128, 402, 676, 951, 1225, 1499, 1774, 2048]  # 8 prompts evenly spread over 128..2048
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("prefill", help="prefill tokens/s vs transformers, and model-FLOPs utilization")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--mode", default="colocated", help="moeflow deployment mode")
-    p.add_argument("--threads", type=int, default=1)
+    p = sub.add_parser("prefill", help="prefill tokens/s vs transformers (colocated) or vs colocated (asap)")
+    add_engine_args(p)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--stream", type=int, default=16, help="asap: prompts of 2048 tokens in the stream")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=run)
@@ -70,14 +71,19 @@ def _hf_prefill(model, prompts: list[list[int]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode != "colocated":
+        return run_stream(args)
+    return run_vs_transformers(args)
+
+
+def run_vs_transformers(args: argparse.Namespace) -> int:
     import torch
 
     from moeflow import LLM, SamplingParams
     from moeflow.bench.flops import prefill_flops
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, mode=args.mode, dtype="bfloat16", num_threads=args.threads,
-              max_num_batched_tokens=16384)
+    llm = LLM(**{**engine_kwargs(args), "dtype": "bfloat16"}, max_num_batched_tokens=16384)
     cfg = llm.engine.model_config
     hf = None
     if not args.no_transformers:
@@ -131,3 +137,58 @@ def _print(r: dict) -> None:
         sp = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
         print(f"{row['case']:<12} {row['tokens']:>6} {row['moeflow_tok_s']:>14.0f} {row['moeflow_mfu']:>6.0%} "
               f"{hf_tok:>19} {hf_mfu:>6} {sp:>8}")
+
+
+def run_stream(args: argparse.Namespace) -> int:
+    """A stream of 2048-token prompts through ``--mode`` and through colocated, alternating runs."""
+    from moeflow import LLM, SamplingParams
+    from moeflow.engine.trace import busy_fractions, write_chrome_trace
+
+    prompts = _prompts([SINGLE_LEN] * args.stream, seed=7)
+    tokens = SINGLE_LEN * args.stream
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    kw = engine_kwargs(args)
+    kw.setdefault("min_batch_tokens", SINGLE_LEN)  # one prompt per batch: pairs of 2k-token batches
+    kw.setdefault("max_batch_tokens", SINGLE_LEN)
+    kw.setdefault("max_batch_wait_s", 0.0)
+    base = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_num_batched_tokens=SINGLE_LEN)
+    ours = LLM(**kw)
+    try:
+        base.generate(prompts[:1], params)
+        ours.generate(prompts[:2], params)
+        if args.trace:
+            ours.engine.collect_spans()  # drop the warm-up's spans
+        t_base, t_ours = [], []
+        for i in range(args.repeats):
+            t_base.append(_median_time(lambda: base.generate(prompts, params), 1))
+            t0 = time.monotonic()
+            t_ours.append(_median_time(lambda: ours.generate(prompts, params), 1))
+            window = (t0, time.monotonic())
+        busy = {}
+        if args.trace:
+            spans = ours.engine.collect_spans()
+            write_chrome_trace([sp for sp in spans if sp.end_s >= window[0]], args.trace)
+            # steady state: the middle 80% of the last run (ramp-up and drain left out)
+            lo, hi = window
+            busy = busy_fractions(spans, lo + 0.1 * (hi - lo), hi - 0.1 * (hi - lo))
+    finally:
+        base.shutdown()
+        ours.shutdown()
+    tb, to = statistics.median(t_base), statistics.median(t_ours)
+    result = {"model": args.model, "mode": args.mode, "config": {k: v for k, v in kw.items() if k != "model"},
+              "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "prompts": args.stream,
+              "prompt_len": SINGLE_LEN, "colocated_tok_s": tokens / tb, "mode_tok_s": tokens / to,
+              "speedup": tb / to, "busy_fraction_steady": busy, "trace": args.trace}
+    print(f"stream of {args.stream} x {SINGLE_LEN}-token prompts, {args.dtype}, {args.threads} thread(s) per process")
+    print(f"{'colocated':<34} {tokens / tb:>8.0f} tok/s")
+    print(f"{args.mode + ' ' + _layout(kw):<34} {tokens / to:>8.0f} tok/s   speedup {tb / to:.2f}x")
+    for proc, frac in sorted(busy.items()):
+        print(f"  steady-state busy {proc:<16} {frac:6.1%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _layout(kw: dict) -> str:
+    return f"D={kw.get('attn_dp', 1)} T={kw.get('attn_tp', 1)} E={kw.get('moe_workers', 1)}"

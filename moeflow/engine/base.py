@@ -42,6 +42,10 @@ class Engine(abc.ABC):
     def shutdown(self) -> None:
         """Release processes and shared memory (nothing to do for in-process engines)."""
 
+    def collect_spans(self) -> list:
+        """Trace spans recorded by the deployment's workers (modes with worker processes)."""
+        raise ConfigError(f"mode {self.mode_name!r} records no trace spans; use --mode asap")
+
 
 def validate_request(request: Request, model: ModelConfig) -> None:
     """Checks every mode makes before accepting a request (the scheduler checks lengths)."""
@@ -69,7 +73,7 @@ def register_mode(name: str):
 
 
 def create_engine(mode: str, model_path: str, config: EngineConfig, **mode_kwargs) -> Engine:
-    from moeflow.engine import colocated  # noqa: F401  (registers the built-in modes)
+    from moeflow.engine import asap, colocated  # noqa: F401  (registers the built-in modes)
 
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; available modes: {sorted(MODES)}")

@@ -5,15 +5,15 @@ import torch
 
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Request
-from moeflow.engine.base import Engine, StepResult, register_mode, validate_request
+from moeflow.engine.base import Engine, StepResult, clock, register_mode, validate_request
+from moeflow.messages import BatchTiming
 from moeflow.model.kv_cache import KVCache
 from moeflow.model.transformer import MoETransformer
-from moeflow.model.weights import load_weights
+from moeflow.model.weights import TORCH_DTYPES, load_weights
 from moeflow.scheduler.block_allocator import BlockAllocator
 from moeflow.scheduler.continuous import ContinuousBatching
 from moeflow.workers.runner import ModelRunner
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @register_mode("colocated")
@@ -42,7 +42,11 @@ class ColocatedEngine(Engine):
         batch = self.scheduler.schedule()
         if batch is None:
             return StepResult({}, [])
+        t0 = clock()
         outputs = self.runner.execute(batch)
+        timing = BatchTiming(batch.batch_id, t0, clock(), clock() - t0, 0.0)
+        for o in outputs.values():
+            o.timing = timing
         sampled = {rid: o.token_id for rid, o in outputs.items() if o.token_id is not None}
         finished = self.scheduler.update(batch, sampled)
         for r in finished:

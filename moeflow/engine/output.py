@@ -21,12 +21,18 @@ class OutputTracker:
     def on_step(self, seq_output) -> None:
         now = clock()
         if self.metrics.first_scheduled_s is None:
-            self.metrics.first_scheduled_s = now  # NOTE: marks the end of the first step, not its start
+            t = seq_output.timing
+            self.metrics.first_scheduled_s = t.start_s if t is not None else now
         if self.prompt_logprobs is not None:
             self.prompt_logprobs += [self._dict(d) for d in seq_output.prompt_logprobs]
         if seq_output.token_id is not None:
             if self.metrics.first_token_s is None:
                 self.metrics.first_token_s = now
+                t = seq_output.timing
+                if t is not None:
+                    self.metrics.prefill_start_s = t.start_s
+                    self.metrics.prefill_compute_s = t.compute_s
+                    self.metrics.prefill_wait_s = t.wait_s
             self.metrics.token_times_s.append(now)
             if self.logprobs is not None:
                 self.logprobs.append(self._dict(seq_output.logprobs))

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-# token id -> (logprob, rank); the engine turns these into ``core.Logprob`` with decoded text
+# token id -> (logprob, rank); the engine turns these into ``core.Logprob`` with decoded text.
+# (Same alias as ``moeflow.messages.RawLogprobs``; the model does not import the runtime.)
 RawLogprobs = dict[int, tuple[float, int]]
 
 

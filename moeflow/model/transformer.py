@@ -7,6 +7,7 @@ them for the colocated case. Shape legend: T tokens, H hidden, K experts per tok
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,12 @@ class AttentionOut:
 
 
 class MoETransformer:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, use_grouped_experts: bool = True):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, use_grouped_experts: bool = True,
+                 attn_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``attn_reduce`` sums the partial o-projection of tensor-parallel attention shards (the
+        caller supplies the collective); None when this process holds every head."""
         self.cfg, self.w = cfg, weights
+        self.attn_reduce = attn_reduce
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self._experts_op = experts_grouped if use_grouped_experts else experts_loop
 
@@ -52,7 +57,12 @@ class MoETransformer:
         q = self.rotary(q, meta.positions)
         k = self.rotary(k, meta.positions)
         o = attention_core(q, k, v.contiguous(), meta, kv_cache, layer)  # [T, Hq, D]
-        residual = hidden + F.linear(o.reshape(t, c.q_size), a.o, a.o_bias)
+        out = F.linear(o.reshape(t, c.q_size), a.o)  # [T, H] (a partial sum under TP)
+        if self.attn_reduce is not None:
+            out = self.attn_reduce(out)
+        if a.o_bias is not None:
+            out = out + a.o_bias
+        residual = hidden + out
         return AttentionOut(residual, rms_norm(residual, a.post_norm, c.rms_norm_eps))
 
     def route(self, layer: int, moe_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,9 @@ from moeflow.model.family import Family, family_for, load_families
 from moeflow.model.moe import ExpertWeights
 
 
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # EngineConfig.dtype -> torch
+
+
 class CheckpointError(ValueError):
     """The checkpoint directory is incomplete or inconsistent with its config.json."""
 

@@ -6,13 +6,14 @@ workers will call it behind a message loop.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from moeflow.core import Batch, SamplingParams
+from moeflow.messages import SeqOutput
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
-from moeflow.model.sampler import RawLogprobs, logprobs_of, sample_row
+from moeflow.model.sampler import logprobs_of, sample_row
 from moeflow.model.transformer import MoETransformer
 
 _LOGITS_ROWS = 1024  # prompt logprobs are computed in slices to bound the [rows, V] buffer
@@ -23,15 +24,6 @@ class _ReqState:
     token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-
-
-@dataclass
-class SeqOutput:
-    """What one step produced for one request."""
-
-    token_id: int | None = None  # sampled token (only when the batch reached the end of its tokens)
-    logprobs: RawLogprobs | None = None
-    prompt_logprobs: list[RawLogprobs] = field(default_factory=list)  # positions start+1 .. of this chunk
 
 
 class ModelRunner:
@@ -48,14 +40,19 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    @torch.inference_mode()
-    def execute(self, batch: Batch) -> dict[str, SeqOutput]:
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The batch's new tokens [T] int64 (requests concatenated, no padding) and attention metadata."""
         seqs = batch.seqs
         states = [self.requests[s.request_id] for s in seqs]
         tokens = torch.tensor([t for s, st in zip(seqs, states)
                                for t in st.token_ids[s.start:s.start + s.num_tokens]], dtype=torch.int64)  # [T]
         meta = AttentionMetadata.build([s.num_tokens for s in seqs], [s.start for s in seqs],
                                        [s.block_ids for s in seqs], self.kv_cache.block_size)
+        return tokens, meta
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> dict[str, SeqOutput]:
+        tokens, meta = self.prepare(batch)
         hidden = self.model.forward(tokens, meta, self.kv_cache)  # [T, H]
         return self.sample(batch, hidden)
 
@@ -90,3 +87,8 @@ class ModelRunner:
                     res.logprobs = logprobs_of(logits[i:i + 1], torch.tensor([tok]), p.logprobs)[0]
                 st.token_ids.append(tok)
         return out
+
+    def append_tokens(self, sampled: dict[str, int]) -> None:
+        """Record tokens sampled elsewhere (a TP member that did not sample itself)."""
+        for rid, tok in sampled.items():
+            self.requests[rid].token_ids.append(tok)

@@ -45,3 +45,27 @@ def test_bad_sampling_argument_exits_2(checkpoints, run_cli):
     res = run_cli("generate", "--model", checkpoints("qwen3").path, "--prompt", "hi", "--max-tokens", "0")
     assert res.returncode == 2
     assert "max_tokens" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_generate_asap_writes_a_trace(checkpoints, run_cli, tmp_path):
+    trace = tmp_path / "t.json"
+    res = run_cli("generate", "--model", checkpoints("qwen3").path, "--prompt", "hi", "--max-tokens", "3",
+                  "--mode", "asap", "--attn-dp", "1", "--moe-workers", "2", "--trace", str(trace))
+    assert res.returncode == 0, res.stderr
+    import json
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert tracks == {"attention0", "moe0", "moe1"}
+    assert any(e.get("name") == "experts" for e in events)
+
+
+def test_bench_experts_reports_an_inflection(checkpoints, run_cli, tmp_path):
+    out = tmp_path / "e.json"
+    res = run_cli("bench", "experts", "--model", checkpoints("qwen3").path, "--dtype", "float32",
+                  "--repeats", "1", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["inflection_tokens"] in [p["tokens"] for p in data["points"]]

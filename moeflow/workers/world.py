@@ -1,0 +1,69 @@
+"""The torch.distributed world of a deployment: attention ranks first (g*T + m), then MoE workers.
+
+It exists only when something needs it: tensor-parallel attention (T > 1: a gloo group per DP
+group for all-reduce / all-gather) or a torch.distributed comm transport.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moeflow.messages import WorkerSetup
+
+DIST_TRANSPORTS = ("dist", "p2p")
+
+
+def needs_world(setup: WorkerSetup) -> bool:
+    return setup.parallel.attn_tp > 1 or setup.comm.transport in DIST_TRANSPORTS
+
+
+def global_rank(setup: WorkerSetup) -> int:
+    p = setup.parallel
+    return setup.index if setup.role == "attention" else p.num_attention_workers + setup.index
+
+
+class TPGroup:
+    """Collectives inside one attention DP group (all members call each one, in the same order)."""
+
+    def __init__(self, group, size: int, rank: int):
+        self.group, self.size, self.rank = group, size, rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_rows(self, share: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate each member's [sizes[m], H] share; shares may differ by a row (padded)."""
+        rows = max(sizes)
+        padded = share.new_zeros(rows, share.shape[1])
+        padded[:share.shape[0]] = share
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Member 0's ``x`` on every member (in place)."""
+        dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return x
+
+
+def init_world(setup: WorkerSetup) -> TPGroup | None:
+    """Join the world (if the deployment has one); returns this process's TP group, if any."""
+    if not needs_world(setup):
+        return None
+    p = setup.parallel
+    world = p.num_attention_workers + p.moe_workers
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{setup.dist_port}", world_size=world,
+                            rank=global_rank(setup))
+    tp = None
+    if p.attn_tp > 1:
+        for g in range(p.attn_dp):  # NOTE: new_group is collective over the whole world, in order
+            grp = dist.new_group(list(range(g * p.attn_tp, (g + 1) * p.attn_tp)))
+            if setup.role == "attention" and setup.index // p.attn_tp == g:
+                tp = TPGroup(grp, p.attn_tp, setup.index % p.attn_tp)
+    return tp
+
+
+def close_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
