@@ -6,7 +6,7 @@ import argparse
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help='local Hugging Face directory, or "tiny" (embedded, random weights)')
-    p.add_argument("--mode", default="colocated", choices=["colocated", "asap"], help="deployment mode")
+    p.add_argument("--mode", default="colocated", choices=["colocated", "asap", "dep"], help="deployment mode")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -14,14 +14,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--attn-dp", type=int, default=1, help="D: attention data-parallel groups")
     a.add_argument("--attn-tp", type=int, default=1, help="T: tensor-parallel members per group")
     a.add_argument("--moe-workers", type=int, default=1, help="E: MoE worker processes")
-    a.add_argument("--pin-cpus", action="store_true", help="pin each worker process to one CPU")
+    a.add_argument("--pin-cpus", action="store_true", help="pin each worker process to one CPU (asap, dep)")
     a.add_argument("--transport", default="shm", choices=["shm", "dist"], help="dispatch/combine transport")
     a.add_argument("--min-batch-tokens", type=int, default=None, help="length-aware batching threshold")
-    a.add_argument("--max-batch-tokens", type=int, default=None, help="S: most tokens in one batch")
+    a.add_argument("--max-batch-tokens", type=int, default=None, help="S: most tokens in one batch (asap, dep)")
     a.add_argument("--max-batch-wait-s", type=float, default=None)
     a.add_argument("--no-dual-batch", action="store_true", help="ablation: one batch per group at a time")
     a.add_argument("--no-length-aware", action="store_true", help="ablation: batch whatever waits, at once")
     a.add_argument("--no-comm-threads", action="store_true", help="ablation: MoE workers receive/send inline")
+    s = p.add_argument_group("dep mode (synchronous baselines)")
+    s.add_argument("--dp", type=int, default=1, help="N: ranks of DP attention + expert parallelism")
+    s.add_argument("--chunked-prefill-size", type=int, default=None, help="C: the ChunkedPrefill baseline")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace (asap)")
 
 
@@ -36,4 +39,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         for name in ("min_batch_tokens", "max_batch_tokens", "max_batch_wait_s"):
             if getattr(args, name) is not None:
                 kw[name] = getattr(args, name)
+    elif args.mode == "dep":
+        kw.update(dp=args.dp, chunked_prefill_size=args.chunked_prefill_size, pin_cpus=args.pin_cpus,
+                  trace=args.trace is not None)
+        if args.max_batch_tokens is not None:
+            kw["max_batch_tokens"] = args.max_batch_tokens
     return kw

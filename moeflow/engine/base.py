@@ -73,7 +73,7 @@ def register_mode(name: str):
 
 
 def create_engine(mode: str, model_path: str, config: EngineConfig, **mode_kwargs) -> Engine:
-    from moeflow.engine import asap, colocated  # noqa: F401  (registers the built-in modes)
+    from moeflow.engine import asap, colocated, dep  # noqa: F401  (registers the built-in modes)
 
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; available modes: {sorted(MODES)}")

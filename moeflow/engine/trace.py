@@ -7,7 +7,7 @@ from collections import defaultdict
 from moeflow.messages import Span
 
 # spans that are not work: waiting on another stage, or idle
-NOT_BUSY = {"wait-combine", "idle", "migrate-wait"}
+NOT_BUSY = {"wait-combine", "wait-dispatch", "idle"}
 
 
 def write_chrome_trace(spans: list[Span], path: str) -> None:

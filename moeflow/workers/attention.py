@@ -52,20 +52,29 @@ class AttentionWorker:
         self.setup, self.tp = setup, tp
         self.group, self.member = divmod(setup.index, p.attn_tp)
         dtype = TORCH_DTYPES[setup.engine.dtype]
-        cfg, weights = load_weights(setup.model_path, dtype, LoadSpec(routed_experts=False))
-        self.cfg = cfg
+        cfg, weights = load_weights(setup.model_path, dtype, self.load_spec())
+        self.cfg, self.weights = cfg, weights
         mcfg, mweights = shard_attention(cfg, weights, self.member, p.attn_tp)
         self.model = MoETransformer(mcfg, mweights, attn_reduce=tp.all_reduce if tp else None)
         e = setup.engine
         kv = KVCache(cfg.num_layers, e.num_kv_blocks, e.kv_block_size, mcfg.num_kv_heads, cfg.head_dim, dtype)
         self.runner = ModelRunner(self.model, kv, seed=e.seed)
         self.routes = ExpertRoutes(setup.placement, cfg.num_experts, self.group) if cfg.num_moe_layers else None
-        transport = make_transport(setup.comm)
+        self.epw = setup.comm.spec.experts_per_worker
+        self.tracer = Tracer(setup.role, setup.index, setup.trace)
+        self.make_endpoints(make_transport(setup.comm))
+
+    def load_spec(self) -> LoadSpec:
+        return LoadSpec(routed_experts=False)
+
+    def make_endpoints(self, transport) -> None:
         # NOTE: receivers own their buffers; build ours before attaching to the MoE workers'.
         self.receiver = transport.combine_receiver(self.group, self.member)
         self.sender = transport.dispatch_sender(self.group, self.member)
-        self.epw = setup.comm.spec.experts_per_worker
-        self.tracer = Tracer("attention", setup.index, setup.trace)
+
+    def targets(self, topk_ids: torch.Tensor) -> list[int]:
+        """MoE workers this batch sends to: only those holding its experts (others wait for nothing)."""
+        return self.routes.workers_for(topk_ids)
 
     # -- loop ---------------------------------------------------------------------------------
 
@@ -75,7 +84,7 @@ class AttentionWorker:
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, DumpSpans):
-                conn.send(Spans("attention", self.setup.index, self.tracer.drain()))
+                conn.send(Spans(self.setup.role, self.setup.index, self.tracer.drain()))
             elif isinstance(msg, RunWork):
                 done = self.run_work(msg)
                 if self.member == 0:
@@ -100,6 +109,18 @@ class AttentionWorker:
             n, t = tokens.shape[0], self.setup.parallel.attn_tp
             flights.append(_InFlight(b, meta, self.model.embed(tokens), self.member * n // t,
                                      (self.member + 1) * n // t, start_s=t0))
+        self.layers(flights)
+        outputs, timings = {}, []
+        for f in flights:
+            c0 = time.monotonic()
+            outputs[f.batch.batch_id] = self._sample(f)
+            end = time.monotonic()
+            f.compute_s += end - c0
+            self.tracer.add("sample", c0, end, batch=f.batch.batch_id)
+            timings.append(BatchTiming(f.batch.batch_id, f.start_s, end, f.compute_s, f.wait_s))
+        return WorkDone(self.group, work.work_id, outputs, timings)
+
+    def layers(self, flights: list[_InFlight]) -> None:
         num_layers = self.cfg.num_layers
         for f in flights:
             self._attention_and_dispatch(0, f)
@@ -111,15 +132,6 @@ class AttentionWorker:
                 self._combine(layer, f)
                 if layer + 1 < num_layers:
                     self._attention_and_dispatch(layer + 1, f)
-        outputs, timings = {}, []
-        for f in flights:
-            c0 = time.monotonic()
-            outputs[f.batch.batch_id] = self._sample(f)
-            end = time.monotonic()
-            f.compute_s += end - c0
-            self.tracer.add("sample", c0, end, batch=f.batch.batch_id)
-            timings.append(BatchTiming(f.batch.batch_id, f.start_s, end, f.compute_s, f.wait_s))
-        return WorkDone(self.group, work.work_id, outputs, timings)
 
     def _attention_and_dispatch(self, layer: int, f: _InFlight) -> None:
         c0 = time.monotonic()
@@ -132,7 +144,7 @@ class AttentionWorker:
             f.compute_s += time.monotonic() - c0
             return
         ids, wts = m.route(layer, f.attn.moe_input)  # [n, K] each, identical on every TP member
-        f.workers = self.routes.workers_for(ids)  # the whole batch's set: every member sends to it
+        f.workers = self.targets(ids)  # the whole batch's set: every member sends to it
         ids, f.topk_w = ids[f.lo:f.hi], wts[f.lo:f.hi]
         x = f.attn.moe_input[f.lo:f.hi]  # [s, H]
         f.shares = self.routes.split(ids, f.workers)

@@ -50,6 +50,10 @@ def worker_main(setup: WorkerSetup, conn: Connection) -> None:
             from moeflow.workers.attention import AttentionWorker
 
             worker = AttentionWorker(setup, tp)
+        elif setup.role == "dep":
+            from moeflow.workers.dep import DepWorker
+
+            worker = DepWorker(setup, tp)
         else:
             from moeflow.workers.moe import MoEWorker
 

@@ -1,0 +1,125 @@
+"""What every mode with worker processes shares: launching, request bookkeeping, failure, traces.
+
+A subclass builds the scheduler and the worker setups, then implements ``step``.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+
+from moeflow.config import EngineConfig
+from moeflow.core import Batch, Request
+from moeflow.engine.base import Engine, StepResult, validate_request
+from moeflow.messages import DumpSpans, NewRequest, RunWork, Spans
+from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle
+
+
+class ProcessEngine(Engine):
+    def __init__(self, config: EngineConfig, num_groups: int):
+        self.config = config
+        self.deployment_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.deployment: Deployment | None = None
+        self._requests: dict[str, Request] = {}
+        self._known: list[set[str]] = [set() for _ in range(num_groups)]  # requests each group holds state for
+        self._freed: list[list[str]] = [[] for _ in range(num_groups)]
+        self._work_ids = 0
+        self.failed: str | None = None
+        self.scheduler = None  # set by the subclass
+
+    def _launch(self, setups) -> None:
+        self.deployment = Deployment(setups, self.deployment_id)
+
+    # -- intake -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._check_alive()
+        validate_request(request, self.model_config)
+        self.scheduler.add(request)
+        self._requests[request.request_id] = request
+
+    def abort(self, request_id: str) -> None:
+        r = self.scheduler.abort(request_id, "abort")
+        self._forget(request_id)
+        if r is None:
+            self._requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- work messages ------------------------------------------------------------------------
+
+    def _run_work(self, group: int, batches: tuple[Batch, ...], members: list[WorkerHandle]) -> None:
+        """Send one work item to every member of a group (new requests' prompts ride along once)."""
+        new = []
+        for b in batches:
+            for s in b.seqs:
+                if s.request_id not in self._known[group]:
+                    r = self._requests[s.request_id]
+                    new.append(NewRequest(r.request_id, r.prompt_token_ids, r.params))
+                    self._known[group].add(s.request_id)
+        self._work_ids += 1
+        msg = RunWork(self._work_ids, batches, new, self._freed[group])
+        self._freed[group] = []
+        for w in members:
+            self.deployment.send(w, msg)
+
+    def _attach_timing(self, done, batches: tuple[Batch, ...]) -> dict:
+        timing = {t.batch_id: t for t in done.timings}
+        outputs = {}
+        for b in batches:
+            for rid, o in done.outputs[b.batch_id].items():
+                o.timing = timing[b.batch_id]
+                outputs[rid] = o
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        for g, known in enumerate(self._known):
+            if request_id in known:
+                known.discard(request_id)
+                self._freed[g].append(request_id)
+        self._requests.pop(request_id, None)
+
+    # -- failure and shutdown -----------------------------------------------------------------
+
+    def _fail(self, reason: str) -> StepResult:
+        """A worker died: every request still here ends with an error, and the deployment stops."""
+        self.failed = reason
+        finished = []
+        for rid in list(self._requests):
+            r = self.scheduler.abort(rid, "error")
+            if r is not None:
+                r.error = reason
+                finished.append(r)
+        self._requests.clear()
+        self._on_fail()
+        self.deployment.shutdown()
+        return StepResult({}, finished)
+
+    def _on_fail(self) -> None:
+        """Drop the subclass's in-flight bookkeeping."""
+
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise WorkerDied(f"the {self.mode_name} deployment has failed: {self.failed}")
+
+    def _busy(self) -> bool:
+        return False
+
+    def collect_spans(self) -> list:
+        """Every worker's spans so far (call between requests: work results are not expected here)."""
+        if self._busy():
+            raise RuntimeError("collect_spans needs an idle deployment")
+        spans = []
+        for w in self.deployment.workers:
+            self.deployment.send(w, DumpSpans())
+        pending = list(self.deployment.workers)
+        while pending:
+            for w, msg in self.deployment.recv_any(pending, 5.0):
+                if isinstance(msg, Spans):
+                    spans += msg.spans
+                    pending.remove(w)
+        return spans
+
+    def shutdown(self) -> None:
+        if self.deployment is not None:
+            self.deployment.shutdown()

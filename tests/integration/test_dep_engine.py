@@ -1,0 +1,56 @@
+"""Mode dep (the synchronous baselines) against the colocated reference: real rank processes."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from moeflow import LLM, SamplingParams
+from moeflow.comm import list_segments
+
+PROMPTS = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(40, 70)), list(range(3, 60)),
+           [150, 151, 152, 153]]
+PARAMS = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=1, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    out = {}
+    for name in ("qwen3", "qwen2_moe"):
+        with LLM(checkpoints(name).path, dtype="float32") as llm:
+            out[name] = llm.generate(PROMPTS, PARAMS)
+    return out
+
+
+@pytest.mark.parametrize("name,dp,chunk", [
+    ("qwen3", 1, None), ("qwen3", 2, None), ("qwen3", 3, None),
+    ("qwen3", 2, 16),  # the 57-token prompt runs in 4 chunks over the cache of the earlier ones
+    ("qwen2_moe", 3, 8),  # shared expert + a dense layer; ranks get 3/3/2 experts
+])
+def test_dep_matches_colocated(checkpoints, reference, name, dp, chunk):
+    refs = reference[name]
+    with LLM(checkpoints(name).path, dtype="float32", mode="dep", dp=dp, chunked_prefill_size=chunk,
+             trace=True) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+        spans = llm.engine.collect_spans()
+        deployment_id = llm.engine.deployment_id
+    for o, r in zip(outs, refs):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for x, y in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            assert max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
+    assert list_segments(deployment_id) == []
+    if dp > 1:  # a rank with no work still took part in every exchange (dummy steps)
+        ranks = {s.track.split("/")[0] for s in spans if s.name == "wait-dispatch"}
+        assert ranks == {f"dep{r}" for r in range(dp)}
+
+
+def test_dead_rank_fails_requests_and_cleans_up(checkpoints):
+    llm = LLM(checkpoints("qwen3").path, dtype="float32", mode="dep", dp=2)
+    pids = [w.process.pid for w in llm.engine.deployment.workers]
+    os.kill(pids[1], signal.SIGKILL)
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert all(o.outputs[0].finish_reason == "error" and "dep worker 1" in o.error for o in outs)
+    llm.shutdown()
+    assert list_segments(llm.engine.deployment_id) == []
