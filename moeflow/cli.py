@@ -50,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from moeflow.bench import comm, experts, prefill
+    from moeflow.bench import comm, experts, plot, prefill, serve
 
     prefill.add_parser(bsub)
     comm.add_parser(bsub)
     experts.add_parser(bsub)
+    serve.add_parser(bsub)
+    plot.add_parser(bsub)
 
     args = parser.parse_args(argv)
     try:

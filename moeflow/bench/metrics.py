@@ -1,0 +1,122 @@
+"""Per-request serving measurements and their summary: TTFT statistics, throughput, and the
+ASAP Fig. 15 decomposition of TTFT per prompt-length bucket. Pure Python + numpy."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# ASAP Fig. 15 buckets: < 512 tokens, 512-1024, ... doubling; the last bucket is open-ended.
+# ``bucket_edges`` scales them by the workload's length_scale so a shrunk workload keeps its buckets.
+FIG15_EDGES = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One completed request, on the engine clock (seconds)."""
+
+    prompt_len: int
+    arrival_s: float  # nominal arrival (the replay's schedule), not when it was handed over
+    first_scheduled_s: float  # its first batch started
+    first_token_s: float
+    compute_s: float | None  # compute of every batch it took part in until its first token; None: not reported
+    finished_s: float
+
+    def __post_init__(self) -> None:
+        if not self.arrival_s <= self.first_token_s <= self.finished_s:
+            raise ValueError(f"RequestRecord: times out of order: arrival {self.arrival_s}, "
+                             f"first token {self.first_token_s}, finished {self.finished_s}")
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def queue_s(self) -> float:
+        """Waiting before its first batch started (ASAP's "request queuing delay")."""
+        return max(0.0, self.first_scheduled_s - self.arrival_s)
+
+    @property
+    def other_s(self) -> float | None:
+        """The rest of TTFT: waiting on synchronization or on other stages (ASAP Fig. 15)."""
+        return None if self.compute_s is None else self.ttft_s - self.queue_s - self.compute_s
+
+
+def bucket_edges(length_scale: float = 1.0) -> list[int]:
+    """Upper edges of the Fig. 15 buckets for a workload scaled by ``length_scale`` (strictly increasing)."""
+    edges: list[int] = []
+    for e in FIG15_EDGES:
+        v = max(1, round(e * length_scale))
+        if not edges or v > edges[-1]:
+            edges.append(v)
+    return edges
+
+
+def _mean(xs: list[float]) -> float | None:
+    return float(np.mean(xs)) if xs else None
+
+
+def buckets(records: list[RequestRecord], edges: list[int]) -> list[dict]:
+    """Per bucket [lo, hi) of prompt length: count and mean TTFT, queueing, compute, other."""
+    bounds = [0, *edges, None]
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        rs = [r for r in records if r.prompt_len >= lo and (hi is None or r.prompt_len < hi)]
+        with_compute = [r for r in rs if r.compute_s is not None]
+        out.append({"lo_tokens": lo, "hi_tokens": hi, "count": len(rs),
+                    "ttft_mean_s": _mean([r.ttft_s for r in rs]),
+                    "queue_mean_s": _mean([r.queue_s for r in rs]),
+                    "compute_mean_s": _mean([r.compute_s for r in with_compute]),
+                    "other_mean_s": _mean([r.other_s for r in with_compute])})
+    return out
+
+
+def summarize(rps: float, records: list[RequestRecord], start_s: float, length_scale: float = 1.0,
+              num_rejected: int = 0, num_failed: int = 0, num_aborted: int = 0) -> dict:
+    """One point of the TTFT-vs-rate curve (the ``points`` entries of ``bench serve``'s JSON).
+
+    prefill_tok_s: prompt tokens of completed requests / time from the replay's start to the
+    last completion.
+    """
+    ttft = [r.ttft_s for r in records]
+    pct = {q: float(np.percentile(ttft, q)) if ttft else None for q in (50, 90, 99)}
+    wall = max((r.finished_s for r in records), default=start_s) - start_s
+    tokens = sum(r.prompt_len for r in records)
+    return {"rps": rps, "completed": len(records), "rejected": num_rejected, "failed": num_failed,
+            "aborted": num_aborted, "ttft_mean_s": _mean(ttft), "ttft_p50_s": pct[50], "ttft_p90_s": pct[90],
+            "ttft_p99_s": pct[99], "prefill_tok_s": tokens / wall if wall > 0 else None,
+            "prompt_tokens": tokens, "duration_s": wall, "buckets": buckets(records, bucket_edges(length_scale))}
+
+
+def mean_ttft_lower_bound(ttft_done_s: list[float], waiting_since_s: list[float], num_total: int,
+                          now_s: float) -> float:
+    """A lower bound on the mean TTFT of a run still in progress: requests with a first token count
+    their TTFT, requests still waiting count what they have waited so far, requests yet to arrive
+    count 0. Once it exceeds the SLO the run has failed it whatever happens next."""
+    if num_total <= 0:
+        return 0.0
+    return (sum(ttft_done_s) + sum(max(0.0, now_s - a) for a in waiting_since_s)) / num_total
+
+
+def format_point(p: dict) -> str:
+    """The per-rate table ``bench serve`` prints."""
+    def s(v: float | None, fmt: str = "8.3f") -> str:
+        return format(v, fmt) if v is not None and math.isfinite(v) else f"{'-':>{fmt.split('.')[0]}}"
+
+    head = (f"rate {p['rps']:g} rps: {p['completed']} completed, {p['rejected']} rejected, {p['failed']} failed"
+            + (f", {p['aborted']} aborted (stopped early: mean TTFT >= {p['ttft_mean_s']:.3f} s)"
+               if p.get("stopped_early") else "")
+            + f" | {p['duration_s']:.1f} s")
+    lines = [head,
+             f"  TTFT mean {s(p['ttft_mean_s'], '.3f')} s  p50 {s(p['ttft_p50_s'], '.3f')}  "
+             f"p90 {s(p['ttft_p90_s'], '.3f')}  p99 {s(p['ttft_p99_s'], '.3f')}  |  "
+             f"prefill {s(p['prefill_tok_s'], '.0f')} tok/s",
+             f"  {'prompt tokens':>15} {'count':>6} {'TTFT s':>8} {'queue s':>8} {'compute s':>9} {'other s':>8}"]
+    for b in p["buckets"]:
+        if not b["count"]:
+            continue
+        rng = f"{b['lo_tokens']}-{b['hi_tokens'] - 1}" if b["hi_tokens"] is not None else f">={b['lo_tokens']}"
+        lines.append(f"  {rng:>15} {b['count']:>6} {s(b['ttft_mean_s'])} {s(b['queue_mean_s'])} "
+                     f"{s(b['compute_mean_s'], '9.3f')} {s(b['other_mean_s'])}")
+    return "\n".join(lines)

@@ -1,0 +1,221 @@
+"""Seeded request workloads: arrival times and prompt lengths, shared by ``bench serve`` and ``sim``.
+
+Pure Python + numpy (no torch): the simulator imports this module.
+
+Arrivals are a renewal process at ``rate_rps``: exponential gaps (Poisson) when ``burstiness`` is
+1, otherwise gamma gaps with shape ``burstiness`` and mean 1/rate (vLLM's convention: the CV of
+the gaps is 1/sqrt(burstiness), so < 1 is burstier). Prompt lengths come from one of the kinds:
+
+- ``production``: ASAP §2.3's heavy-tailed trace (mean ~5k, minimum 31, tail toward 100k) with
+  requests above 32k left out (§5.1): a lognormal restricted to [31, 32768]; fit in
+  ``fit_production_lognormal`` and docs/bench_serve.md.
+- ``uniform``: integers in [r·ISL, ISL] (DWDP's "ISL ratio" r).
+- ``fixed``: every prompt ``fixed_len`` tokens.
+- ``trace``: a JSONL file, one request per line: ``arrival_s``, ``prompt_len``, optional ``output_len``.
+
+``length_scale`` multiplies every prompt length last (after the 32k cap; at least 1 token), to
+shrink a workload to a small machine. Arrival gaps and lengths draw from separate seeded streams,
+so the same seed gives the same length sequence at every rate (common random numbers).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from statistics import NormalDist
+
+import numpy as np
+
+KINDS = ("production", "uniform", "fixed", "trace")
+
+PRODUCTION_MIN_LEN = 31  # shortest prompt in ASAP's trace (§2.3)
+PRODUCTION_MAX_LEN = 32768  # ASAP §5.1 leaves out requests above 32k
+PRODUCTION_MEAN_LEN = 5000  # mean prompt length of ASAP's trace (§2.3)
+PRODUCTION_TAIL_LEN = 100_000  # "a heavy tail extending up to 100k" ...
+PRODUCTION_TAIL_QUANTILE = 0.999  # ... read as: 0.1% of the raw trace lies above it
+# ln(tokens) ~ Normal(mu, sigma) before the restriction to [31, 32768]; fitted by
+# fit_production_lognormal() (a unit test re-runs the fit): median e^mu = 3140 tokens.
+PRODUCTION_LOG_MU = 8.052101
+PRODUCTION_LOG_SIGMA = 1.119924
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    arrival_s: float  # seconds after the start of the replay
+    prompt_len: int
+    output_len: int  # tokens to generate (1: prefill only)
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    kind: str = "production"
+    rate_rps: float | None = None  # mean arrival rate; trace: rescale its times to this rate (None: as recorded)
+    burstiness: float = 1.0  # gamma shape of the gaps; 1.0 = Poisson
+    duration_s: float | None = None  # arrivals in [0, duration_s) ...
+    num_requests: int | None = None  # ... and/or at most this many requests
+    length_scale: float = 1.0
+    isl: int | None = None  # uniform: the longest prompt
+    isl_ratio: float = 0.5  # uniform: the shortest prompt is isl_ratio * isl
+    fixed_len: int | None = None
+    trace_path: str | None = None
+    output_len: int = 1  # trace lines may override it
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"WorkloadConfig: {msg}")
+
+        need(self.kind in KINDS, f"kind must be one of {KINDS}, got {self.kind!r}")
+        need(self.rate_rps is None or self.rate_rps > 0, f"rate_rps must be > 0, got {self.rate_rps}")
+        need(self.kind == "trace" or self.rate_rps is not None, f"kind {self.kind!r} needs rate_rps")
+        need(self.burstiness > 0, f"burstiness must be > 0, got {self.burstiness}")
+        need(self.duration_s is None or self.duration_s > 0, f"duration_s must be > 0, got {self.duration_s}")
+        need(self.num_requests is None or self.num_requests > 0,
+             f"num_requests must be > 0, got {self.num_requests}")
+        need(self.kind == "trace" or self.duration_s is not None or self.num_requests is not None,
+             "give duration_s or num_requests")
+        need(self.length_scale > 0, f"length_scale must be > 0, got {self.length_scale}")
+        need(self.output_len >= 1, f"output_len must be >= 1, got {self.output_len}")
+        if self.kind == "uniform":
+            need(self.isl is not None and self.isl >= 1, f"uniform needs isl >= 1, got {self.isl}")
+            need(0 <= self.isl_ratio <= 1, f"isl_ratio must be in [0, 1], got {self.isl_ratio}")
+        if self.kind == "fixed":
+            need(self.fixed_len is not None and self.fixed_len >= 1,
+                 f"fixed needs fixed_len >= 1, got {self.fixed_len}")
+        if self.kind == "trace":
+            need(bool(self.trace_path), "trace needs trace_path")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def generate_requests(cfg: WorkloadConfig) -> list[WorkloadRequest]:
+    """The workload's requests in arrival order; the same config always gives the same list."""
+    if cfg.kind == "trace":
+        reqs = _trace_requests(cfg)
+    else:
+        arrival_rng, length_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(2))
+        arrivals = _arrivals(arrival_rng, cfg)
+        lens = _lengths(length_rng, cfg, len(arrivals))
+        reqs = [WorkloadRequest(float(a), int(n), cfg.output_len) for a, n in zip(arrivals, lens)]
+    return [WorkloadRequest(r.arrival_s, scale_len(r.prompt_len, cfg.length_scale), r.output_len) for r in reqs]
+
+
+def scale_len(prompt_len: int, length_scale: float) -> int:
+    return max(1, round(prompt_len * length_scale))
+
+
+def _arrivals(rng: np.random.Generator, cfg: WorkloadConfig) -> np.ndarray:
+    mean_gap = 1.0 / cfg.rate_rps
+    limit = cfg.num_requests
+    if limit is None:  # enough gaps to pass duration_s with overwhelming probability, then cut
+        limit = int(cfg.duration_s * cfg.rate_rps + 10 * math.sqrt(cfg.duration_s * cfg.rate_rps / cfg.burstiness) + 10)
+    if cfg.burstiness == 1.0:
+        gaps = rng.exponential(mean_gap, limit)
+    else:
+        gaps = rng.gamma(cfg.burstiness, mean_gap / cfg.burstiness, limit)
+    times = np.cumsum(gaps)
+    if cfg.duration_s is not None:
+        times = times[times < cfg.duration_s]
+    return times
+
+
+def _lengths(rng: np.random.Generator, cfg: WorkloadConfig, n: int) -> np.ndarray:
+    if cfg.kind == "fixed":
+        return np.full(n, cfg.fixed_len, dtype=np.int64)
+    if cfg.kind == "uniform":
+        lo = max(1, math.ceil(cfg.isl_ratio * cfg.isl))
+        return rng.integers(lo, cfg.isl, n, endpoint=True)
+    return sample_production_lens(rng, n)
+
+
+def sample_production_lens(rng: np.random.Generator, n: int) -> np.ndarray:
+    """``n`` lengths from the fitted lognormal, rounded; outside [31, 32768] redrawn (left out)."""
+    out = np.empty(0, dtype=np.int64)
+    while len(out) < n:
+        x = np.rint(rng.lognormal(PRODUCTION_LOG_MU, PRODUCTION_LOG_SIGMA, max(2 * (n - len(out)), 64)))
+        x = x[(x >= PRODUCTION_MIN_LEN) & (x <= PRODUCTION_MAX_LEN)].astype(np.int64)
+        out = np.concatenate([out, x[:n - len(out)]])
+    return out
+
+
+def restricted_lognormal_mean(mu: float, sigma: float, lo: float, hi: float) -> float:
+    """E[X | lo <= X <= hi] for ln X ~ Normal(mu, sigma) (closed form)."""
+    phi = NormalDist().cdf
+    a, b = math.log(lo), math.log(hi)
+    num = phi((b - mu - sigma ** 2) / sigma) - phi((a - mu - sigma ** 2) / sigma)
+    den = phi((b - mu) / sigma) - phi((a - mu) / sigma)
+    return math.exp(mu + sigma ** 2 / 2) * num / den
+
+
+def fit_production_lognormal() -> tuple[float, float]:
+    """(mu, sigma) with (1) the raw PRODUCTION_TAIL_QUANTILE at PRODUCTION_TAIL_LEN and (2) the mean
+    restricted to [PRODUCTION_MIN_LEN, PRODUCTION_MAX_LEN] at PRODUCTION_MEAN_LEN.
+
+    (1) fixes mu = ln(tail) - z·sigma; along that line the restricted mean falls monotonically
+    with sigma (more mass moves below the tail anchor), so (2) is one root, found by bisection.
+    """
+    z = NormalDist().inv_cdf(PRODUCTION_TAIL_QUANTILE)
+    top = math.log(PRODUCTION_TAIL_LEN)
+
+    def excess(sigma: float) -> float:
+        return restricted_lognormal_mean(top - z * sigma, sigma, PRODUCTION_MIN_LEN,
+                                         PRODUCTION_MAX_LEN) - PRODUCTION_MEAN_LEN
+
+    lo, hi = 0.3, 4.0  # excess(0.3) > 0 > excess(4.0)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
+    sigma = (lo + hi) / 2
+    return top - z * sigma, sigma
+
+
+def _trace_requests(cfg: WorkloadConfig) -> list[WorkloadRequest]:
+    reqs = read_trace(cfg.trace_path, cfg.output_len)
+    if cfg.rate_rps is not None and len(reqs) > 1:
+        span = reqs[-1].arrival_s - reqs[0].arrival_s
+        if span > 0:  # stretch time so the mean rate is rate_rps; the burst pattern is kept
+            k = (len(reqs) - 1) / span / cfg.rate_rps
+            t0 = reqs[0].arrival_s
+            reqs = [WorkloadRequest(t0 + (r.arrival_s - t0) * k, r.prompt_len, r.output_len) for r in reqs]
+    if cfg.duration_s is not None:
+        reqs = [r for r in reqs if r.arrival_s < cfg.duration_s]
+    return reqs[:cfg.num_requests] if cfg.num_requests is not None else reqs
+
+
+def read_trace(path: str, default_output_len: int = 1) -> list[WorkloadRequest]:
+    """A JSONL trace, sorted by arrival; a bad line raises ``ValueError`` naming the file and line."""
+    reqs = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+
+            def bad(msg: str) -> ValueError:
+                return ValueError(f"{path}:{lineno}: {msg}")
+
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise bad(f"not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise bad(f"expected an object, got {type(row).__name__}")
+            unknown = set(row) - {"arrival_s", "prompt_len", "output_len"}
+            if unknown:
+                raise bad(f"unknown field(s) {sorted(unknown)}")
+            for name in ("arrival_s", "prompt_len"):
+                if name not in row:
+                    raise bad(f"missing {name!r}")
+            t = row["arrival_s"]
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise bad(f"arrival_s must be a finite number >= 0, got {t!r}")
+            for name in ("prompt_len", "output_len"):
+                v = row.get(name, 1)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise bad(f"{name} must be an integer >= 1, got {v!r}")
+            reqs.append(WorkloadRequest(float(t), row["prompt_len"], row.get("output_len", default_output_len)))
+    if not reqs:
+        raise ValueError(f"{path}: the trace has no requests")
+    reqs.sort(key=lambda r: r.arrival_s)  # stable: equal times keep file order
+    return reqs
