@@ -40,7 +40,7 @@ class RequestPool:
                                f"({max_prompt_tokens}){hint}")
         a = self.groups[0].allocator
         if a.blocks_for(total) > a.num_blocks:
-            raise RequestError(f"request {rid}: needs {a.blocks_for(total)} KV blocks, a group holds {a.num_blocks}")
+            raise RequestError(f"request {rid}: needs {a.blocks_for(total)} KV blocks, the cache has {a.num_blocks}")
 
     def room_for(self, gid: int, reqs: list[Request]) -> bool:
         """Whether group ``gid`` can hold ``reqs`` for their whole life (KV blocks, sequence slots)."""
