@@ -279,15 +279,7 @@ class DistCombineReceiver(CombineReceiver):
 @register
 class DistTransport(Transport):
     name = "dist"
-
-    def dispatch_sender(self, group, member):
-        return DistDispatchSender(self.config, group, member)
-
-    def dispatch_receiver(self, worker):
-        return DistDispatchReceiver(self.config, worker)
-
-    def combine_sender(self, worker):
-        return DistCombineSender(self.config, worker)
-
-    def combine_receiver(self, group, member):
-        return DistCombineReceiver(self.config, group, member)
+    dispatch_sender_cls = DistDispatchSender
+    dispatch_receiver_cls = DistDispatchReceiver
+    combine_sender_cls = DistCombineSender
+    combine_receiver_cls = DistCombineReceiver

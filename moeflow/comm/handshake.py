@@ -38,9 +38,5 @@ class HandshakeCombineSender(ShmCombineSender):
 @register
 class ShmHandshakeTransport(ShmTransport):
     name = "shm-handshake"
-
-    def dispatch_sender(self, group, member):
-        return HandshakeDispatchSender(self.config, group, member)
-
-    def combine_sender(self, worker):
-        return HandshakeCombineSender(self.config, worker)
+    dispatch_sender_cls = HandshakeDispatchSender
+    combine_sender_cls = HandshakeCombineSender

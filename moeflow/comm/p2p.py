@@ -140,15 +140,7 @@ class P2PCombineReceiver(CombineReceiver):
 @register
 class P2PTransport(Transport):
     name = "p2p"
-
-    def dispatch_sender(self, group, member):
-        return P2PDispatchSender(self.config, group, member)
-
-    def dispatch_receiver(self, worker):
-        return P2PDispatchReceiver(self.config, worker)
-
-    def combine_sender(self, worker):
-        return P2PCombineSender(self.config, worker)
-
-    def combine_receiver(self, group, member):
-        return P2PCombineReceiver(self.config, group, member)
+    dispatch_sender_cls = P2PDispatchSender
+    dispatch_receiver_cls = P2PDispatchReceiver
+    combine_sender_cls = P2PCombineSender
+    combine_receiver_cls = P2PCombineReceiver

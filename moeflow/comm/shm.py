@@ -242,15 +242,7 @@ def _ready(mb: Mailbox, lane: int, slot: int, seq: int) -> bool:
 @register
 class ShmTransport(Transport):
     name = "shm"
-
-    def dispatch_sender(self, group, member):
-        return ShmDispatchSender(self.config, group, member)
-
-    def dispatch_receiver(self, worker):
-        return ShmDispatchReceiver(self.config, worker)
-
-    def combine_sender(self, worker):
-        return ShmCombineSender(self.config, worker)
-
-    def combine_receiver(self, group, member):
-        return ShmCombineReceiver(self.config, group, member)
+    dispatch_sender_cls = ShmDispatchSender
+    dispatch_receiver_cls = ShmDispatchReceiver
+    combine_sender_cls = ShmCombineSender
+    combine_receiver_cls = ShmCombineReceiver

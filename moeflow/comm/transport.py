@@ -131,26 +131,32 @@ class CombineReceiver(ABC):
         pass
 
 
-class Transport(ABC):
+class Transport:
     """Makes the endpoints of one process. Receivers own their buffers: build them before the
-    senders that write into them (senders wait up to ``attach_timeout_s`` for them)."""
+    senders that write into them (senders wait up to ``attach_timeout_s`` for them).
+
+    A transport names its four endpoint classes; they take ``(config, ...ids)``."""
 
     name: ClassVar[str]
+    dispatch_sender_cls: ClassVar[type[DispatchSender]]
+    dispatch_receiver_cls: ClassVar[type[DispatchReceiver]]
+    combine_sender_cls: ClassVar[type[CombineSender]]
+    combine_receiver_cls: ClassVar[type[CombineReceiver]]
 
     def __init__(self, config):
         self.config = config
 
-    @abstractmethod
-    def dispatch_sender(self, group: int, member: int) -> DispatchSender: ...
+    def dispatch_sender(self, group: int, member: int) -> DispatchSender:
+        return self.dispatch_sender_cls(self.config, group, member)
 
-    @abstractmethod
-    def dispatch_receiver(self, worker: int) -> DispatchReceiver: ...
+    def dispatch_receiver(self, worker: int) -> DispatchReceiver:
+        return self.dispatch_receiver_cls(self.config, worker)
 
-    @abstractmethod
-    def combine_sender(self, worker: int) -> CombineSender: ...
+    def combine_sender(self, worker: int) -> CombineSender:
+        return self.combine_sender_cls(self.config, worker)
 
-    @abstractmethod
-    def combine_receiver(self, group: int, member: int) -> CombineReceiver: ...
+    def combine_receiver(self, group: int, member: int) -> CombineReceiver:
+        return self.combine_receiver_cls(self.config, group, member)
 
 
 TRANSPORTS: dict[str, type[Transport]] = {}
