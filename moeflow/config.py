@@ -124,6 +124,11 @@ class SchedulerConfig:
     long_prompt_tokens: int = 16384  # prompts above this run alone (no interleaving partner)
     length_aware: bool = True  # False: a batch of whatever is waiting, at once
     dual_batch: bool = True  # False: one batch per DP group at a time
+    # moeflow's addition to ASAP: a lone batch (no partner, no decode rows) of at least
+    # min_split_tokens is cut at its token midpoint into two micro-batches that interleave like a
+    # pair; the second attends to the first's KV of the same layer, written just before it.
+    split_lone_batch: bool = True
+    min_split_tokens: int = 512
 
     def __post_init__(self) -> None:
         _require(isinstance(self.min_batch_tokens, int) and self.min_batch_tokens > 0,

@@ -21,6 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--max-batch-wait-s", type=float, default=None)
     a.add_argument("--no-dual-batch", action="store_true", help="ablation: one batch per group at a time")
     a.add_argument("--no-length-aware", action="store_true", help="ablation: batch whatever waits, at once")
+    a.add_argument("--no-split", action="store_true", help="ablation: never cut a lone batch into two halves")
     a.add_argument("--no-comm-threads", action="store_true", help="ablation: MoE workers receive/send inline")
     s = p.add_argument_group("dep mode (synchronous baselines)")
     s.add_argument("--dp", type=int, default=1, help="N: ranks of DP attention + expert parallelism")
@@ -35,6 +36,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kw.update(attn_dp=args.attn_dp, attn_tp=args.attn_tp, moe_workers=args.moe_workers, pin_cpus=args.pin_cpus,
                   transport=args.transport, trace=args.trace is not None,
                   dual_batch=not args.no_dual_batch, length_aware=not args.no_length_aware,
+                  split_lone_batch=not args.no_split,
                   recv_thread=not args.no_comm_threads, send_thread=not args.no_comm_threads)
         for name in ("min_batch_tokens", "max_batch_tokens", "max_batch_wait_s"):
             if getattr(args, name) is not None:

@@ -10,7 +10,7 @@ import uuid
 from moeflow.config import EngineConfig
 from moeflow.core import Batch, Request
 from moeflow.engine.base import Engine, StepResult, validate_request
-from moeflow.messages import DumpSpans, NewRequest, RunWork, Spans
+from moeflow.messages import BatchTiming, DumpSpans, NewRequest, RunWork, Spans
 from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle
 
 
@@ -64,11 +64,19 @@ class ProcessEngine(Engine):
             self.deployment.send(w, msg)
 
     def _attach_timing(self, done, batches: tuple[Batch, ...]) -> dict:
+        """Per request, its output of this work item with its batch's timing. A request split over
+        both batches of a pair (a halved lone batch) gets one merged output, in position order."""
         timing = {t.batch_id: t for t in done.timings}
         outputs = {}
         for b in batches:
             for rid, o in done.outputs[b.batch_id].items():
                 o.timing = timing[b.batch_id]
+                prev = outputs.get(rid)
+                if prev is not None:
+                    o.prompt_logprobs = prev.prompt_logprobs + o.prompt_logprobs
+                    a, z = prev.timing, o.timing
+                    o.timing = BatchTiming(z.batch_id, min(a.start_s, z.start_s), max(a.end_s, z.end_s),
+                                           a.compute_s + z.compute_s, a.wait_s + z.wait_s)
                 outputs[rid] = o
         return outputs
 

@@ -98,11 +98,14 @@ class AsapScheduler(RequestPool):
         return works
 
     def _compose(self, decode: list[Request], prefill: list[list[Request]]) -> list[Batch]:
-        groups = ([decode] if decode else []) + prefill
-        if self.pairing.max_batches == 1 and len(groups) > 1:
-            groups = [[r for grp in groups for r in grp]]  # single-batch ablation: one mixed batch
-        return [Batch(next(self._batch_ids), tuple(self.seq(r, r.num_tokens - r.num_computed_tokens) for r in reqs))
-                for reqs in groups]
+        pieces = [[(r, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens) for r in reqs]
+                  for reqs in ([decode] if decode else []) + prefill]
+        if self.pairing.max_batches == 1 and len(pieces) > 1:
+            pieces = [[x for p in pieces for x in p]]  # single-batch ablation: one mixed batch
+        elif (self.pairing.max_batches == 2 and self.cfg.split_lone_batch and len(pieces) == 1 and not decode
+              and sum(n for _, _, n in pieces[0]) >= self.cfg.min_split_tokens):
+            pieces = _halve(pieces[0])
+        return [Batch(next(self._batch_ids), tuple(self.seq(r, n, start) for r, start, n in p)) for p in pieces]
 
     def next_wakeup_s(self) -> float | None:
         """When waiting work may become schedulable without any other event (a batch falling due)."""
@@ -114,3 +117,22 @@ class AsapScheduler(RequestPool):
 
     def num_running(self) -> int:
         return sum(len(g.requests) for g in self.groups)
+
+
+def _halve(pieces: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
+    """Cut (request, start, tokens) pieces at the token midpoint; a request across it is split in two
+    chunks, the first in the first half (which each layer computes first)."""
+    half = sum(n for _, _, n in pieces) // 2
+    first, second, acc = [], [], 0
+    for r, start, n in pieces:
+        if acc >= half:
+            second.append((r, start, n))
+        elif acc + n <= half:
+            first.append((r, start, n))
+            acc += n
+        else:
+            k = half - acc
+            first.append((r, start, k))
+            second.append((r, start + k, n - k))
+            acc = half
+    return [first, second]

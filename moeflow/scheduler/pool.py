@@ -57,8 +57,9 @@ class RequestPool:
         g.requests.append(r)
         self.group_of[r.request_id] = gid
 
-    def seq(self, r: Request, num_tokens: int) -> ScheduledSeq:
-        start = r.num_computed_tokens
+    def seq(self, r: Request, num_tokens: int, start: int | None = None) -> ScheduledSeq:
+        """Positions [start, start + num_tokens) of ``r`` (start: by default, what is not yet computed)."""
+        start = r.num_computed_tokens if start is None else start
         table = self.groups[self.group_of[r.request_id]].allocator.table(r.request_id)
         return ScheduledSeq(r.request_id, start, num_tokens, table, is_last_chunk=start + num_tokens == r.num_tokens)
 

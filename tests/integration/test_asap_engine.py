@@ -82,6 +82,15 @@ def test_asap_matches_colocated(checkpoints, reference, name, layout):
         assert any(b < a for a, b in zip(layers, layers[1:]))
 
 
+def test_lone_batches_split_in_two_halves_match(checkpoints, reference):
+    refs = reference("qwen3")
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=2, min_batch_tokens=8,
+             max_batch_tokens=128, max_batch_wait_s=0.0, min_split_tokens=16) as llm:
+        outs = [llm.generate([p], PARAMS)[0] for p in PROMPTS]  # one at a time: every batch is alone
+    assert _max_err(outs, refs) < 1e-3
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in refs]
+
+
 def test_replicated_experts(checkpoints, reference):
     refs = reference("qwen3")
     placement = [list(range(8)), [0, 1, 2, 3]]  # experts 0-3 live on both workers

@@ -95,3 +95,22 @@ def test_abort_frees_blocks():
     free = s.groups[0].allocator.num_free
     assert s.abort("a", "abort").finish_reason == "abort"
     assert s.groups[0].allocator.num_free > free and not s.has_unfinished()
+
+
+def test_a_lone_batch_is_halved_into_two_interleaved_micro_batches():
+    s = _sched(max_batch_wait_s=0.0, min_split_tokens=100)
+    s.add(_req("a", 60))
+    s.add(_req("b", 90))
+    (w,) = s.schedule(now=0.0)
+    got = [[(x.request_id, x.start, x.num_tokens, x.is_last_chunk) for x in b.seqs] for b in w.batches]
+    assert got == [[("a", 0, 60, True), ("b", 0, 15, False)], [("b", 15, 75, True)]]
+    assert [r.request_id for r in s.update(0, w.batches[0], {"a": 1})] == ["a"]  # b's first chunk samples nothing
+    assert [r.request_id for r in s.update(0, w.batches[1], {"b": 2})] == ["b"]
+    assert s.groups[0].requests == [] and not s.has_unfinished()
+
+
+def test_no_split_ablation_and_small_batches_stay_whole():
+    s = _sched(max_batch_wait_s=0.0, split_lone_batch=False, min_split_tokens=100)
+    s.add(_req("a", 150))
+    (w,) = s.schedule(now=0.0)
+    assert _ids(w) == [["a"]]
