@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.doorbell import Doorbell, EventDoorbell
-from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, DispatchRow, ProtocolError,
+from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, ProtocolError,
                                   SendStats)
 from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
                                     private_rows, register)
@@ -218,23 +218,10 @@ class DistDispatchReceiver(DispatchReceiver):
         peers = list(range(self.spec.num_attention_ranks))  # attention ranks come first
         self.lanes = LaneReceiver(config, peers, DISPATCH_TAG, self.spec.dispatch_header_words,
                                   self.spec.dispatch_rows, self.bell)
-        self._next_region = 0
-        self._seq = [0] * self.spec.num_groups
         self._private = private_rows(self.spec, self.spec.tp_size, self.spec.dispatch_rows, config.device)
 
     def poll(self) -> DispatchMessage | None:
-        d, t = self.spec.num_groups, self.spec.tp_size
-        for k in range(d):
-            i = (self._next_region + k) % d
-            if all(self.lanes.ready(i * t + j) for j in range(t)):
-                self._next_region = (i + 1) % d
-                self._seq[i] += 1
-                rows = []
-                for j in range(t):
-                    (layer_id, batch_id, _n, *tpe), payload = self.lanes.take(i * t + j, self._private[j])
-                    rows.append(DispatchRow(j, layer_id, batch_id, tpe, payload))
-                return DispatchMessage(i, self._seq[i], rows)
-        return None
+        return self._scan(self.lanes.ready, lambda lane, j: self.lanes.take(lane, self._private[j]))
 
     def close(self) -> None:
         self.lanes.close()

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage, DispatchRow, ProtocolError
+from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage, ProtocolError
 from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
                                     private_rows, register)
 
@@ -77,23 +77,10 @@ class P2PDispatchReceiver(DispatchReceiver):
         super().__init__(config, worker)
         self._inbox = _Inbox(self.spec, DISPATCH_TAG, self.spec.dispatch_header_words,
                              self.spec.num_attention_ranks, self.spec.dispatch_rows, lambda rank: rank)
-        self._seq = [0] * self.spec.num_groups
-        self._next_region = 0
 
     def poll(self) -> DispatchMessage | None:
         """A region already received in full, else None (no network traffic)."""
-        d, t = self.spec.num_groups, self.spec.tp_size
-        for k in range(d):
-            i = (self._next_region + k) % d
-            if all(self._inbox.pending[i * t + j] for j in range(t)):
-                self._next_region = (i + 1) % d
-                self._seq[i] += 1
-                rows = []
-                for j in range(t):
-                    (layer_id, batch_id, _n, *tpe), payload = self._inbox.pop(i * t + j)
-                    rows.append(DispatchRow(j, layer_id, batch_id, tpe, payload))
-                return DispatchMessage(i, self._seq[i], rows)
-        return None
+        return self._scan(lambda lane: self._inbox.pending[lane], lambda lane, j: self._inbox.pop(lane))
 
     def recv(self, timeout_s=None) -> DispatchMessage:
         while (msg := self.poll()) is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage, DispatchRow
+from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage
 from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
                                     register)
 
@@ -37,23 +37,9 @@ class RefDispatchReceiver(DispatchReceiver):
     def __init__(self, config, worker, hub: _Hub):
         super().__init__(config, worker)
         self.lanes = hub.dispatch[worker]
-        self._seq = [0] * self.spec.num_groups
-        self._next_region = 0
 
     def poll(self) -> DispatchMessage | None:
-        d, t = self.spec.num_groups, self.spec.tp_size
-        for k in range(d):
-            i = (self._next_region + k) % d
-            lanes = self.lanes[i * t:(i + 1) * t]
-            if all(lanes):
-                self._next_region = (i + 1) % d
-                self._seq[i] += 1
-                rows = []
-                for j, q in enumerate(lanes):
-                    (layer_id, batch_id, _n, *tpe), payload = q.popleft()
-                    rows.append(DispatchRow(j, layer_id, batch_id, tpe, payload))
-                return DispatchMessage(i, self._seq[i], rows)
-        return None
+        return self._scan(lambda lane: bool(self.lanes[lane]), lambda lane, j: self.lanes[lane].popleft())
 
     def recv(self, timeout_s=None):
         return self.poll()  # single process: nothing can arrive while we wait

@@ -146,7 +146,6 @@ class ShmDispatchReceiver(DispatchReceiver):
         self.bell = self.mailbox.bell
         self.reader = LaneReader(self.mailbox)
         self._expect = [1] * self.spec.num_groups  # next seq of each region
-        self._next_region = 0  # fairness: the scan starts after the region served last
         self._private: list = [None] * self.spec.num_groups  # per region, on first use: [T, R, H]
 
     def poll(self) -> DispatchMessage | None:

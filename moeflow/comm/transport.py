@@ -21,12 +21,12 @@ Contract shared by every transport:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 
 from moeflow.comm.doorbell import Doorbell, NapDoorbell
-from moeflow.comm.message import CombineMessage, DispatchMessage, SendStats
+from moeflow.comm.message import CombineMessage, DispatchMessage, DispatchRow, SendStats
 from moeflow.comm.wait import wait_for
 
 
@@ -76,6 +76,25 @@ class DispatchReceiver(ABC):
     def __init__(self, config, worker: int):
         self.config, self.spec, self.worker = config, config.spec, worker
         self.policy = config.wait  # NOTE: mutable on purpose: the benchmark compares policies
+        self._next_region = 0  # fairness: the scan starts after the region served last
+        self._seq = [0] * self.spec.num_groups  # messages delivered per region
+
+    def _scan(self, ready: Callable[[int], bool],
+              take: Callable[[int, int], tuple[list[int], torch.Tensor]]) -> DispatchMessage | None:
+        """The first region (round robin) whose T lanes are all ``ready``; ``take(lane, member)``
+        returns a lane's header words and its payload in private memory."""
+        d, t = self.spec.num_groups, self.spec.tp_size
+        for k in range(d):
+            i = (self._next_region + k) % d
+            if all(ready(i * t + j) for j in range(t)):
+                self._next_region = (i + 1) % d
+                self._seq[i] += 1
+                rows = []
+                for j in range(t):
+                    (layer_id, batch_id, _n, *tpe), payload = take(i * t + j, j)
+                    rows.append(DispatchRow(j, layer_id, batch_id, tpe, payload))
+                return DispatchMessage(i, self._seq[i], rows)
+        return None
 
     @abstractmethod
     def poll(self) -> DispatchMessage | None:
