@@ -70,15 +70,6 @@ class ModelConfig:
         return sum(self.sparse_layers)
 
     @property
-    def moe_layer_index(self) -> tuple[int, ...]:
-        """Model layer id -> index into the stacked expert weights (-1 for dense layers)."""
-        out, k = [], 0
-        for is_sparse in self.sparse_layers:
-            out.append(k if is_sparse else -1)
-            k += int(is_sparse)
-        return tuple(out)
-
-    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

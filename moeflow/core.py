@@ -46,10 +46,6 @@ class SamplingParams:
                 bad(f"{name} must be None or an int >= 0, got {v!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 @dataclass(frozen=True)
 class Logprob:
@@ -105,10 +101,6 @@ class RequestMetrics:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-    @property
-    def queued_s(self) -> float | None:
-        return None if self.first_scheduled_s is None else self.first_scheduled_s - self.arrival_s
 
 
 class RequestStatus(enum.Enum):

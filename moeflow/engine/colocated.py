@@ -44,7 +44,8 @@ class ColocatedEngine(Engine):
             return StepResult({}, [])
         t0 = clock()
         outputs = self.runner.execute(batch)
-        timing = BatchTiming(batch.batch_id, t0, clock(), clock() - t0, 0.0)
+        t1 = clock()
+        timing = BatchTiming(batch.batch_id, t0, t1, t1 - t0, 0.0)
         for o in outputs.values():
             o.timing = timing
         sampled = {rid: o.token_id for rid, o in outputs.items() if o.token_id is not None}

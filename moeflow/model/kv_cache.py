@@ -20,10 +20,6 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype)  # [L, N, Hkv, D]
         self.v = torch.zeros(shape, dtype=dtype)  # [L, N, Hkv, D]
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots: [T] int64; k, v: [T, Hkv, D]."""
         self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))

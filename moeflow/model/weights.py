@@ -124,7 +124,7 @@ def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec()) -> 
         if not 0 <= lid < cfg.num_layers:
             raise ConfigError(f"layer {lid} out of range: the model has {cfg.num_layers} layers")
     w = ModelWeights()
-    h, d = cfg.hidden_size, cfg.head_dim
+    h = cfg.hidden_size
     if spec.attention:
         w.embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
         w.final_norm = r.get("model.norm.weight", (h,))

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass
 
 from moeflow.config import SchedulerConfig
-from moeflow.core import Batch, Request, RequestStatus
+from moeflow.core import Batch, Request
 from moeflow.scheduler.batching import BatchFormer, ImmediateBatching, LengthAwareBatching, Proposal
 from moeflow.scheduler.block_allocator import BlockAllocator
 from moeflow.scheduler.pool import RequestPool
@@ -82,7 +82,7 @@ class AsapScheduler(RequestPool):
         for gid, g in enumerate(self.groups):
             if g.busy:
                 continue
-            decode = [r for r in g.requests if not r.is_prefill and r.status == RequestStatus.RUNNING]
+            decode = [r for r in g.requests if not r.is_prefill]  # a prompt is done within one work item
             want = self.pairing.max_batches - (1 if decode and self.pairing.max_batches > 1 else 0)
             proposals = self.former.propose(self.waiting, now, want, lambda reqs, gid=gid: self.room_for(gid, reqs)) \
                 if want else []
@@ -114,9 +114,6 @@ class AsapScheduler(RequestPool):
     def release(self, group: int) -> None:
         """The group finished its work item."""
         self.groups[group].busy = False
-
-    def num_running(self) -> int:
-        return sum(len(g.requests) for g in self.groups)
 
 
 def _halve(pieces: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:

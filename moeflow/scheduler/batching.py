@@ -20,10 +20,6 @@ class Proposal:
     is_due: bool  # its oldest request has waited max_batch_wait_s: it may go without a partner
     is_long: bool  # holds a prompt above long_prompt_tokens: it must run alone
 
-    @property
-    def oldest_arrival_s(self) -> float:
-        return min(r.arrival_s for r in self.requests)
-
 
 class BatchFormer(abc.ABC):
     @abc.abstractmethod

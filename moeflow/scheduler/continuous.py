@@ -10,11 +10,10 @@ import itertools
 
 from moeflow.core import Batch, Request, ScheduledSeq
 from moeflow.scheduler.block_allocator import BlockAllocator
-from moeflow.scheduler.policy import SchedulingPolicy
 from moeflow.scheduler.pool import RequestPool
 
 
-class ContinuousBatching(RequestPool, SchedulingPolicy):
+class ContinuousBatching(RequestPool):
     def __init__(self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int):
         super().__init__([allocator], max_model_len, max_num_seqs)

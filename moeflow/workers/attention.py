@@ -29,7 +29,7 @@ from moeflow.workers.world import TPGroup
 
 
 @dataclass
-class _InFlight:
+class InFlight:
     """One batch moving through the layers."""
 
     batch: Batch
@@ -107,7 +107,7 @@ class AttentionWorker:
         for b in work.batches:
             tokens, meta = self.runner.prepare(b)
             n, t = tokens.shape[0], self.setup.parallel.attn_tp
-            flights.append(_InFlight(b, meta, self.model.embed(tokens), self.member * n // t,
+            flights.append(InFlight(b, meta, self.model.embed(tokens), self.member * n // t,
                                      (self.member + 1) * n // t, start_s=t0))
         self.layers(flights)
         outputs, timings = {}, []
@@ -120,7 +120,7 @@ class AttentionWorker:
             timings.append(BatchTiming(f.batch.batch_id, f.start_s, end, f.compute_s, f.wait_s))
         return WorkDone(self.group, work.work_id, outputs, timings)
 
-    def layers(self, flights: list[_InFlight]) -> None:
+    def layers(self, flights: list[InFlight]) -> None:
         num_layers = self.cfg.num_layers
         for f in flights:
             self._attention_and_dispatch(0, f)
@@ -133,7 +133,7 @@ class AttentionWorker:
                 if layer + 1 < num_layers:
                     self._attention_and_dispatch(layer + 1, f)
 
-    def _attention_and_dispatch(self, layer: int, f: _InFlight) -> None:
+    def _attention_and_dispatch(self, layer: int, f: InFlight) -> None:
         c0 = time.monotonic()
         m = self.model
         f.attn = m.attention(layer, f.hidden, f.meta, self.runner.kv_cache)
@@ -158,7 +158,7 @@ class AttentionWorker:
         self.tracer.add("dispatch", c2, c3, layer=layer, batch=f.batch.batch_id, workers=len(f.workers))
         f.compute_s += c3 - c0
 
-    def _combine(self, layer: int, f: _InFlight) -> None:
+    def _combine(self, layer: int, f: InFlight) -> None:
         if not self.cfg.sparse_layers[layer]:
             return
         w0 = time.monotonic()
@@ -182,7 +182,7 @@ class AttentionWorker:
         f.wait_s += c0 - w0
         f.compute_s += c1 - c0
 
-    def _sample(self, f: _InFlight) -> dict[str, SeqOutput]:
+    def _sample(self, f: InFlight) -> dict[str, SeqOutput]:
         if self.tp is None:
             return self.runner.sample(f.batch, f.hidden)
         # NOTE: member 0 samples and broadcasts, so seeded and unseeded sampling stay identical

@@ -14,7 +14,7 @@ import torch
 
 from moeflow.model.moe import experts_grouped
 from moeflow.model.weights import LoadSpec
-from moeflow.workers.attention import AttentionWorker, _InFlight
+from moeflow.workers.attention import AttentionWorker, InFlight
 
 
 class DepWorker(AttentionWorker):
@@ -32,7 +32,7 @@ class DepWorker(AttentionWorker):
     def targets(self, topk_ids: torch.Tensor) -> list[int]:
         return list(range(self.num_ranks))  # all-to-all: every rank, even with nothing for it
 
-    def layers(self, flights: list[_InFlight]) -> None:
+    def layers(self, flights: list[InFlight]) -> None:
         (f,) = flights  # one batch per rank per step (possibly empty: a dummy step)
         for layer in range(self.cfg.num_layers):
             self._attention_and_dispatch(layer, f)
@@ -41,7 +41,7 @@ class DepWorker(AttentionWorker):
             self._combine(layer, f)
 
     @torch.inference_mode()
-    def _serve_experts(self, layer: int, f: _InFlight) -> None:
+    def _serve_experts(self, layer: int, f: InFlight) -> None:
         replies = []
         for _ in range(self.num_ranks):
             w0 = time.monotonic()

@@ -3,8 +3,6 @@ monotonic clock (CLOCK_MONOTONIC is one clock for all processes of a Linux host)
 from __future__ import annotations
 
 import threading
-import time
-from contextlib import contextmanager
 
 from moeflow.messages import Span
 
@@ -27,14 +25,6 @@ class Tracer:
                 self.num_dropped += 1
                 return
             self._spans.append(Span(name, f"{self.prefix}/{thread}", start_s, end_s, args))
-
-    @contextmanager
-    def span(self, name: str, thread: str = "main", **args):
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            self.add(name, t0, time.monotonic(), thread, **args)
 
     def drain(self) -> list[Span]:
         with self._lock:

@@ -103,22 +103,16 @@ def test_shm_stress_matches_reference(tmp_path):
     assert list_segments(config.deployment_id) == []
 
 
-def test_dist_stress_matches_reference(tmp_path):
-    config = _config("dist", num_groups=2, tp_size=1, num_moe_workers=2, num_experts=4, top_k=2, hidden_size=64,
-                     max_batch_tokens=16)
-    plan = Plan(seed=2, num_batches=400, inflight=2, max_delay_s=1e-3)
-    results = run_deployment(config, plan, tmp_path)
-    n = check_against_reference(config, plan, results)
-    print(f"dist stress: {n} messages")
-    assert n >= 2000
-
-
-def test_p2p_stress_matches_reference(tmp_path):
+@pytest.mark.parametrize("transport,layout,plan,min_messages", [
+    ("dist", dict(num_groups=2, tp_size=1, num_moe_workers=2, num_experts=4, top_k=2, max_batch_tokens=16),
+     Plan(seed=2, num_batches=400, inflight=2, max_delay_s=1e-3), 2000),
     # Blocking p2p: one batch in flight, one DP group (see p2p.py on deadlock freedom).
-    config = _config("p2p", num_groups=1, tp_size=2, num_moe_workers=2, num_experts=2, top_k=1, hidden_size=64,
-                     max_batch_tokens=32)
-    plan = Plan(seed=3, num_batches=250, inflight=1, max_delay_s=1e-3)
+    ("p2p", dict(num_groups=1, tp_size=2, num_moe_workers=2, num_experts=2, top_k=1, max_batch_tokens=32),
+     Plan(seed=3, num_batches=250, inflight=1, max_delay_s=1e-3), 1000),
+])
+def test_dist_transports_match_reference(tmp_path, transport, layout, plan, min_messages):
+    config = _config(transport, hidden_size=64, **layout)
     results = run_deployment(config, plan, tmp_path)
     n = check_against_reference(config, plan, results)
-    print(f"p2p stress: {n} messages")
-    assert n >= 1000
+    print(f"{transport} stress: {n} messages")
+    assert n >= min_messages
