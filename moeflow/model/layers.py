@@ -70,15 +70,36 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atte
             assert kv_cache is not None, "a request with cached context needs a KV cache"
             ki, vi = kv_cache.gather(layer, meta.context_slots(i))  # [ctx+q_len, Hkv, D]
             ki, vi = ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0)
-            mask = None
-            if q_len > 1:
+            if q_len == 1:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, enable_gqa=True)
+            elif qi.device.type == "cpu":
+                oi = _context_then_causal(qi, ki, vi, ctx_len)
+            else:
                 # query j sits at absolute position ctx_len + j and sees keys 0..ctx_len + j
-                kpos = torch.arange(ctx_len + q_len)
-                qpos = torch.arange(q_len) + ctx_len
+                kpos = torch.arange(ctx_len + q_len, device=qi.device)
+                qpos = torch.arange(q_len, device=qi.device) + ctx_len
                 mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)  # [q_len, ctx+q_len]
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
         out[q_start:q_start + q_len] = oi[0].transpose(0, 1)
     return out
+
+
+def _context_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """A chunk over cached context: full attention to the context, causal over itself, merged by
+    log-sum-exp. q: [1, Hq, n, D], k/v: [1, Hkv, ctx_len + n, D].
+
+    The CPU flash kernel cannot skip fully masked blocks, so one masked call over ctx + n keys
+    costs as much as attending the whole square; two unmasked calls cost ctx*n + n*n/2.
+    """
+    # NOTE: the LSE-returning kernel has no GQA support, so K/V are expanded to all query heads.
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o_ctx, lse_ctx = flash(q, k[:, :, :ctx_len], v[:, :, :ctx_len], 0.0, False)
+    o_new, lse_new = flash(q, k[:, :, ctx_len:], v[:, :, ctx_len:], 0.0, True)
+    w_ctx = torch.sigmoid(lse_ctx - lse_new).unsqueeze(-1)  # e^a / (e^a + e^b), float32
+    return (o_ctx.float() * w_ctx + o_new.float() * (1 - w_ctx)).to(q.dtype)
 
 
 def attention_reference(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, ctx_len: int) -> torch.Tensor:
