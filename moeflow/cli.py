@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_parser(bsub)
     plot.add_parser(bsub)
 
+    from moeflow.bench import profile
+    from moeflow.sim import cli as sim_cli
+
+    sim_cli.add_parser(sub)
+    profile.add_parser(sub)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)

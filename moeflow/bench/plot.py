@@ -17,15 +17,23 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for path in args.inputs:
         with open(path) as f:
-            results.append(json.load(f))
+            results.extend(expand(json.load(f)))
     plot_results(results, args.out, args.title)
     print(f"wrote {args.out}")
     return 0
 
 
+def expand(data: dict) -> list[dict]:
+    """A ``bench serve`` result, or ``moeflow simulate``'s ``{"systems": {name: result}}``."""
+    return list(data["systems"].values()) if "systems" in data else [data]
+
+
 def label(result: dict) -> str:
-    """Mode and process layout, e.g. "asap D=2 T=1 E=2", "dep dp=4 chunk=512", plus ablations."""
+    """Mode and process layout, e.g. "asap D=2 T=1 E=2", "dep dp=4 chunk=512", plus ablations;
+    a simulated result is named by its system, e.g. "sim: asap"."""
     c = result.get("config", {})
+    if result.get("simulated"):
+        return f"sim: {c.get('name', result.get('mode', '?'))}"
     parts = [result.get("mode", "?")]
     if "attn_dp" in c:
         parts.append(f"D={c['attn_dp']} T={c.get('attn_tp', 1)} E={c.get('moe_workers', 1)}")

@@ -90,7 +90,9 @@ class LengthAwareBatching(_Former):
         return tokens >= self.min_batch_tokens
 
     def _due(self, oldest_arrival_s: float, now: float) -> bool:
-        return now - oldest_arrival_s >= self.max_batch_wait_s
+        # NOTE: the same sum as next_due_s, so a timer set for that instant finds the batch due
+        # (now - arrival can round below max_batch_wait_s)
+        return now >= oldest_arrival_s + self.max_batch_wait_s
 
     def next_due_s(self, waiting):
         return waiting[0].arrival_s + self.max_batch_wait_s if waiting else None

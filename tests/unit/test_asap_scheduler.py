@@ -114,3 +114,12 @@ def test_no_split_ablation_and_small_batches_stay_whole():
     s.add(_req("a", 150))
     (w,) = s.schedule(now=0.0)
     assert _ids(w) == [["a"]]
+
+
+def test_a_batch_is_due_exactly_when_next_wakeup_says():
+    # 0.7 + 0.1 rounds to 0.7999999999999999, and that minus 0.7 is below 0.1: a timer set
+    # for next_wakeup_s must still find the batch due, or the request waits for the next event.
+    s = _sched(max_batch_wait_s=0.1)
+    s.add(_req("a", 60, t=0.7))
+    due = s.next_wakeup_s()
+    assert [_ids(w) for w in s.schedule(now=due)] == [[["a"]]]

@@ -52,3 +52,15 @@ def test_chunked_prefill_advances_chunk_by_chunk_on_one_rank():
     assert steps[1] == [[("long", 256, 256, False)], []]
     assert steps[2] == [[("long", 512, 88, True)], []]
     assert steps[3] == [[("long", 600, 1, True)], []]  # decode stays on the rank holding the KV
+
+
+def test_round_robin_fixes_ranks_at_arrival_and_keeps_fifo_per_rank():
+    s = DepScheduler([BlockAllocator(1000, 16) for _ in range(2)], 1000, 8192, 64, placement="round_robin")
+    for rid, n in [("a", 900), ("b", 10), ("c", 200), ("d", 10)]:
+        s.add(_req(rid, n))  # a, c -> rank 0; b, d -> rank 1
+    batches = s.schedule()
+    # c does not fit behind a on rank 0 and may not move to the idle room of rank 1
+    assert [[x.request_id for x in b.seqs] for b in batches] == [["a"], ["b", "d"]]
+    assert s.abort("c", "abort") is not None and "c" not in s.rank_of
+    with pytest.raises(RequestError, match="placement"):
+        DepScheduler([BlockAllocator(10, 16)], 100, 8192, 4, placement="random")

@@ -1,0 +1,167 @@
+"""ASAP (§3) as the real engine runs it: ``AsapScheduler`` hands work items to idle attention
+groups; each batch walks its layers on its own, joined to the MoE workers by one-sided transfers.
+
+Entities: ``attn_dp`` attention groups (a compute resource with a ready queue: two interleaved
+batches take turns) and ``moe_workers`` expert devices, each with a receive port, a compute
+stream and a send port. Ports and compute streams are FIFO, so a dispatch can be priced through
+every worker the moment it is sent: two events per batch and layer (attention done, combine back).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from moeflow.core import Batch, Request
+from moeflow.scheduler.asap import AsapScheduler, Work
+from moeflow.sim.shape import AttnShape
+from moeflow.sim.system import System
+
+
+@dataclass
+class _Flight:
+    """One batch on its way through the layers."""
+
+    group: int
+    batch: Batch
+    attn_s: float  # one MoE layer's attention block on the group
+    attn_dense_s: float
+    dispatch_bytes: float  # to each MoE worker
+    combine_bytes: float  # from each MoE worker
+    experts_s: float  # one layer on one MoE worker
+    layer: int = 0
+
+
+@dataclass
+class _Group:
+    ready: deque = field(default_factory=deque)  # flights waiting for the attention stream
+    busy: bool = False
+    flights: int = 0  # unfinished batches of the current work item
+    in_port_free_s: float = 0.0  # combines arrive through the group's links, one at a time
+    done: list = field(default_factory=list)
+
+
+class AsapSystem(System):
+    def __init__(self, cfg, cost, trace_until_s=0.0):
+        super().__init__(cfg, cost, trace_until_s)
+        self.sched = AsapScheduler(cfg.scheduler, self._allocators(cfg.attn_dp), cfg.max_model_len, cfg.max_num_seqs)
+        self.groups = [_Group() for _ in range(cfg.attn_dp)]
+        e = cfg.moe_workers
+        self.local_experts = max(1, self.model.num_experts // e)
+        self.moe_in_free = [0.0] * e  # receive port
+        self.moe_free = [0.0] * e  # compute stream
+        self.moe_out_free = [0.0] * e  # send port
+        self.bw = cost.link_bw_Bps
+        self.latency = cost.transfer_s(0)
+        self._wakeup_at: float | None = None
+
+    def add(self, request: Request) -> None:
+        self.sched.add(request)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        now = self.loop.now
+        for work in self.sched.schedule(now):
+            self._start(work, now)
+        due = self.sched.next_wakeup_s()
+        if due is not None and due > now and (self._wakeup_at is None or due < self._wakeup_at or self._wakeup_at <= now):
+            self._wakeup_at = due
+            self.loop.at(due, self._schedule)
+
+    def _start(self, work: Work, now: float) -> None:
+        c, m, cfg = self.cost, self.model, self.cfg
+        g = self.groups[work.group]
+        g.flights = len(work.batches)
+        e = cfg.moe_workers
+        for b in work.batches:
+            shape = AttnShape.of_batch(b, m.index_topk)
+            t = shape.num_tokens
+            f = _Flight(work.group, b, c.attention_s(shape, cfg.attn_tp, False), c.attention_s(shape, cfg.attn_tp, True),
+                        c.dispatch_bytes(t) / e, c.combine_bytes(t) / e,
+                        c.experts_s(round(t * m.top_k / e), self.local_experts)
+                        + (0.0 if cfg.super_kernel else c.host_dispatch_s))
+            self.started([s.request_id for s in b.seqs], m.num_dense_layers * f.attn_dense_s
+                          + m.num_moe_layers * f.attn_s, now)
+            g.ready.append(f)
+        self._run_group(work.group)
+
+    def _run_group(self, gid: int) -> None:
+        g = self.groups[gid]
+        if g.busy or not g.ready:
+            return
+        f = g.ready.popleft()
+        g.busy = True
+        now = self.loop.now
+        dense = f.layer < self.model.num_dense_layers
+        dur = f.attn_dense_s if dense else f.attn_s
+        if not dense and not self.cfg.comm_overlap:  # the group's devices send the dispatch themselves
+            dur += f.dispatch_bytes * self.cfg.moe_workers / (self.bw * self.cfg.attn_tp)
+        if now < self.trace_until_s:
+            self.span(f"attn{gid}/main", f"attention L{f.layer}", now, now + dur)
+        self.loop.at(now + dur, self._attention_done, f)
+
+    def _attention_done(self, f: _Flight) -> None:
+        now = self.loop.now
+        g = self.groups[f.group]
+        g.busy = False
+        if f.layer < self.model.num_dense_layers:
+            self._next_layer(f)
+        else:
+            self.loop.at(self._through_experts(f, now), self._combined, f)
+        self._run_group(f.group)
+
+    def _through_experts(self, f: _Flight, sent_s: float) -> float:
+        """Price the dispatch, expert compute and combine of one layer on every MoE worker (FIFO
+        ports and streams); returns when the last combine has reached the group."""
+        cfg, bw, lat = self.cfg, self.bw, self.latency
+        back = 0.0
+        for w in range(cfg.moe_workers):
+            if cfg.comm_overlap:
+                recv_end = max(sent_s, self.moe_in_free[w]) + f.dispatch_bytes / bw
+                self.moe_in_free[w] = recv_end
+                start = max(recv_end + lat, self.moe_free[w])
+                end = start + f.experts_s
+                self.moe_free[w] = end
+                send_end = max(end, self.moe_out_free[w]) + f.combine_bytes / bw
+                self.moe_out_free[w] = send_end
+            else:  # one stream: receive, compute and send one after another
+                start = max(sent_s + lat, self.moe_free[w])
+                end = start + f.dispatch_bytes / bw + f.experts_s
+                send_end = end + f.combine_bytes / bw
+                self.moe_free[w] = send_end
+            if start < self.trace_until_s:
+                self.span(f"moe{w}/main", f"experts L{f.layer} g{f.group}", start, end)
+            back = max(back, send_end + lat)
+        g = self.groups[f.group]
+        # the group's T devices take the combines in through its links, one message after another
+        arrive = max(back, g.in_port_free_s + f.combine_bytes * cfg.moe_workers / (bw * cfg.attn_tp))
+        g.in_port_free_s = arrive
+        return arrive
+
+    def _combined(self, f: _Flight) -> None:
+        self._next_layer(f)
+        self._run_group(f.group)
+
+    def _next_layer(self, f: _Flight) -> None:
+        f.layer += 1
+        g = self.groups[f.group]
+        if f.layer < self.model.num_layers:
+            g.ready.append(f)
+            return
+        g.done.append(f)
+        g.flights -= 1
+        if g.flights == 0:  # the work item is complete: sample, then report every batch
+            shape = AttnShape.sum([AttnShape.of_batch(x.batch) for x in g.done])
+            head = self.cost.head_s(shape, self.cfg.attn_tp)
+            self.started([s.request_id for x in g.done for s in x.batch.seqs], head / len(g.done), self.loop.now)
+            self.loop.at(self.loop.now + head, self._work_done, f.group)
+
+    def _work_done(self, gid: int) -> None:
+        now = self.loop.now
+        g = self.groups[gid]
+        for f in g.done:
+            b = f.batch
+            finished = self.sched.update(gid, b, {s.request_id: 0 for s in b.seqs if s.is_last_chunk})
+            self.sampled(b, finished, now)
+        g.done = []
+        self.sched.release(gid)
+        self._schedule()

@@ -1,0 +1,81 @@
+"""``moeflow simulate``: run an experiment config through the simulator.
+
+Prints each system's TTFT table per rate, the SLO throughput of each and their ratios, and the
+simulator's speed; writes the ``bench serve`` JSON schema (``{"systems": {...}}`` when the config
+has several), a TTFT-vs-rate plot and a Chrome trace of one rate's simulated timelines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="discrete-event simulation of a deployment (configs/*.yaml)")
+    p.add_argument("--config", required=True, metavar="FILE.yaml")
+    p.add_argument("--system", action="append", default=None, metavar="NAME",
+                   help="simulate only these systems of the config (repeatable)")
+    p.add_argument("--rps", default=None, help="rates to simulate, comma-separated (default: the config's)")
+    p.add_argument("--find-slo-rps", action="store_true", help="bisect for the SLO throughput (also: config)")
+    p.add_argument("--json", default=None, metavar="OUT.json")
+    p.add_argument("--plot", default=None, metavar="OUT.png")
+    p.add_argument("--trace", default=None, metavar="OUT.json", help="Chrome trace of one rate (--trace-rps)")
+    p.add_argument("--trace-rps", type=float, default=None, help="rate to trace (default: the first)")
+    p.add_argument("--trace-window-s", type=float, default=10.0, help="simulated seconds the trace covers")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeflow.bench.metrics import format_point
+    from moeflow.sim.config import load_config
+    from moeflow.sim.run import build_cost, run_system
+
+    cfg = load_config(args.config)
+    names = args.system or list(cfg.systems)
+    unknown = [n for n in names if n not in cfg.systems]
+    if unknown:
+        raise ValueError(f"--system {unknown}: the config has {list(cfg.systems)}")
+    rates = tuple(float(r) for r in args.rps.split(",")) if args.rps else cfg.rps
+    find_slo = args.find_slo_rps or cfg.find_slo_rps
+    if find_slo and not cfg.slo_ttft_s:
+        raise ValueError("--find-slo-rps needs slo_ttft_s in the config")
+    trace_rate = (args.trace_rps or rates[0]) if args.trace else None
+    cost = build_cost(cfg)
+    out: dict[str, dict] = {}
+    spans = []
+    for name in names:
+        t0 = time.perf_counter()
+        res = run_system(name, cfg, cost, rates, find_slo, trace_rate, args.trace_window_s)
+        wall = time.perf_counter() - t0
+        res.result["sim_speed"] = {"events": res.num_events, "wall_s": wall, "events_per_s": res.num_events / wall}
+        out[name] = res.result
+        spans += [type(s)(s.name, f"{name}:{s.track}", s.start_s, s.end_s) for s in res.spans]
+        print(f"== {name} ({res.result['config']['devices']} devices, {cfg.model} on {cfg.hardware}, "
+              f"{cfg.cost} cost)")
+        for p in res.result["points"]:
+            print(format_point(p))
+        print(f"simulated {res.num_events:,} events in {wall:.1f} s ({res.num_events / wall:,.0f} events/s)")
+    if find_slo:
+        print(f"\nSLO throughput (mean TTFT <= {cfg.slo_ttft_s:g} s):")
+        for name in names:
+            r = out[name]["slo_rps"]
+            print(f"  {name:>24}: " + (f"{r:g} rps" if r is not None else "none of the probed rates"))
+        for a in names:
+            for b in names:
+                ra, rb = out[a]["slo_rps"], out[b]["slo_rps"]
+                if a != b and ra and rb and ra > rb:
+                    print(f"  {a} / {b} = {ra / rb:.2f}")
+    data = out[names[0]] if len(names) == 1 else {"systems": out}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2)
+    if args.plot:
+        from moeflow.bench.plot import plot_results
+
+        plot_results(list(out.values()), args.plot)
+    if args.trace:
+        from moeflow.engine.trace import write_chrome_trace
+
+        write_chrome_trace(spans, args.trace)
+    return 0

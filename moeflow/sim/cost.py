@@ -1,0 +1,158 @@
+"""The cost model: how long each stage of a layer takes, behind one interface.
+
+Sources, one small class each:
+
+- ``Roofline``: one operator = max(FLOPs / (peak · efficiency), bytes / (bandwidth · efficiency))
+  + a fixed launch cost. The grouped expert GEMM's memory-bound plateau and linear growth
+  (ASAP Fig. 3b) come out of it: below the inflection the expert weights' bytes dominate.
+- ``Links``: a transfer = latency + bytes / (link bandwidth · efficiency); the simulator queues
+  transfers that share a port, which is where contention comes from.
+- ``ProfiledCost`` (profiled.py): tables measured by ``moeflow profile`` on the real engine.
+
+All times are for one layer of one stage on one device group, in seconds.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from moeflow.sim.hardware import Hardware
+from moeflow.sim.model_spec import ModelSpec
+from moeflow.sim.shape import AttnShape
+
+
+class CostModel(abc.ABC):
+    model: ModelSpec
+
+    @abc.abstractmethod
+    def attention_s(self, shape: AttnShape, tp: int, dense_layer: bool) -> float:
+        """One layer's attention block on a group of ``tp`` devices: norms, projections, core
+        attention (and indexer), TP all-reduce, the router or the dense MLP, shared experts, and
+        the weighted sum of the returned expert outputs."""
+
+    @abc.abstractmethod
+    def experts_s(self, num_routed: int, num_local_experts: int) -> float:
+        """One MoE layer on one expert device: ``num_routed`` (token, expert) pairs over its experts."""
+
+    @abc.abstractmethod
+    def head_s(self, shape: AttnShape, tp: int) -> float:
+        """Embedding before the first layer and final norm + logits + sampling after the last."""
+
+    @abc.abstractmethod
+    def transfer_s(self, nbytes: float) -> float:
+        """One point-to-point message of ``nbytes`` on an idle link."""
+
+    @abc.abstractmethod
+    def all_to_all_s(self, nbytes: float) -> float:
+        """One synchronous all-to-all in which each device sends ``nbytes`` (the baselines' collective)."""
+
+    @property
+    @abc.abstractmethod
+    def link_bw_Bps(self) -> float:
+        """Achieved bandwidth of one port, to serialize transfers that share it."""
+
+    @property
+    @abc.abstractmethod
+    def host_dispatch_s(self) -> float:
+        """Host-side launch of one MoE layer's kernels (paid when there is no super kernel)."""
+
+    def dispatch_bytes(self, num_tokens: int) -> float:
+        """Hidden states sent to the experts: one copy per (token, expert) pair (the ASAP §5.5
+        estimate of 63 MB per 1k tokens for DeepSeek-V3.2 is this with int8 plus scales)."""
+        m = self.model
+        return num_tokens * m.top_k * m.hidden_size * m.act_bytes
+
+    def combine_bytes(self, num_tokens: int) -> float:
+        """Expert outputs sent back, in bf16."""
+        return num_tokens * self.model.top_k * self.model.hidden_size * 2
+
+
+@dataclass(frozen=True)
+class Roofline:
+    hw: Hardware
+
+    def op_s(self, flops: float, nbytes: float, low_precision: bool = False, attention: bool = False) -> float:
+        hw = self.hw
+        peak = hw.flops_int8 if low_precision else hw.flops
+        eff = hw.attn_eff if attention else hw.gemm_eff
+        return hw.launch_s + max(flops / (peak * eff), nbytes / (hw.mem_bw_Bps * hw.mem_eff))
+
+
+@dataclass(frozen=True)
+class Links:
+    hw: Hardware
+
+    def transfer_s(self, nbytes: float) -> float:
+        return self.hw.link_latency_s + nbytes / self.bw_Bps
+
+    @property
+    def bw_Bps(self) -> float:
+        return self.hw.link_bw_Bps * self.hw.link_eff
+
+
+class AnalyticCost(CostModel):
+    """Roofline operators and links for a model on a hardware preset."""
+
+    # NOTE: elementwise traffic per token per layer, in hidden-size activations read or written:
+    # 2 RMSNorms, rotary, residual adds, the weighted sum of K expert outputs (K + 1 reads).
+    ELEMENTWISE_ACTS = 10
+
+    def __init__(self, model: ModelSpec, hw: Hardware):
+        self.model, self.hw = model, hw
+        self.roof, self.links = Roofline(hw), Links(hw)
+        self.low = model.weight_bytes < 2  # 8-bit weights run on the int8 peak
+
+    def _gemm_s(self, tokens: float, params: float, tp: int) -> float:
+        m = self.model
+        return self.roof.op_s(2 * tokens * params / tp,
+                              params * m.weight_bytes / tp + tokens * m.hidden_size * 2 * 2 / tp, self.low)
+
+    def attention_s(self, shape, tp, dense_layer):
+        m, t = self.model, shape.num_tokens
+        if t == 0:
+            return 0.0
+        s = self._gemm_s(t, m.attn_proj_params, tp)
+        s += self.roof.op_s(m.attn_pair_flops * shape.num_sparse_pairs / tp, 0, attention=True)
+        if m.index_pair_flops:
+            s += self.roof.op_s(m.index_pair_flops * shape.num_pairs / tp, 0, low_precision=True, attention=True)
+        s += self.roof.op_s(0, self.ELEMENTWISE_ACTS * t * m.hidden_size * 2 / tp)
+        if tp > 1:  # all-reduce of the o-projection: reduce-scatter + all-gather
+            s += self.links.transfer_s(2 * (tp - 1) / tp * t * m.hidden_size * 2)
+        if dense_layer:
+            s += self._gemm_s(t, m.dense_mlp_params, tp)
+        else:
+            s += self._gemm_s(t, m.hidden_size * m.num_experts, tp)  # router
+            if m.shared_params:
+                s += self._gemm_s(t, m.shared_params, tp)
+        return s
+
+    def experts_s(self, num_routed, num_local_experts):
+        if num_routed <= 0:
+            return 0.0
+        m = self.model
+        # experts that receive at least one of num_routed uniformly routed pairs read their weights
+        active = num_local_experts * (1 - (1 - 1 / num_local_experts) ** num_routed)
+        flops = 2 * num_routed * m.expert_params
+        nbytes = active * m.expert_params * m.weight_bytes + num_routed * m.hidden_size * (m.act_bytes + 2)
+        return self.roof.op_s(flops, nbytes, self.low)
+
+    def head_s(self, shape, tp):
+        m = self.model
+        return self._gemm_s(shape.num_sampled, m.hidden_size * m.vocab_size, tp)
+
+    def transfer_s(self, nbytes):
+        return self.links.transfer_s(nbytes)
+
+    def all_to_all_s(self, nbytes):
+        hw = self.hw
+        if hw.a2a_bw_Bps:
+            return hw.a2a_latency_s + nbytes / hw.a2a_bw_Bps
+        return self.links.transfer_s(nbytes)
+
+    @property
+    def link_bw_Bps(self):
+        return self.links.bw_Bps
+
+    @property
+    def host_dispatch_s(self):
+        return self.hw.host_dispatch_s

@@ -1,0 +1,101 @@
+"""Devices as the cost model sees them: peak rates, efficiencies and links.
+
+One ``Hardware`` per device kind; every constant cites its public source here and in
+docs/simulator.md. Efficiencies (the fraction of a peak an operator reaches) are the only numbers
+not read off a datasheet; each says where it comes from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: float  # dense bf16/fp16 peak per device, FLOP/s
+    flops_int8: float  # dense int8/fp8 peak per device (weights and indexer in 8 bits), FLOP/s
+    mem_bw_Bps: float  # HBM (or DRAM) bandwidth per device, bytes/s
+    link_bw_Bps: float  # scale-up link bandwidth per device, one direction, bytes/s
+    link_latency_s: float  # one message over the scale-up network
+    launch_s: float  # fixed cost of one operator (kernel launch + tail)
+    host_dispatch_s: float  # per layer, when a host issues each MoE layer's kernels (no super kernel)
+    gemm_eff: float  # fraction of peak FLOP/s a large GEMM reaches
+    attn_eff: float  # fraction of peak FLOP/s the attention kernel reaches
+    mem_eff: float  # fraction of peak bandwidth a streaming kernel reaches
+    link_eff: float  # fraction of link bandwidth a transfer reaches
+    # the synchronous all-to-all of the baselines, as a collective library achieves it (0: the link's)
+    a2a_bw_Bps: float = 0.0
+    a2a_latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("flops", "flops_int8", "mem_bw_Bps", "link_bw_Bps"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
+        for f in ("gemm_eff", "attn_eff", "mem_eff", "link_eff"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"Hardware {self.name!r}: {f} must be in (0, 1], got {getattr(self, f)}")
+        for f in ("link_latency_s", "launch_s", "host_dispatch_s", "a2a_bw_Bps", "a2a_latency_s"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"Hardware {self.name!r}: {f} must be >= 0, got {getattr(self, f)}")
+
+    def with_overrides(self, **kw) -> "Hardware":
+        unknown = set(kw) - set(self.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"Hardware {self.name!r}: unknown fields {sorted(unknown)}")
+        return replace(self, **kw)
+
+
+# Shared modelling constants where no datasheet has a number (Huawei's own simulator,
+# Ascend/msmodeling tensor_cast/device.py, uses the same efficiencies and launch cost for Ascend;
+# we reuse them for the NVIDIA parts rather than invent others).
+_LAUNCH_S = 5e-6  # msmodeling STATIC_COST.mma_op_cost_s
+_HOST_DISPATCH_S = 220e-6  # ASAP §5.5.3, measured on CloudMatrix384 per MoE layer
+_LINK_EFF = 0.7  # msmodeling comm_efficiency
+_MEM_EFF = 0.6  # msmodeling memory efficiency
+
+PRESETS: dict[str, Hardware] = {
+    # One Ascend 910C die (a 910C chip has two) as in CloudMatrix384 (ASAP §4.1).
+    "ascend-910c-die": Hardware(
+        "ascend-910c-die",
+        flops=353.9e12,  # msmodeling profile ATLAS_800_A3_752T_128G_DIE, torch.bfloat16
+        flops_int8=752e12,  # same profile, torch.int8 (CM384 paper: 6,688 tok/s / 4.45 tok/s/TFLOPS = 1,503 per chip)
+        mem_bw_Bps=1.6e12,  # 3.2 TB/s per chip (CM384 paper) / 2 dies
+        link_bw_Bps=196e9,  # UB, 7 x 224 Gb/s per die, one direction (CM384 paper; msmodeling A3_INTERCONNECT)
+        link_latency_s=0.5e-6,  # msmodeling A3_INTERCONNECT, one-level CLOS
+        launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S,
+        gemm_eff=0.774,  # CM384 paper: INT8 GEMM at 77.4-82.7% of peak (lower end)
+        attn_eff=0.654,  # CM384 paper: MLA kernel at 65.4% of compute peak
+        mem_eff=_MEM_EFF, link_eff=_LINK_EFF,
+        # DeepEP-Ascend (sgl-project/sgl-kernel-npu README) normal mode on the A3 384 SuperPOD, EP32,
+        # 4,096 tokens: dispatch 102 GB/s, combine 95 GB/s; comm op cost 10 us (msmodeling)
+        a2a_bw_Bps=98.5e9, a2a_latency_s=10e-6),
+    # NVIDIA H200 SXM: 989.5 TFLOPS dense bf16, 1,979 dense fp8 (datasheet figures halved: they
+    # are quoted with sparsity), 4.8 TB/s HBM3e, NVLink 4 900 GB/s both ways.
+    "h200": Hardware(
+        "h200", flops=989.5e12, flops_int8=1979e12, mem_bw_Bps=4.8e12, link_bw_Bps=450e9,
+        link_latency_s=2e-6,  # no NVIDIA figure; the ~1-2 us commonly quoted for NVLink, upper end
+        launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S,
+        gemm_eff=0.7,  # msmodeling's compute efficiency
+        attn_eff=0.667,  # CM384 paper's comparison: FlashMLA on H800 at 66.7% of peak
+        mem_eff=_MEM_EFF, link_eff=_LINK_EFF),
+    # One B200 of a GB200 NVL72: 360 PFLOPS sparse bf16 per rack / 72 / 2 = 2.5 PFLOPS dense;
+    # 8 TB/s HBM3e; NVLink 5 1.8 TB/s both ways.
+    "gb200": Hardware(
+        "gb200", flops=2.5e15, flops_int8=5e15, mem_bw_Bps=8e12, link_bw_Bps=900e9, link_latency_s=2e-6,
+        launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S, gemm_eff=0.7, attn_eff=0.667,
+        mem_eff=_MEM_EFF, link_eff=_LINK_EFF),
+    # One process on one core of this machine (docs/results/prefill.md, comm.md; DESIGN.md):
+    # bf16 GEMM 208 GFLOP/s per core, no int8 path, memcpy ~20 GB/s, cross-core shm copies 29 GB/s,
+    # 3-20 us protocol cost per message. For predictions here use the profiled cost instead.
+    "cpu-here": Hardware(
+        "cpu-here", flops=208e9, flops_int8=208e9, mem_bw_Bps=20e9, link_bw_Bps=29e9, link_latency_s=10e-6,
+        launch_s=20e-6, host_dispatch_s=0.0,
+        gemm_eff=0.6,  # bench prefill's MFU against the measured GEMM rate: 58-61%
+        attn_eff=0.5, mem_eff=0.8, link_eff=1.0),
+}
+
+
+def hardware_preset(name: str) -> Hardware:
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]

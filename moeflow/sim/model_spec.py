@@ -1,0 +1,133 @@
+"""What the cost model needs to know about a model: parameter counts and FLOPs per token and per
+(query, key) pair, layer by layer. Presets are read off each model's Hugging Face config.json.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    num_dense_layers: int  # the first layers have a dense MLP instead of experts (first_k_dense_replace)
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    attention: str = "gqa"  # "gqa" or "mla"
+    num_kv_heads: int = 0  # gqa
+    head_dim: int = 0  # gqa
+    q_lora_rank: int = 0  # mla (0: q projected straight from the hidden state)
+    kv_lora_rank: int = 0  # mla
+    qk_nope_head_dim: int = 0  # mla
+    qk_rope_head_dim: int = 0  # mla
+    v_head_dim: int = 0  # mla
+    index_heads: int = 0  # DSA lightning indexer (0: none)
+    index_head_dim: int = 0
+    index_topk: int = 0  # keys each query attends to under DSA (0: all, dense causal)
+    num_experts: int = 1
+    top_k: int = 1
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    dense_intermediate_size: int = 0
+    weight_bytes: float = 2.0  # bytes per weight as served (2: bf16, 1: int8/fp8)
+    act_bytes: float = 2.0  # bytes per activation element sent to the experts (dispatch)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"ModelSpec {self.name!r}: {msg}")
+
+        need(self.attention in ("gqa", "mla"), f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+        need(self.num_layers > 0 and 0 <= self.num_dense_layers <= self.num_layers,
+             f"need 0 <= num_dense_layers ({self.num_dense_layers}) <= num_layers ({self.num_layers})")
+        need(self.hidden_size > 0 and self.num_heads > 0, "hidden_size and num_heads must be > 0")
+        if self.attention == "gqa":
+            need(self.num_kv_heads > 0 and self.head_dim > 0 and self.num_heads % self.num_kv_heads == 0,
+                 "gqa needs num_kv_heads dividing num_heads, and head_dim > 0")
+        else:
+            need(self.kv_lora_rank > 0 and self.qk_rope_head_dim > 0 and self.v_head_dim > 0,
+                 "mla needs kv_lora_rank, qk_rope_head_dim and v_head_dim > 0")
+        need(1 <= self.top_k <= self.num_experts, f"need 1 <= top_k ({self.top_k}) <= num_experts ({self.num_experts})")
+        need(self.num_layers == self.num_dense_layers or self.moe_intermediate_size > 0,
+             "MoE layers need moe_intermediate_size > 0")
+        need(self.num_dense_layers == 0 or self.dense_intermediate_size > 0,
+             "dense layers need dense_intermediate_size > 0")
+        need((self.index_heads > 0) == (self.index_head_dim > 0), "index_heads and index_head_dim go together")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def attn_proj_params(self) -> int:
+        """Weights of one layer's attention projections (q, k, v or their low-rank factors, o, indexer)."""
+        h, n = self.hidden_size, self.num_heads
+        if self.attention == "gqa":
+            p = h * n * self.head_dim * 2 + h * self.num_kv_heads * self.head_dim * 2
+        else:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = h * self.q_lora_rank + self.q_lora_rank * n * qk if self.q_lora_rank else h * n * qk
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * n * (
+                self.qk_nope_head_dim + self.v_head_dim)
+            p = q + kv + n * self.v_head_dim * h
+        if self.index_heads:
+            src = self.q_lora_rank or h
+            p += src * self.index_heads * self.index_head_dim + h * self.index_head_dim + h * self.index_heads
+        return p
+
+    @property
+    def attn_pair_flops(self) -> int:
+        """FLOPs per (query, key) pair of the core attention, all heads: QK^T and PV."""
+        if self.attention == "gqa":
+            return 4 * self.num_heads * self.head_dim
+        if self.index_topk:
+            # DSA runs MLA in MQA mode (DeepSeek-V3.2 report: each latent key-value entry is shared by
+            # all query heads): scores over the latent + rope dims, values in the latent dim
+            return 2 * self.num_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
+        return 2 * self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+
+    @property
+    def index_pair_flops(self) -> int:
+        """FLOPs per (query, key) pair of the DSA indexer (0 without one); it scores every causal pair."""
+        return 2 * self.index_heads * self.index_head_dim
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def shared_params(self) -> int:
+        return self.num_shared_experts * self.expert_params
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.dense_intermediate_size
+
+
+# Sources: each model's config.json on the Hugging Face Hub (fields named in the comments);
+# docs/simulator.md lists them with links.
+PRESETS: dict[str, ModelSpec] = {
+    # deepseek-ai/DeepSeek-V3.2-Exp config.json. Served W8A8 on Ascend (CloudMatrix384 paper, §4):
+    # int8 weights and int8 dispatch.
+    "deepseek-v3.2": ModelSpec(
+        "deepseek-v3.2", num_layers=61, num_dense_layers=3, hidden_size=7168, vocab_size=129280,
+        num_heads=128, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, index_heads=64, index_head_dim=128, index_topk=2048,
+        num_experts=256, top_k=8, moe_intermediate_size=2048, num_shared_experts=1,
+        dense_intermediate_size=18432, weight_bytes=1.0, act_bytes=1.0),
+    # Qwen/Qwen3-235B-A22B config.json (bf16).
+    "qwen3-235b-a22b": ModelSpec(
+        "qwen3-235b-a22b", num_layers=94, num_dense_layers=0, hidden_size=4096, vocab_size=151936,
+        num_heads=64, num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=1536),
+    # moeflow's embedded model (moeflow/model/tiny.py, TINY_VERSION 3; a unit test compares them).
+    "tiny": ModelSpec(
+        "tiny", num_layers=8, num_dense_layers=0, hidden_size=1024, vocab_size=258, num_heads=16,
+        num_kv_heads=4, head_dim=64, num_experts=16, top_k=4, moe_intermediate_size=640),
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]

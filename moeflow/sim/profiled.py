@@ -1,0 +1,131 @@
+"""ProfiledCost: the cost model read off tables ``moeflow profile`` measured on the real engine.
+
+Attention is the profile's fit over (tokens, pairs, sequences); experts interpolate the measured
+time against routed pairs for the number of local experts a device holds (the plateau and the
+linear growth are whatever was measured); transport latency and bandwidth come from what lone
+requests through the real asap and dep deployments spent beyond the sum of their stages.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+
+import numpy as np
+
+from moeflow.sim.cost import CostModel
+from moeflow.sim.model_spec import ModelSpec
+from moeflow.sim.shape import AttnShape
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through sorted (x, y) points; linear beyond the last two; clamped below."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    i = min(bisect.bisect_left(xs, x), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def fit_nonneg(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0 (drop the most negative one and refit)."""
+    a, b = np.asarray(rows, float), np.asarray(y, float)
+    keep = list(range(a.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            out = [0.0] * a.shape[1]
+            for i, c in zip(keep, coef):
+                out[i] = max(0.0, float(c))
+            return out
+        keep.pop(int(np.argmin(coef)))
+
+
+
+class ProfiledCost(CostModel):
+    def __init__(self, model: ModelSpec, profile: dict):
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"profile of {profile.get('model')!r}: {msg}")
+
+        for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
+            need(profile.get(key) == getattr(model, {"num_layers": "num_layers", "num_experts": "num_experts",
+                                                     "top_k": "top_k", "hidden_size": "hidden_size"}[key]),
+                 f"{key} {profile.get(key)} does not match model preset {model.name!r}")
+        self.model = model
+        self.attn = profile["attention"]["fit"]
+        self.head = profile["head"]["fit"]
+        self.experts_table = {int(k): sorted((float(n), float(s)) for n, s in v) for k, v in profile["experts"].items()}
+        self.transport = {name: self._transport(e["samples"], name, e["layout"]) for name, e in
+                          profile.get("engine", {}).items()}
+        need("asap" in self.transport and "dep" in self.transport,
+             "no engine samples (was it written with --quick?): transport costs are unknown")
+
+    @classmethod
+    def load(cls, model: ModelSpec, path: str) -> "ProfiledCost":
+        with open(path) as f:
+            return cls(model, json.load(f))
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def attention_s(self, shape, tp, dense_layer):
+        if shape.num_tokens == 0:
+            return 0.0
+        a = self.attn
+        return a["c0"] + (a["per_token"] * shape.num_tokens + a["per_pair"] * shape.num_pairs
+                          + a["per_seq"] * shape.num_seqs) / tp
+
+    def experts_s(self, num_routed, num_local_experts):
+        if num_routed <= 0:
+            return 0.0
+        if num_local_experts not in self.experts_table:
+            raise ValueError(f"the profile measured experts for {sorted(self.experts_table)} local experts, "
+                             f"not {num_local_experts}")
+        return interpolate(self.experts_table[num_local_experts], num_routed)
+
+    def head_s(self, shape, tp):
+        h = self.head
+        return h["c0"] + h["per_token"] * shape.num_tokens + h["per_sampled"] * shape.num_sampled
+
+    # -- transport ----------------------------------------------------------------------------
+
+    def _stages_s(self, n: int, local: int, tokens_share: float) -> float:
+        """The sum of the stages of a lone n-token request (the experts see ``tokens_share`` of it)."""
+        m = self.model
+        shape = AttnShape.of([(0, n, True)])
+        layer = self.attention_s(shape, 1, False) + self.experts_s(round(n * m.top_k * tokens_share), local)
+        return self.head_s(shape, 1) + m.num_layers * layer
+
+    def _transport(self, samples: list[dict], name: str, layout: dict) -> tuple[float, float]:
+        """(latency per message, bytes per second) from lone requests: per layer, a request pays two
+        messages (dispatch, combine) and their bytes beyond what its stages took."""
+        m = self.model
+        if name == "asap":
+            workers = layout.get("moe_workers", 1)
+            local, share, moved = m.num_experts // workers, 1 / workers, 1.0
+        else:
+            dp = layout.get("dp", 1)
+            local, share, moved = m.num_experts // dp, 1 / dp, (dp - 1) / dp
+        rows, extra = [], []
+        for s in samples:
+            n = s["prompt_len"]
+            rows.append([2 * m.num_layers, m.num_layers * (self.dispatch_bytes(n) + self.combine_bytes(n)) * moved])
+            extra.append(s["ttft_s"] - self._stages_s(n, local, share))
+        latency, s_per_byte = fit_nonneg(rows, extra)
+        return latency, (1 / s_per_byte if s_per_byte > 0 else float("inf"))
+
+    def transfer_s(self, nbytes):
+        latency, bw = self.transport["asap"]
+        return latency + nbytes / bw
+
+    def all_to_all_s(self, nbytes):
+        latency, bw = self.transport["dep"]
+        return latency + nbytes / bw
+
+    @property
+    def link_bw_Bps(self):
+        return self.transport["asap"][1]
+
+    @property
+    def host_dispatch_s(self):
+        return 0.0

@@ -1,0 +1,83 @@
+"""Simulate an experiment: each system at each rate, the SLO search, results in ``bench serve``'s
+JSON schema (so ``moeflow bench plot`` overlays simulated and measured curves)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from moeflow.bench.metrics import summarize
+from moeflow.bench.slo import SloSearch, find_slo_rps
+from moeflow.bench.workload import generate_requests
+from moeflow.sim.asap import AsapSystem
+from moeflow.sim.config import SimConfig
+from moeflow.sim.cost import AnalyticCost, CostModel
+from moeflow.sim.dep import DepSystem
+from moeflow.sim.hardware import hardware_preset
+from moeflow.sim.model_spec import model_preset
+from moeflow.sim.system import RunResult, System, SystemConfig
+
+SYSTEMS: dict[str, type[System]] = {"dep": DepSystem, "asap": AsapSystem}
+
+
+def build_cost(cfg: SimConfig) -> CostModel:
+    model = model_preset(cfg.model)
+    if cfg.cost == "profiled":
+        from moeflow.sim.profiled import ProfiledCost
+
+        return ProfiledCost.load(model, cfg.profile)
+    return AnalyticCost(model, hardware_preset(cfg.hardware).with_overrides(**dict(cfg.hardware_overrides)))
+
+
+@dataclass
+class SystemRun:
+    result: dict  # bench serve schema
+    num_events: int
+    spans: list
+
+
+def run_point(system: SystemConfig, cost: CostModel, cfg: SimConfig, rate: float,
+              stop_above_mean_ttft_s: float | None = None, trace_until_s: float = 0.0) -> tuple[dict, RunResult]:
+    workload = dataclasses.replace(cfg.workload, rate_rps=rate)
+    sim = SYSTEMS[system.mode](system, cost, trace_until_s)
+    res = sim.run(generate_requests(workload), stop_above_mean_ttft_s)
+    p = summarize(rate, res.records, 0.0, cfg.workload.length_scale)
+    p["sim_events"] = res.num_events
+    if res.stopped_early:
+        p.update(stopped_early=True, ttft_mean_s=res.mean_ttft_bound_s, ttft_p50_s=None, ttft_p90_s=None,
+                 ttft_p99_s=None)
+    return p, res
+
+
+def run_system(name: str, cfg: SimConfig, cost: CostModel, rates: tuple[float, ...], find_slo: bool,
+               trace_rate: float | None = None, trace_window_s: float = 0.0) -> SystemRun:
+    system = cfg.systems[name]
+    points: dict[float, dict] = {}
+    events = 0
+    spans: list = []
+
+    def measure(rate: float, stop: float | None = None) -> float:
+        nonlocal events, spans
+        tracing = trace_rate is not None and math.isclose(rate, trace_rate)
+        p, res = run_point(system, cost, cfg, rate, stop, trace_window_s if tracing else 0.0)
+        events += res.num_events
+        if tracing:
+            spans = res.spans
+        points[rate] = p
+        return p["ttft_mean_s"] if p["ttft_mean_s"] is not None else math.inf
+
+    for r in rates:
+        measure(r)
+    slo = None
+    if find_slo:
+        search = SloSearch(cfg.slo_ttft_s, cfg.slo_probes, cfg.slo_rel_tol)
+        measured = {r: (p["ttft_mean_s"] if p["ttft_mean_s"] is not None else math.inf) for r, p in points.items()}
+        slo = find_slo_rps(lambda r: measure(r, search.slo_ttft_s), search, measured)
+    result = {"mode": system.mode, "simulated": True,
+              "config": {**dataclasses.asdict(system), "model": cfg.model, "hardware": cfg.hardware,
+                         "cost": cfg.cost, "devices": system.num_devices},
+              "workload": {k: v for k, v in cfg.workload.to_dict().items() if k != "rate_rps"},
+              "slo_ttft_s": cfg.slo_ttft_s, "slo_rps": slo.rps if slo else None,
+              "slo_upper_rps": slo.upper_rps if slo else None,
+              "points": [points[r] for r in sorted(points)]}
+    return SystemRun(result, events, spans)

@@ -1,0 +1,47 @@
+"""AttnShape: what attention cost depends on, read off a batch of scheduled sequences.
+
+Attention grows with the (query, key) pairs of a batch — Σ sᵢ²/2 for fresh prompts — not with
+its token count; that is the DP imbalance ASAP §2.2 is about.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeflow.core import Batch
+
+
+def _capped_pairs(n: int, cap: int) -> int:
+    """Σ_{p<n} min(p + 1, cap): keys seen by the queries at positions 0..n-1 (cap 0: uncapped)."""
+    if cap <= 0 or n <= cap:
+        return n * (n + 1) // 2
+    return cap * (cap + 1) // 2 + (n - cap) * cap
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    num_tokens: int  # Σ q: tokens computed this step
+    num_seqs: int
+    num_pairs: int  # causal (query, key) pairs over the whole context: Σ q·ctx + q(q+1)/2
+    num_sparse_pairs: int  # the same with each query capped at the model's index_topk keys
+    num_sampled: int  # sequences that reach their end and sample a token
+
+    @classmethod
+    def of(cls, spans: list[tuple[int, int, bool]], topk: int = 0) -> "AttnShape":
+        """spans: (start, num_tokens, samples) per sequence."""
+        tokens = pairs = sparse = sampled = 0
+        for start, n, samples in spans:
+            end = start + n
+            tokens += n
+            pairs += _capped_pairs(end, 0) - _capped_pairs(start, 0)
+            sparse += _capped_pairs(end, topk) - _capped_pairs(start, topk) if topk else 0
+            sampled += samples
+        return cls(tokens, len(spans), pairs, sparse if topk else pairs, sampled)
+
+    @classmethod
+    def of_batch(cls, batch: Batch, topk: int = 0) -> "AttnShape":
+        return cls.of([(s.start, s.num_tokens, s.is_last_chunk) for s in batch.seqs], topk)
+
+    @classmethod
+    def sum(cls, shapes: list["AttnShape"]) -> "AttnShape":
+        return cls(*(sum(getattr(s, f) for s in shapes) for f in
+                     ("num_tokens", "num_seqs", "num_pairs", "num_sparse_pairs", "num_sampled")))

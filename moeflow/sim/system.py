@@ -1,0 +1,152 @@
+"""One simulated deployment: its layout, and the bookkeeping every mode shares.
+
+A ``System`` owns the event loop of one run: it feeds workload arrivals to the engine's own
+scheduler (imported unchanged from ``moeflow.scheduler``), prices each stage with the cost model,
+and records per-request times in ``bench serve``'s ``RequestRecord`` form.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from moeflow.bench.metrics import RequestRecord, mean_ttft_lower_bound
+from moeflow.bench.workload import WorkloadRequest
+from moeflow.config import SchedulerConfig
+from moeflow.core import Batch, Request, SamplingParams
+from moeflow.messages import Span
+from moeflow.scheduler.block_allocator import BlockAllocator
+from moeflow.sim.cost import CostModel
+from moeflow.sim.events import EventLoop
+
+MODES = ("dep", "asap")
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """A deployment to simulate. dep: ``dp`` ranks of ``tp`` devices, experts over all dp·tp devices.
+    asap: ``attn_dp`` groups of ``attn_tp`` devices plus ``moe_workers`` expert devices."""
+
+    name: str
+    mode: str
+    dp: int = 1
+    tp: int = 1
+    chunked_prefill_size: int | None = None
+    placement: str = "least_loaded"  # dep: how requests meet ranks (scheduler/dep.py PLACEMENTS)
+    max_batch_tokens: int = 16384  # dep: per rank and step; asap: scheduler.max_batch_tokens wins
+    attn_dp: int = 1
+    attn_tp: int = 1
+    moe_workers: int = 1
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    comm_overlap: bool = True  # asap: receive / compute / send on separate streams (ASAP §3.4)
+    super_kernel: bool = True  # asap: layer-oblivious MoE kernel; False pays host_dispatch_s per layer
+    kv_tokens_per_group: int = 1 << 20  # KV-cache capacity of one attention group / rank
+    block_size: int = 256
+    max_num_seqs: int = 1024
+    max_model_len: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"system {self.name!r}: {msg}")
+
+        need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
+        for f in ("dp", "tp", "attn_dp", "attn_tp", "moe_workers", "max_batch_tokens", "kv_tokens_per_group",
+                  "block_size", "max_num_seqs", "max_model_len"):
+            need(isinstance(getattr(self, f), int) and getattr(self, f) > 0,
+                 f"{f} must be a positive int, got {getattr(self, f)!r}")
+        need(self.chunked_prefill_size is None or self.chunked_prefill_size > 0,
+             f"chunked_prefill_size must be > 0, got {self.chunked_prefill_size}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp if self.mode == "dep" else self.attn_dp * self.attn_tp + self.moe_workers
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    num_events: int
+    end_s: float
+    stopped_early: bool = False
+    mean_ttft_bound_s: float | None = None  # set when stopped early
+    spans: list[Span] = field(default_factory=list)
+
+
+@dataclass
+class _Track:
+    """Per request: what the records need beyond the scheduler's Request."""
+
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    compute_s: float = 0.0
+
+
+class System(abc.ABC):
+    def __init__(self, cfg: SystemConfig, cost: CostModel, trace_until_s: float = 0.0):
+        self.cfg, self.cost, self.model = cfg, cost, cost.model
+        self.loop = EventLoop()
+        self.trace_until_s = trace_until_s  # record spans that start before this time (0: none)
+        self.spans: list[Span] = []
+        self.records: list[RequestRecord] = []
+        self.track: dict[str, _Track] = {}
+        self._pending = 0
+
+    def _allocators(self, n: int) -> list[BlockAllocator]:
+        c = self.cfg
+        return [BlockAllocator(-(-c.kv_tokens_per_group // c.block_size), c.block_size) for _ in range(n)]
+
+    def span(self, track: str, name: str, start_s: float, end_s: float) -> None:
+        if start_s < self.trace_until_s and end_s > start_s:
+            self.spans.append(Span(name, track, start_s, end_s))
+
+    @abc.abstractmethod
+    def add(self, request: Request) -> None:
+        """A request arrives now (``self.loop.now``)."""
+
+    def run(self, workload: list[WorkloadRequest], stop_above_mean_ttft_s: float | None = None) -> RunResult:
+        """Replay ``workload`` to the end (or until the mean TTFT can no longer stay below the bound)."""
+        for i, w in enumerate(workload):
+            # NOTE: a range stands in for the prompt's token ids: the scheduler only counts them.
+            r = Request(f"r{i}", range(w.prompt_len), SamplingParams(max_tokens=w.output_len, ignore_eos=True),
+                        arrival_s=w.arrival_s)
+            self.loop.at(w.arrival_s, self._arrive, r)
+        self._pending = len(workload)
+        stop = (lambda: False) if stop_above_mean_ttft_s is None else (
+            lambda: self.loop.num_events % 4096 == 0 and self._bound(len(workload)) > stop_above_mean_ttft_s)
+        self.loop.run(stop)
+        stopped = self._pending > 0
+        return RunResult(self.records, self.loop.num_events, self.loop.now, stopped,
+                         self._bound(len(workload)) if stopped else None, self.spans)
+
+    def _bound(self, num_total: int) -> float:
+        now = self.loop.now
+        done = [r.ttft_s for r in self.records]
+        waiting = [t.arrival_s for rid, t in self.track.items() if t.arrival_s <= now]
+        return mean_ttft_lower_bound(done, waiting, num_total, now)
+
+    def _arrive(self, r: Request) -> None:
+        self.track[r.request_id] = _Track(r.arrival_s)
+        self.add(r)
+
+    def started(self, request_ids, compute_s: float, now: float) -> None:
+        """Requests in a batch that started at ``now`` and will compute ``compute_s`` of it."""
+        for rid in request_ids:
+            t = self.track.get(rid)
+            if t is None:
+                continue
+            if t.first_scheduled_s is None:
+                t.first_scheduled_s = now
+            t.compute_s += compute_s
+
+    def sampled(self, batch: Batch, finished: list[Request], now: float) -> None:
+        """A batch's tokens were sampled at ``now``; ``finished``: the requests it completed."""
+        for s in batch.seqs:
+            t = self.track.get(s.request_id)
+            if t is not None and s.is_last_chunk and t.first_token_s is None:
+                t.first_token_s = now
+        for r in finished:
+            t = self.track.pop(r.request_id)
+            self.records.append(RequestRecord(r.num_prompt_tokens, t.arrival_s, t.first_scheduled_s,
+                                              t.first_token_s, t.compute_s, now))
+            self._pending -= 1

@@ -1,0 +1,153 @@
+"""The simulator: event order, determinism, the cost model's limits, closed-form single requests,
+configs, and that it drives the engine's own schedulers."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from moeflow.bench.workload import WorkloadRequest
+from moeflow.scheduler.asap import AsapScheduler
+from moeflow.scheduler.dep import DepScheduler
+from moeflow.sim.asap import AsapSystem
+from moeflow.sim.config import parse_config
+from moeflow.sim.cost import AnalyticCost
+from moeflow.sim.dep import DepSystem
+from moeflow.sim.events import EventLoop
+from moeflow.sim.hardware import hardware_preset
+from moeflow.sim.model_spec import model_preset
+from moeflow.sim.run import build_cost, run_point, run_system
+from moeflow.sim.shape import AttnShape
+from moeflow.sim.system import SystemConfig
+
+SCHED = {"min_batch_tokens": 256, "max_batch_tokens": 8192, "max_batch_wait_s": 0.01, "long_prompt_tokens": 4096}
+
+
+def _cfg(**systems) -> object:
+    return parse_config({"model": "qwen3-235b-a22b", "hardware": "h200", "rps": [2, 8], "slo_ttft_s": 1.0,
+                         "workload": {"kind": "production", "length_scale": 0.25, "duration_s": 20, "seed": 3},
+                         "systems": systems or {
+                             "dep": {"mode": "dep", "dp": 4, "max_batch_tokens": 8192},
+                             "asap": {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "scheduler": SCHED}}})
+
+
+def test_events_run_in_time_then_insertion_order_and_never_in_the_past():
+    loop, seen = EventLoop(), []
+    for t, name in [(2.0, "c"), (1.0, "a"), (2.0, "d"), (1.0, "b")]:
+        loop.at(t, seen.append, name)
+    loop.run()
+    assert seen == ["a", "b", "c", "d"] and loop.now == 2.0 and loop.num_events == 4
+    with pytest.raises(ValueError, match="before now"):
+        loop.at(1.5, seen.append, "late")
+
+
+def test_same_config_same_result():
+    cfg = _cfg()
+    cost = build_cost(cfg)
+    for name in cfg.systems:
+        a = run_system(name, cfg, cost, cfg.rps, find_slo=True).result
+        b = run_system(name, cfg, cost, cfg.rps, find_slo=True).result
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+        assert a["points"][0]["completed"] > 0 and a["slo_rps"] is not None
+
+
+def test_sparse_pairs_match_brute_force():
+    for start, n, cap in [(0, 10, 4), (3, 9, 4), (6, 5, 4), (0, 3, 8), (100, 50, 0)]:
+        brute = sum(min(p + 1, cap) if cap else p + 1 for p in range(start, start + n))
+        s = AttnShape.of([(start, n, True)], cap)
+        assert s.num_sparse_pairs == brute
+        assert s.num_pairs == sum(p + 1 for p in range(start, start + n))
+
+
+def test_cost_model_limits():
+    cost = AnalyticCost(model_preset("deepseek-v3.2"), hardware_preset("ascend-910c-die"))
+    hw = cost.hw
+    assert cost.roof.op_s(0, 0) == hw.launch_s
+    assert cost.transfer_s(0) == hw.link_latency_s
+    assert cost.transfer_s(1e9) == pytest.approx(hw.link_latency_s + 1e9 / (hw.link_bw_Bps * hw.link_eff))
+    # experts: flat while the weights' bytes dominate, then linear in the tokens (ASAP Fig. 3b)
+    small, small2 = cost.experts_s(64, 16), cost.experts_s(128, 16)
+    big, big2 = cost.experts_s(1 << 17, 16), cost.experts_s(1 << 18, 16)
+    assert small2 / small < 1.05 and big2 / big == pytest.approx(2, rel=0.01)
+    assert cost.experts_s(0, 16) == 0.0
+    # attention follows the pairs, not the tokens: same 32k tokens, one prompt costs more
+    one = cost.attention_s(AttnShape.of([(0, 32768, True)], 2048), 1, False)
+    many = cost.attention_s(AttnShape.of([(0, 1024, True)] * 32, 2048), 1, False)
+    assert one > 2 * many
+    # tensor parallelism splits the work (and adds an all-reduce)
+    assert cost.attention_s(AttnShape.of([(0, 8192, True)], 2048), 4, False) < one / 4
+
+
+def test_a_lone_request_takes_the_closed_form_time():
+    cfg = _cfg()
+    cost = build_cost(cfg)
+    m, n = cost.model, 3000
+    shape = AttnShape.of([(0, n, True)])
+    dep_cfg = SystemConfig("d", "dep", dp=4, max_batch_tokens=8192)
+    rec = DepSystem(dep_cfg, cost).run([WorkloadRequest(0.0, n, 1)]).records[0]
+    moved = 3 / 4
+    layer = (cost.attention_s(shape, 1, False) + cost.all_to_all_s(cost.dispatch_bytes(n) * moved)
+             + cost.experts_s(round(n * m.top_k / 4), m.num_experts // 4)
+             + cost.all_to_all_s(cost.combine_bytes(n) * moved))
+    assert rec.ttft_s == pytest.approx(cost.head_s(shape, 1) + m.num_layers * layer)
+    sched = dict(SCHED, max_batch_wait_s=0.0, split_lone_batch=False)
+    asap_cfg = SystemConfig("a", "asap", attn_dp=1, moe_workers=2, scheduler=parse_config(
+        {"model": "tiny", "hardware": "h200", "workload": {"duration_s": 1},
+         "systems": {"a": {"mode": "asap", "scheduler": sched}}}).systems["a"].scheduler)
+    sim = AsapSystem(asap_cfg, cost)
+    rec = sim.run([WorkloadRequest(0.0, n, 1)]).records[0]
+    bw = cost.link_bw_Bps
+    layer = (cost.attention_s(shape, 1, False) + cost.dispatch_bytes(n) / 2 / bw + 2 * cost.transfer_s(0)
+             + cost.experts_s(round(n * m.top_k / 2), m.num_experts // 2) + cost.combine_bytes(n) / 2 / bw)
+    assert rec.ttft_s == pytest.approx(cost.head_s(shape, 1) + m.num_layers * layer)
+    assert isinstance(sim.sched, AsapScheduler)
+
+
+def test_the_engine_schedulers_drive_the_simulation():
+    cfg = _cfg()
+    cost = build_cost(cfg)
+    assert isinstance(DepSystem(cfg.systems["dep"], cost).sched, DepScheduler)
+    assert isinstance(AsapSystem(cfg.systems["asap"], cost).sched, AsapScheduler)
+
+
+def test_each_asap_optimization_raises_slo_throughput():
+    base = {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "scheduler": SCHED}
+    cfg = _cfg(asap=base, no_overlap={**base, "comm_overlap": False}, no_super_kernel={**base, "super_kernel": False},
+               no_dual={**base, "scheduler": {**SCHED, "dual_batch": False}})
+    cost = build_cost(cfg)
+    slo = {n: run_system(n, cfg, cost, cfg.rps, find_slo=True).result["slo_rps"] for n in cfg.systems}
+    for ablation in ("no_overlap", "no_super_kernel", "no_dual"):
+        assert slo[ablation] < slo["asap"], slo
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match="unknown keys in systems.x"):
+        _cfg(x={"mode": "dep", "dpp": 2})
+    with pytest.raises(ValueError, match="mode must be one of"):
+        _cfg(x={"mode": "tp"})
+    with pytest.raises(ValueError, match="missing 'workload'"):
+        parse_config({"model": "tiny", "hardware": "h200", "systems": {"a": {"mode": "asap"}}})
+    with pytest.raises(ValueError, match="unknown model preset"):
+        build_cost(parse_config({"model": "gpt", "hardware": "h200", "workload": {"duration_s": 1},
+                                 "systems": {"a": {"mode": "asap"}}}))
+    with pytest.raises(ValueError, match="unknown fields"):
+        hardware_preset("h200").with_overrides(flopz=1)
+
+
+def test_tiny_preset_matches_the_embedded_model():
+    from moeflow.model.tiny import TINY_HF_CONFIG as c
+
+    m = model_preset("tiny")
+    assert (m.num_layers, m.hidden_size, m.vocab_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts,
+            m.top_k, m.moe_intermediate_size) == (
+        c["num_hidden_layers"], c["hidden_size"], c["vocab_size"], c["num_attention_heads"],
+        c["num_key_value_heads"], c["head_dim"], c["num_experts"], c["num_experts_per_tok"],
+        c["moe_intermediate_size"])
+
+
+def test_simulating_stops_early_once_the_slo_is_lost():
+    cfg = _cfg()
+    cost = build_cost(cfg)
+    res, _ = run_point(cfg.systems["dep"], cost, cfg, 200.0, stop_above_mean_ttft_s=1.0)
+    assert res.get("stopped_early") and res["completed"] < 4000 and res["ttft_mean_s"] > 0 and math.isfinite(res["ttft_mean_s"])
