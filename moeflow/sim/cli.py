@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--trace", default=None, metavar="OUT.json", help="Chrome trace of one rate (--trace-rps)")
     p.add_argument("--trace-rps", type=float, default=None, help="rate to trace (default: the first)")
     p.add_argument("--trace-window-s", type=float, default=10.0, help="simulated seconds the trace covers")
+    p.add_argument("--compare", action="append", default=[], metavar="SYSTEM=MEASURED.json",
+                   help="print the mean-TTFT and SLO-throughput error against a `bench serve` result (repeatable)")
     p.set_defaults(func=run)
 
 
@@ -66,7 +68,19 @@ def run(args: argparse.Namespace) -> int:
                 ra, rb = out[a]["slo_rps"], out[b]["slo_rps"]
                 if a != b and ra and rb and ra > rb:
                     print(f"  {a} / {b} = {ra / rb:.2f}")
+    comparisons = {}
+    for spec in args.compare:
+        from moeflow.sim.compare import compare, format_comparison
+
+        name, _, path = spec.partition("=")
+        if name not in out or not path:
+            raise ValueError(f"--compare {spec!r}: want SYSTEM=FILE.json with SYSTEM among {names}")
+        with open(path) as f:
+            comparisons[name] = compare(out[name], json.load(f))
+        print(format_comparison(name, comparisons[name], comparisons[name]["measured_slo_rps"]))
     data = out[names[0]] if len(names) == 1 else {"systems": out}
+    if comparisons:
+        data = {**data, "comparison": comparisons} if "systems" in data else {"systems": out, "comparison": comparisons}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2)
@@ -77,5 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         from moeflow.engine.trace import write_chrome_trace
 
+        if not spans:
+            raise ValueError(f"nothing ran in the first {args.trace_window_s:g} simulated s at {trace_rate:g} rps: "
+                             "raise --trace-window-s")
         write_chrome_trace(spans, args.trace)
     return 0

@@ -58,6 +58,14 @@ def _system(name: str, d: dict) -> SystemConfig:
     return SystemConfig(**d)
 
 
+def _number(v, where: str) -> float:
+    # NOTE: YAML 1.1 reads 28e9 (no dot, no sign) as a string; accept what float() accepts
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"sim config: {where} must be a number, got {v!r}") from None
+
+
 def parse_config(d: dict) -> SimConfig:
     if not isinstance(d, dict):
         raise ValueError("sim config: the file must hold a mapping")
@@ -69,7 +77,8 @@ def parse_config(d: dict) -> SimConfig:
     w = dict(_pick(WorkloadConfig, d["workload"] or {}, "workload"))
     w.setdefault("rate_rps", 1.0)
     d["workload"] = WorkloadConfig(**w)
-    d["hardware_overrides"] = tuple(sorted((d.get("hardware_overrides") or {}).items()))
+    d["hardware_overrides"] = tuple(sorted((k, _number(v, f"hardware_overrides.{k}"))
+                                           for k, v in (d.get("hardware_overrides") or {}).items()))
     d["rps"] = tuple(float(r) for r in (d.get("rps") or (1.0,)))
     return SimConfig(**d)
 

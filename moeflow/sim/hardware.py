@@ -28,6 +28,10 @@ class Hardware:
     a2a_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for f in self.__dataclass_fields__:
+            v = getattr(self, f)
+            if f != "name" and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"Hardware {self.name!r}: {f} must be a number, got {v!r}")
         for f in ("flops", "flops_int8", "mem_bw_Bps", "link_bw_Bps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")

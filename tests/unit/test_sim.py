@@ -151,3 +151,39 @@ def test_simulating_stops_early_once_the_slo_is_lost():
     cost = build_cost(cfg)
     res, _ = run_point(cfg.systems["dep"], cost, cfg, 200.0, stop_above_mean_ttft_s=1.0)
     assert res.get("stopped_early") and res["completed"] < 4000 and res["ttft_mean_s"] > 0 and math.isfinite(res["ttft_mean_s"])
+
+
+def test_simulate_cli_writes_schema_plot_trace_and_compares(tmp_path, capsys):
+    from moeflow.cli import main
+
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text("""
+model: tiny
+hardware: cpu-here
+workload: {kind: production, length_scale: 0.1, duration_s: 10, seed: 0}
+rps: [0.5, 1]
+slo_ttft_s: 2
+systems:
+  dep: {mode: dep, dp: 2}
+  asap: {mode: asap, attn_dp: 1, moe_workers: 1}
+""")
+    out, png, trace = tmp_path / "o.json", tmp_path / "o.png", tmp_path / "t.json"
+    assert main(["simulate", "--config", str(cfg), "--find-slo-rps", "--json", str(out), "--plot", str(png),
+                 "--trace", str(trace), "--trace-window-s", "20"]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["systems"]) == {"dep", "asap"}
+    for r in data["systems"].values():
+        assert {"mode", "config", "workload", "slo_ttft_s", "slo_rps", "points"} <= set(r)
+        assert {"rps", "completed", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "prefill_tok_s",
+                "buckets"} <= set(r["points"][0])
+    names = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "M"}
+    assert any(n.startswith("asap:attn0") for n in names) and any(n.startswith("dep:rank1") for n in names)
+    assert png.stat().st_size > 0 and "SLO throughput" in capsys.readouterr().out
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps(data["systems"]["asap"]))
+    assert main(["simulate", "--config", str(cfg), "--system", "asap", "--find-slo-rps",
+                 "--compare", f"asap={measured}", "--json", str(out)]) == 0
+    assert "+0.0%" in capsys.readouterr().out
+    assert json.loads(out.read_text())["comparison"]["asap"]["slo_error"] == 0.0
+    assert main(["bench", "plot", str(out), "--out", str(png)]) == 0
+    assert main(["simulate", "--config", str(cfg), "--system", "nope"]) == 2

@@ -1,0 +1,37 @@
+"""Simulated against measured: mean TTFT error per rate and SLO-throughput error."""
+from __future__ import annotations
+
+import math
+
+
+def compare(simulated: dict, measured: dict) -> dict:
+    """Both in ``bench serve``'s schema. Rates are matched exactly; the measured runs' rates that
+    the simulation did not run are skipped (run the simulation with ``--rps`` to cover them)."""
+    sim = {p["rps"]: p for p in simulated["points"]}
+    rows = []
+    for p in measured["points"]:
+        s = sim.get(p["rps"])
+        if s is None or p.get("stopped_early") or s.get("stopped_early") or p["ttft_mean_s"] is None:
+            continue
+        rows.append({"rps": p["rps"], "measured_ttft_s": p["ttft_mean_s"], "simulated_ttft_s": s["ttft_mean_s"],
+                     "error": s["ttft_mean_s"] / p["ttft_mean_s"] - 1})
+    ms, ss = measured.get("slo_rps"), simulated.get("slo_rps")
+    return {"points": rows, "measured_slo_rps": ms, "simulated_slo_rps": ss,
+            "slo_error": (ss / ms - 1) if ms and ss else None}
+
+
+def format_comparison(name: str, c: dict, below_rps: float | None = None) -> str:
+    lines = [f"{name}: {'rate':>7} {'measured':>9} {'simulated':>9} {'error':>7}"]
+    for r in c["points"]:
+        mark = "" if below_rps is None or r["rps"] < below_rps else "  (at/above saturation)"
+        lines.append(f"{'':>{len(name) + 1}} {r['rps']:>7g} {r['measured_ttft_s']:>8.2f}s {r['simulated_ttft_s']:>8.2f}s "
+                     f"{r['error'] * 100:>+6.1f}%{mark}")
+    if c["slo_error"] is not None:
+        lines.append(f"{'':>{len(name) + 1}} SLO throughput: measured {c['measured_slo_rps']:g} rps, simulated "
+                     f"{c['simulated_slo_rps']:g} rps ({c['slo_error'] * 100:+.1f}%)")
+    return "\n".join(lines)
+
+
+def max_abs_error(c: dict, below_rps: float | None) -> float:
+    errs = [abs(r["error"]) for r in c["points"] if below_rps is None or r["rps"] < below_rps]
+    return max(errs) if errs else math.nan
