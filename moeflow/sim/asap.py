@@ -53,6 +53,8 @@ class AsapSystem(System):
         self.bw = cost.link_bw_Bps
         self.latency = cost.transfer_s(0)
         self._wakeup_at: float | None = None
+        self.num_entities = {"attention": cfg.attn_dp, "moe": e}
+        self.busy_s = {"attention": 0.0, "moe": 0.0}
 
     def add(self, request: Request) -> None:
         self.sched.add(request)
@@ -95,6 +97,7 @@ class AsapSystem(System):
         dur = f.attn_dense_s if dense else f.attn_s
         if not dense and not self.cfg.comm_overlap:  # the group's devices send the dispatch themselves
             dur += f.dispatch_bytes * self.cfg.moe_workers / (self.bw * self.cfg.attn_tp)
+        self.busy_s["attention"] += dur
         if now < self.trace_until_s:
             self.span(f"attn{gid}/main", f"attention L{f.layer}", now, now + dur)
         self.loop.at(now + dur, self._attention_done, f)
@@ -114,6 +117,7 @@ class AsapSystem(System):
         ports and streams); returns when the last combine has reached the group."""
         cfg, bw, lat = self.cfg, self.bw, self.latency
         back = 0.0
+        self.busy_s["moe"] += f.experts_s * cfg.moe_workers
         for w in range(cfg.moe_workers):
             if cfg.comm_overlap:
                 recv_end = max(sent_s, self.moe_in_free[w]) + f.dispatch_bytes / bw
@@ -153,6 +157,7 @@ class AsapSystem(System):
             shape = AttnShape.sum([AttnShape.of_batch(x.batch) for x in g.done])
             head = self.cost.head_s(shape, self.cfg.attn_tp)
             self.started([s.request_id for x in g.done for s in x.batch.seqs], head / len(g.done), self.loop.now)
+            self.busy_s["attention"] += head
             self.loop.at(self.loop.now + head, self._work_done, f.group)
 
     def _work_done(self, gid: int) -> None:

@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
               f"{cfg.cost} cost)")
         for p in res.result["points"]:
             print(format_point(p))
+            print("  busy (computing, not waiting): "
+                  + ", ".join(f"{role} {frac:.0%}" for role, frac in p["sim_busy"].items()))
         print(f"simulated {res.num_events:,} events in {wall:.1f} s ({res.num_events / wall:,.0f} events/s)")
     if find_slo:
         print(f"\nSLO throughput (mean TTFT <= {cfg.slo_ttft_s:g} s):")

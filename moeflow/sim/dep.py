@@ -20,6 +20,8 @@ class DepSystem(System):
                                   cfg.max_num_seqs, cfg.chunked_prefill_size, cfg.placement)
         self.busy = False
         self.ep = cfg.dp * cfg.tp  # expert devices: every device of every rank
+        self.num_entities = {"rank": cfg.dp}
+        self.busy_s = {"rank": 0.0}
 
     def add(self, request: Request) -> None:
         self.sched.add(request)
@@ -51,6 +53,7 @@ class DepSystem(System):
         step = max(head) + m.num_dense_layers * dense_layer + m.num_moe_layers * moe_layer
         for i, b in enumerate(batches):
             own = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * (attn[i] + experts)
+            self.busy_s["rank"] += own
             self.started([s.request_id for s in b.seqs], own, now)
         if now < self.trace_until_s:
             self._trace(now, attn, attn_dense, head, dispatch, experts, combine)

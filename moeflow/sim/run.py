@@ -43,6 +43,7 @@ def run_point(system: SystemConfig, cost: CostModel, cfg: SimConfig, rate: float
     res = sim.run(generate_requests(workload), stop_above_mean_ttft_s)
     p = summarize(rate, res.records, 0.0, cfg.workload.length_scale)
     p["sim_events"] = res.num_events
+    p["sim_busy"] = res.busy  # per role: fraction of the run its devices computed (not waited)
     if res.stopped_early:
         p.update(stopped_early=True, ttft_mean_s=res.mean_ttft_bound_s, ttft_p50_s=None, ttft_p90_s=None,
                  ttft_p99_s=None)

@@ -70,6 +70,7 @@ class RunResult:
     stopped_early: bool = False
     mean_ttft_bound_s: float | None = None  # set when stopped early
     spans: list[Span] = field(default_factory=list)
+    busy: dict[str, float] = field(default_factory=dict)  # per role: mean fraction of the run spent computing
 
 
 @dataclass
@@ -91,6 +92,8 @@ class System(abc.ABC):
         self.records: list[RequestRecord] = []
         self.track: dict[str, _Track] = {}
         self._pending = 0
+        self.busy_s: dict[str, float] = {}  # per role: compute seconds summed over its entities
+        self.num_entities: dict[str, int] = {}
 
     def _allocators(self, n: int) -> list[BlockAllocator]:
         c = self.cfg
@@ -116,8 +119,10 @@ class System(abc.ABC):
             lambda: self.loop.num_events % 4096 == 0 and self._bound(len(workload)) > stop_above_mean_ttft_s)
         self.loop.run(stop)
         stopped = self._pending > 0
-        return RunResult(self.records, self.loop.num_events, self.loop.now, stopped,
-                         self._bound(len(workload)) if stopped else None, self.spans)
+        end = self.loop.now
+        busy = {role: s / (self.num_entities[role] * end) if end > 0 else 0.0 for role, s in self.busy_s.items()}
+        return RunResult(self.records, self.loop.num_events, end, stopped,
+                         self._bound(len(workload)) if stopped else None, self.spans, busy)
 
     def _bound(self, num_total: int) -> float:
         now = self.loop.now
