@@ -50,13 +50,14 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from moeflow.bench import comm, experts, plot, prefill, serve
+    from moeflow.bench import comm, experts, plot, prefill, serve, trace_summary
 
     prefill.add_parser(bsub)
     comm.add_parser(bsub)
     experts.add_parser(bsub)
     serve.add_parser(bsub)
     plot.add_parser(bsub)
+    trace_summary.add_parser(bsub)
 
     from moeflow.bench import profile
     from moeflow.sim import cli as sim_cli

@@ -122,3 +122,21 @@ def test_plot_labels_name_mode_and_layout():
     assert label({"mode": "asap", "config": {"attn_dp": 2, "attn_tp": 1, "moe_workers": 2, "dual_batch": False}}) \
         == "asap D=2 T=1 E=2 no-dual-batch"
     assert label({"mode": "dep", "config": {"dp": 4, "chunked_prefill_size": 512}}) == "dep dp=4 chunk=512"
+
+
+def test_trace_summary_adds_time_per_worker_and_stage():
+    from moeflow.bench.trace_summary import summarize_trace
+    from moeflow.engine.trace import write_chrome_trace
+    from moeflow.messages import Span
+    import json
+    import tempfile
+
+    spans = [Span("attention", "attention0/main", 0.0, 1.0), Span("attention", "attention0/main", 2.0, 2.5),
+             Span("experts", "moe0/main", 0.5, 3.0), Span("recv", "moe0/recv", 0.4, 0.5)]
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        write_chrome_trace(spans, f.name)
+        window, total = summarize_trace(json.load(open(f.name)))
+    assert window == pytest.approx(3.0)
+    assert total[("attention0", "main", "attention")] == pytest.approx(1.5)
+    assert total[("moe0", "main", "experts")] == pytest.approx(2.5)
+    assert total[("moe0", "recv", "recv")] == pytest.approx(0.1)
