@@ -95,8 +95,6 @@ class AsapSystem(System):
         now = self.loop.now
         dense = f.layer < self.model.num_dense_layers
         dur = f.attn_dense_s if dense else f.attn_s
-        if not dense and not self.cfg.comm_overlap:  # the group's devices send the dispatch themselves
-            dur += f.dispatch_bytes * self.cfg.moe_workers / (self.bw * self.cfg.attn_tp)
         self.busy_s["attention"] += dur
         if now < self.trace_until_s:
             self.span(f"attn{gid}/main", f"attention L{f.layer}", now, now + dur)
