@@ -49,9 +49,8 @@ class ProfiledCost(CostModel):
                 raise ValueError(f"profile of {profile.get('model')!r}: {msg}")
 
         for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
-            need(profile.get(key) == getattr(model, {"num_layers": "num_layers", "num_experts": "num_experts",
-                                                     "top_k": "top_k", "hidden_size": "hidden_size"}[key]),
-                 f"{key} {profile.get(key)} does not match model preset {model.name!r}")
+            need(profile.get(key) == getattr(model, key),
+                 f"{key} {profile.get(key)} does not match model preset {model.name!r} ({getattr(model, key)})")
         self.model = model
         self.attn = profile["attention"]["fit"]
         self.head = profile["head"]["fit"]

@@ -187,3 +187,37 @@ systems:
     assert json.loads(out.read_text())["comparison"]["asap"]["slo_error"] == 0.0
     assert main(["bench", "plot", str(out), "--out", str(png)]) == 0
     assert main(["simulate", "--config", str(cfg), "--system", "nope"]) == 2
+
+
+def test_profiled_cost_interpolates_tables_and_recovers_transport():
+    from moeflow.sim.profiled import ProfiledCost, interpolate
+
+    assert interpolate([(10, 1.0), (20, 3.0)], 15) == 2.0
+    assert interpolate([(10, 1.0), (20, 3.0)], 5) == 1.0  # the plateau below the first point
+    assert interpolate([(10, 1.0), (20, 3.0)], 30) == 5.0  # linear beyond the last
+    m = model_preset("tiny")
+    prof = {"model": "tiny", "num_layers": m.num_layers, "num_experts": m.num_experts, "top_k": m.top_k,
+            "hidden_size": m.hidden_size,
+            "attention": {"fit": {"c0": 1e-3, "per_token": 5e-5, "per_pair": 5e-8, "per_seq": 0.0}},
+            "head": {"fit": {"c0": 0.0, "per_token": 2e-7, "per_sampled": 0.0}},
+            "experts": {str(k): [[16, 0.004], [1024, 0.02], [32768, 0.7]] for k in (16, 8, 4)}}
+    latency, bw = 2e-4, 1e9
+    engine = {}
+    for name, layout in (("asap", {"moe_workers": 1}), ("dep", {"dp": 2})):
+        dummy = [{"prompt_len": 128, "ttft_s": 1.0}, {"prompt_len": 1024, "ttft_s": 9.0}]
+        probe = ProfiledCost(m, {**prof, "engine": {n: {"layout": {}, "samples": dummy} for n in ("asap", "dep")}})
+        local, share, moved = (16, 1.0, 1.0) if name == "asap" else (8, 0.5, 0.5)
+        samples = []
+        for n in (128, 1024, 4096):
+            extra = m.num_layers * (2 * latency + (probe.dispatch_bytes(n) + probe.combine_bytes(n)) * moved / bw)
+            samples.append({"prompt_len": n, "ttft_s": probe._stages_s(n, local, share) + extra})
+        engine[name] = {"layout": layout, "samples": samples}
+    cost = ProfiledCost(m, {**prof, "engine": engine})
+    for name in ("asap", "dep"):
+        assert cost.transport[name][0] == pytest.approx(latency, rel=1e-6)
+        assert cost.transport[name][1] == pytest.approx(bw, rel=1e-6)
+    assert cost.experts_s(512, 8) == pytest.approx(0.004 + 0.016 * (512 - 16) / (1024 - 16))
+    with pytest.raises(ValueError, match="local experts"):
+        cost.experts_s(512, 2)
+    with pytest.raises(ValueError, match="does not match"):
+        ProfiledCost(model_preset("qwen3-235b-a22b"), {**prof, "engine": engine})
