@@ -106,6 +106,13 @@ class ProcessEngine(Engine):
     def _on_fail(self) -> None:
         """Drop the subclass's in-flight bookkeeping."""
 
+    def check_workers(self) -> StepResult:
+        if self.failed is None and self.deployment is not None:
+            dead = next((w for w in self.deployment.workers if not w.process.is_alive()), None)
+            if dead is not None:
+                return self._fail(f"{dead.name} exited unexpectedly (exit code {dead.process.exitcode})")
+        return StepResult({}, [])
+
     def _check_alive(self) -> None:
         if self.failed is not None:
             raise WorkerDied(f"the {self.mode_name} deployment has failed: {self.failed}")

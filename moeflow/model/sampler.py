@@ -18,6 +18,8 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     if temperature == 0.0:
         return int(torch.argmax(logits))
     x = logits / temperature
+    if not torch.isfinite(x).all():  # a tiny temperature overflowed: shift first (softmax is shift-invariant)
+        x = (logits - logits.max()) / temperature
     if 0 < top_k < x.numel():
         kth = torch.topk(x, top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
