@@ -17,7 +17,7 @@ class SamplingParams:
     """Per-request decoding settings, with vLLM's names and meanings."""
 
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below 1e-5) means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) means all tokens
     seed: int | None = None  # a seed makes this request's sampling reproducible on its own

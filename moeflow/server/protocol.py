@@ -2,16 +2,21 @@
 
 Types are strict (``"5"`` is not an int) and checked here; *values* are checked by the engine's
 own ``SamplingParams`` and ``validate_request``, so range messages name the numbers once, in one
-place. Fields the engine cannot honour are accepted at their neutral value and refused otherwise
+place (``_documented`` only writes the ranges into the OpenAPI schema). Fields the engine cannot honour are accepted at their neutral value and refused otherwise
 (``unsupported``) rather than silently ignored. Unknown fields are ignored, as OpenAI's are.
 """
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from moeflow.server.errors import ApiError, not_supported
+
+
+def _documented(default=None, **json_schema):
+    """A field whose range the OpenAPI schema states but pydantic does not enforce (the engine does)."""
+    return Field(default, json_schema_extra=json_schema)
 
 
 class _Body(BaseModel):
@@ -24,18 +29,18 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     model: str | None = None  # None: the served model
-    temperature: float | None = None  # None: 1.0
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM extension; -1 or 0: all tokens
-    seed: int | None = None
-    n: int = 1
+    temperature: float | None = _documented(minimum=0)  # None: 1.0
+    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _documented(minimum=-1)  # vLLM extension; -1 or 0: all tokens
+    seed: int | None = _documented(minimum=-2**63, maximum=2**64 - 1)
+    n: int = _documented(1, minimum=1, maximum=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = _documented(maxLength=0, maxItems=0)  # refused unless empty
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = _documented(0.0, minimum=0, maximum=0)
+    frequency_penalty: float = _documented(0.0, minimum=0, maximum=0)
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -57,11 +62,11 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = None  # None: 16, as OpenAI
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    max_tokens: int | None = _documented(minimum=1)  # None: 16, as OpenAI
+    echo: bool = _documented(False, enum=[False])
+    logprobs: int | None = _documented(maximum=-1)  # no integer passes: only null is accepted
+    suffix: str | None = _documented(maxLength=0)
+    best_of: int | None = _documented(minimum=1, maximum=1)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -102,10 +107,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # None: the rest of the context
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: int | None = _documented(minimum=1)  # None: the rest of the context
+    max_completion_tokens: int | None = _documented(minimum=1)  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = _documented(False, enum=[False])
+    top_logprobs: int | None = _documented(maximum=0)
 
     def check_supported(self) -> None:
         super().check_supported()
