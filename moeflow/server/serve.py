@@ -5,6 +5,7 @@ import argparse
 import signal
 import sys
 
+from moeflow.config import ConfigError
 from moeflow.engine.args import add_engine_args, engine_kwargs
 from moeflow.server.config import ServerConfig
 
@@ -36,6 +37,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from moeflow.server.async_engine import AsyncEngine
     from moeflow.server.metrics import ServerMetrics
 
+    if args.trace:
+        raise ConfigError("moeflow serve records no trace (--trace); use moeflow bench serve --trace")
     config = ServerConfig(model_name=args.served_model_name or args.model, host=args.host, port=args.port,
                           api_key=args.api_key, max_pending_requests=args.max_pending_requests,
                           max_body_bytes=args.max_body_bytes)

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from moeflow.core import RequestError, SamplingParams
 from moeflow.server import errors
-from moeflow.server.async_engine import AsyncEngine, EngineUnavailable, Overloaded, RequestStream
+from moeflow.server.async_engine import AsyncEngine, EngineUnavailable, Overloaded
+from moeflow.server.stream import RequestStream
 from moeflow.server.chat import render_chat
 from moeflow.server.config import ServerConfig
 from moeflow.server.errors import ApiError

@@ -4,6 +4,8 @@ of malformed request (after which the server still serves)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -162,3 +164,14 @@ def test_still_serving_and_metrics_after_the_errors(server, client):
     assert m['moeflow_requests_finished_total{finish_reason="length"}'] >= 6
     assert m['moeflow_http_errors_total{status="400"}'] >= 20
     assert 0 < m['moeflow_worker_busy_fraction{worker="colocated"}'] <= 1
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--model", "/no/such/model"], ["config.json not found"]),
+    (["--mode", "asap", "--trace", "t.json"], ["--trace"]),
+])
+def test_serve_refuses_bad_setups_with_exit_2(checkpoints, args, words):
+    res = subprocess.run([sys.executable, "-m", "moeflow", "serve", "--model", checkpoints("qwen3").path, *args],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.startswith("moeflow: error:"), res.stderr
+    assert all(w in res.stderr for w in words)
