@@ -108,15 +108,17 @@ class OpenAIServing:
 
     async def _run(self, kind: str, rid: str, ids: list[int], prompt_param: str, max_tokens: int,
                    body: _Sampling, raw: HttpRequest):
-        max_len = self.engine.max_model_len
+        def invalid(e: RequestError) -> ApiError:
+            err = errors.from_request_error(e, prompt_param, len(ids), self.engine.max_model_len)
+            if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+                err.param = "max_completion_tokens"  # name the field the client sent
+            return err
+
         try:
             params = self._params(body, max_tokens)
             request = self.engine.llm.make_request({"prompt_token_ids": ids}, params, request_id=rid)
         except RequestError as e:
-            err = errors.from_request_error(e, prompt_param, len(ids), max_len)
-            if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
-                err.param = "max_completion_tokens"  # name the field the client sent
-            raise err from e
+            raise invalid(e) from e
         try:
             stream = self.engine.submit(request)
         except Overloaded:
@@ -126,7 +128,7 @@ class OpenAIServing:
         try:
             await stream.accepted()
         except RequestError as e:
-            raise errors.from_request_error(e, prompt_param, len(ids), max_len) from e
+            raise invalid(e) from e
         except EngineUnavailable as e:
             raise errors.unavailable(str(e)) from None
         except BaseException:  # cancelled while queued: nobody will read the answer

@@ -110,6 +110,7 @@ MALFORMED = [
     (C, {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens", ["got -3"]),
     (C, {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", ["1000", f"context of {CONTEXT}"]),
     (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", ["got 0"]),
+    (CHAT, {"messages": USER, "max_completion_tokens": 90}, 400, "max_completion_tokens", ["context of"]),
     (C, {"prompt": "hi", "temperature": -1}, 400, "temperature", ["-1"]),
     (C, {"prompt": "hi", "top_p": 0}, 400, "top_p", ["(0, 1]"]),
     (C, {"prompt": "hi", "top_p": 1.5}, 400, "top_p", ["1.5"]),
