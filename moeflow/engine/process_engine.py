@@ -100,7 +100,9 @@ class ProcessEngine(Engine):
                 finished.append(r)
         self._requests.clear()
         self._on_fail()
-        self.deployment.shutdown()
+        # NOTE: a short grace: the survivors are usually blocked on the dead worker and never see
+        # the Shutdown message; the requests' errors wait for this.
+        self.deployment.shutdown(timeout_s=1.0)
         return StepResult({}, finished)
 
     def _on_fail(self) -> None:
