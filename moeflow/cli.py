@@ -1,4 +1,4 @@
-"""``moeflow`` command line: generate, bench."""
+"""``moeflow`` command line: generate, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    from moeflow.server import serve
+
+    serve.add_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

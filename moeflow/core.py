@@ -17,7 +17,7 @@ class SamplingParams:
     """Per-request decoding settings, with vLLM's names and meanings."""
 
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below 1e-5) means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) means all tokens
     seed: int | None = None  # a seed makes this request's sampling reproducible on its own
@@ -38,8 +38,10 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad(f"top_k must be -1, 0 (all tokens) or a positive int, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an int or None, got {self.seed!r}")
+        # NOTE: the range torch.Generator.manual_seed accepts; a seed outside it would fail inside
+        # a worker, after the request was accepted.
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            bad(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):

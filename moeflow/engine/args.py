@@ -10,6 +10,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    lim = p.add_argument_group("engine limits (default: LLM's)")
+    lim.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    lim.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once")
+    lim.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per attention group")
     a = p.add_argument_group("asap mode")
     a.add_argument("--attn-dp", type=int, default=1, help="D: attention data-parallel groups")
     a.add_argument("--attn-tp", type=int, default=1, help="T: tensor-parallel members per group")
@@ -32,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``LLM`` for the parsed flags."""
     kw = dict(model=args.model, mode=args.mode, dtype=args.dtype, seed=args.seed, num_threads=args.threads)
+    for name in ("max_model_len", "max_num_seqs", "num_kv_blocks"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
     if args.mode == "asap":
         kw.update(attn_dp=args.attn_dp, attn_tp=args.attn_tp, moe_workers=args.moe_workers, pin_cpus=args.pin_cpus,
                   transport=args.transport, trace=args.trace is not None,

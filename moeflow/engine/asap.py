@@ -82,9 +82,10 @@ class AsapEngine(ProcessEngine):
         if not self._inflight and wake is not None:
             timeout = min(_IDLE_WAIT_S, max(0.0, wake - clock()))
         leaders = [self.attention[g * self.parallel.attn_tp] for g in self._inflight]
-        outputs, finished = {}, []
+        outputs, finished, busy_s = {}, [], {}
         for _, msg in self.deployment.recv_any(leaders, timeout):
             if isinstance(msg, WorkDone):
+                busy_s[f"attention{msg.group}"] = sum(t.compute_s for t in msg.timings)
                 work = self._inflight.pop(msg.group)
                 out = self._attach_timing(msg, work.batches)
                 for b in work.batches:
@@ -94,7 +95,7 @@ class AsapEngine(ProcessEngine):
                 outputs.update(out)
         for r in finished:
             self._forget(r.request_id)
-        return StepResult(outputs, finished)
+        return StepResult(outputs, finished, busy_s)
 
     def _on_fail(self) -> None:
         self._inflight.clear()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeflow.config import ConfigError, EngineConfig, ModelConfig
 from moeflow.core import Request, RequestError
@@ -18,6 +18,18 @@ def clock() -> float:
 class StepResult:
     outputs: dict  # request id -> workers.runner.SeqOutput produced this step
     finished: list[Request]  # requests that finished (or failed) in this step
+    # worker name -> seconds of compute its work items reported in this step (a server's busy fraction)
+    busy_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the deployment holds right now (a server exports it as gauges)."""
+
+    num_waiting: int  # accepted, not yet admitted to a group
+    num_running: int  # admitted (their KV blocks reserved), not finished
+    num_free_kv_blocks: int  # summed over attention groups
+    num_kv_blocks: int
 
 
 class Engine(abc.ABC):
@@ -25,6 +37,7 @@ class Engine(abc.ABC):
 
     config: EngineConfig
     max_model_len: int
+    failed: str | None = None  # why the deployment stopped serving (a worker died); None while healthy
 
     @abc.abstractmethod
     def add_request(self, request: Request) -> None:
@@ -41,6 +54,17 @@ class Engine(abc.ABC):
 
     def shutdown(self) -> None:
         """Release processes and shared memory (nothing to do for in-process engines)."""
+
+    def check_workers(self) -> StepResult:
+        """Notice a dead worker between steps (an idle deployment runs no step that would);
+        its requests end with errors as in ``step``. In-process modes have nothing to check."""
+        return StepResult({}, [])
+
+    def load(self) -> EngineLoad:
+        pool = self.scheduler  # every mode's scheduler is a scheduler.pool.RequestPool
+        return EngineLoad(len(pool.waiting), sum(len(g.requests) for g in pool.groups),
+                          sum(g.allocator.num_free for g in pool.groups),
+                          sum(g.allocator.num_blocks for g in pool.groups))
 
     def collect_spans(self) -> list:
         """Trace spans recorded by the deployment's workers (modes with worker processes)."""

@@ -52,7 +52,7 @@ class ColocatedEngine(Engine):
         finished = self.scheduler.update(batch, sampled)
         for r in finished:
             self.runner.remove_request(r.request_id)
-        return StepResult(outputs, finished)
+        return StepResult(outputs, finished, {"colocated": t1 - t0})
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -69,4 +69,5 @@ class DepEngine(ProcessEngine):
             outputs.update(out)
         for req in finished:
             self._forget(req.request_id)
-        return StepResult(outputs, finished)
+        busy_s = {f"rank{r}": sum(t.compute_s for t in d.timings) for r, d in done.items()}
+        return StepResult(outputs, finished, busy_s)

@@ -100,11 +100,20 @@ class ProcessEngine(Engine):
                 finished.append(r)
         self._requests.clear()
         self._on_fail()
-        self.deployment.shutdown()
+        # NOTE: a short grace: the survivors are usually blocked on the dead worker and never see
+        # the Shutdown message; the requests' errors wait for this.
+        self.deployment.shutdown(timeout_s=1.0)
         return StepResult({}, finished)
 
     def _on_fail(self) -> None:
         """Drop the subclass's in-flight bookkeeping."""
+
+    def check_workers(self) -> StepResult:
+        if self.failed is None and self.deployment is not None:
+            dead = next((w for w in self.deployment.workers if not w.process.is_alive()), None)
+            if dead is not None:
+                return self._fail(f"{dead.name} exited unexpectedly (exit code {dead.process.exitcode})")
+        return StepResult({}, [])
 
     def _check_alive(self) -> None:
         if self.failed is not None:

@@ -11,11 +11,15 @@ import torch
 # (Same alias as ``moeflow.messages.RawLogprobs``; the model does not import the runtime.)
 RawLogprobs = dict[int, tuple[float, int]]
 
+_GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
 
 def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                generator: torch.Generator | None) -> int:
     """logits: [V] float32 -> one token id."""
-    if temperature == 0.0:
+    # NOTE: colder than vLLM's _SAMPLING_EPS is greedy: 1/T overflows float32 (and a T below
+    # float32's smallest subnormal becomes 0), which would put inf/nan into the softmax.
+    if temperature < _GREEDY_BELOW:
         return int(torch.argmax(logits))
     x = logits / temperature
     if 0 < top_k < x.numel():
@@ -26,6 +30,7 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
         probs = sorted_x.softmax(-1)
         # drop a token once the mass *before* it already reaches top_p (the top token always stays)
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False  # NOTE: explicitly: a top_p below float32's smallest subnormal compares as 0
         x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = x.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))

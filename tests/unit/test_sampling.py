@@ -44,8 +44,9 @@ def test_different_seeds_differ(llm):
     assert _tokens(outs[0]) != _tokens(outs[1])
 
 
-def test_temperature_zero_is_argmax(llm):
-    out = llm.generate([B], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5))[0]
+@pytest.mark.parametrize("temperature", [0, 1e-6, 5e-324])  # 1/T of the last two overflows float32
+def test_temperature_zero_is_argmax(llm, temperature):
+    out = llm.generate([B], SamplingParams(max_tokens=12, temperature=temperature, ignore_eos=True, logprobs=5))[0]
     c = out.outputs[0]
     assert len(c.logprobs) == len(c.token_ids) == 12
     for tok, d in zip(c.token_ids, c.logprobs):
@@ -56,9 +57,11 @@ def test_temperature_zero_is_argmax(llm):
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
     greedy = _tokens(llm.generate([B], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0])
     top_k1 = llm.generate([B], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=5, ignore_eos=True))[0]
-    top_p0 = llm.generate([B], SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=5, ignore_eos=True))[0]
     assert _tokens(top_k1) == greedy
-    assert _tokens(top_p0) == greedy
+    for top_p in (1e-6, 5e-324):  # the second is 0 in float32
+        top_p0 = llm.generate([B], SamplingParams(max_tokens=12, temperature=1.5, top_p=top_p, seed=5,
+                                                  ignore_eos=True))[0]
+        assert _tokens(top_p0) == greedy
 
 
 def _next_token_logprobs(llm, prompt: list[int]) -> torch.Tensor:
@@ -131,7 +134,7 @@ def test_no_logprobs_by_default(llm):
     ("temperature", -0.1), ("temperature", float("inf")),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", -1.0),
     ("top_k", -2), ("top_k", 1.5),
-    ("logprobs", -1), ("prompt_logprobs", -1), ("seed", "x"),
+    ("logprobs", -1), ("prompt_logprobs", -1), ("seed", "x"), ("seed", 2**64), ("seed", -2**63 - 1),
 ])
 def test_sampling_params_validation(field, value):
     with pytest.raises(RequestError, match=field):

@@ -1,0 +1,118 @@
+"""The FastAPI app: OpenAI-compatible routes, /health, /metrics, and the error contract.
+
+Every failure answer has the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``:
+400 for a malformed or invalid body (invalid JSON and wrong types included), 401 without the
+API key, 404 for an unknown model or route, 413 for an oversized body, 429 past the admission
+bound, 500 when the engine failed the request, 503 when it no longer serves.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from moeflow.server.async_engine import AsyncEngine
+from moeflow.server.config import ServerConfig
+from moeflow.server.errors import ApiError
+from moeflow.server.metrics import ServerMetrics
+from moeflow.server.middleware import ApiKeyAuth, BodyLimit
+from moeflow.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from moeflow.server.serving import OpenAIServing
+
+logger = logging.getLogger("moeflow.server")
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    """The first problem, named by its field path ("messages.0.role: Input should be ...")."""
+    errs = exc.errors() or [{"loc": (), "msg": "invalid request", "type": ""}]
+    first, kind = errs[0], errs[0].get("type", "")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if kind == "json_invalid":
+        ctx = first.get("ctx", {}).get("error", "")
+        return ApiError(400, f"the body is not valid JSON: {ctx}".rstrip(": "), code="invalid_json")
+    if not loc and kind == "missing":
+        return ApiError(400, "the request needs a JSON body", code="missing_body")
+    field = ".".join(loc) or "body"
+    branches = _union_branches(errs)
+    if branches:  # pydantic reports one error per member of a union: say what was accepted instead
+        got = type(first.get("input")).__name__
+        return ApiError(400, f"{loc[0]}: expected one of {', '.join(branches)}; got {got}", param=loc[0],
+                        code="invalid_type")
+    more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
+    code = "missing" if kind == "missing" else "invalid_type" if kind.endswith("_type") else "invalid_value"
+    return ApiError(400, f"{field}: {first.get('msg')}{more}", param=loc[0] if loc else None, code=code)
+
+
+def _union_branches(errs: list[dict]) -> list[str]:
+    """The member types of a top-level union field all of whose members failed, else []."""
+    locs = [[x for x in e.get("loc", ()) if x != "body"] for e in errs]
+    if len(errs) < 2 or any(len(x) < 2 for x in locs) or len({x[0] for x in locs}) != 1:
+        return []
+    tags = list(dict.fromkeys(str(x[1]) for x in locs))
+    return tags if len(tags) > 1 and all(not t.isdigit() for t in tags) else []
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
+    app = FastAPI(title="moeflow", summary="OpenAI-compatible serving of Mixture-of-Experts models",
+                  version="0.1.0")
+    serving = OpenAIServing(engine, config)
+
+    def error_response(err: ApiError) -> JSONResponse:
+        metrics.errors.labels(str(err.status)).inc()
+        return err.response()
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException):  # unknown route, wrong method
+        return error_response(ApiError(exc.status_code, str(exc.detail),
+                                       type=_STATUS_TYPES.get(exc.status_code, "invalid_request_error")))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception):
+        logger.exception("unhandled error in %s", request.url.path)
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    @app.get("/health", summary="200 while the engine serves, 503 (with the reason) after a failure")
+    async def health():
+        s = engine.snapshot()
+        if s.healthy:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unhealthy", "reason": s.failure}, status_code=503)
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", responses=_ERRORS)
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(START_S),
+                                            "owned_by": "moeflow", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(body: CompletionRequest, raw: Request):
+        return await serving.completion(body, raw)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await serving.chat(body, raw)
+
+    app.add_middleware(BodyLimit, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(ApiKeyAuth, api_key=config.api_key)  # added last: runs first
+    return app
+
+
+START_S = time.time()

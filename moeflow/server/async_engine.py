@@ -1,0 +1,263 @@
+"""AsyncEngine: one background thread owns the Engine and runs its step loop for the HTTP server.
+
+The thread is the only one that touches the Engine: it builds it, steps it, aborts into it and
+shuts it down. Handlers reach it through one FIFO inbox (add, abort, stop) and read each
+request's progress from that request's asyncio queue, which the thread fills through
+``loop.call_soon_threadsafe``. Admission is bounded: past ``max_pending`` unfinished requests
+``submit`` refuses at once (the caller answers 429), so a flood costs one refusal per request,
+not queue memory.
+
+Invariant: every request ``submit`` accepted gets exactly one answer from the thread — a refusal
+(``RequestStream.accepted`` raises) or deltas ending in one with a ``finish_reason`` (completion,
+engine error, or shutdown) — unless its handler aborted it first. No handler waits forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from moeflow.core import Request, RequestError
+from moeflow.engine.base import StepResult, clock
+from moeflow.server.metrics import ServerMetrics
+from moeflow.server.stream import Delta, RequestStream
+
+logger = logging.getLogger("moeflow.server")
+
+_IDLE_POLL_S = 0.25  # an idle thread wakes this often to notice a dead worker
+
+
+class Overloaded(Exception):
+    """``max_pending`` requests are unfinished already."""
+
+
+class EngineUnavailable(Exception):
+    """The engine failed (a worker died, a step raised) or is shutting down."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine's state after the thread's latest iteration (what /metrics and /health read)."""
+
+    healthy: bool
+    failure: str | None  # why not healthy
+    num_pending: int  # accepted by submit, not finished
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_kv_blocks: int = 0
+    num_kv_blocks: int = 0
+
+
+@dataclass
+class _Tracked:
+    stream: RequestStream
+    num_tokens: int = 0
+    last_token_s: float = 0.0
+
+
+class AsyncEngine:
+    def __init__(self, make_llm: Callable[[], object], max_pending: int, metrics: ServerMetrics):
+        self._make_llm = make_llm
+        self.max_pending = max_pending
+        self.metrics = metrics
+        self.llm = None  # moeflow.LLM, built by the thread; handlers use only its tokenizer and make_request
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _num_pending, _closed and the order of inbox puts
+        self._num_pending = 0
+        self._closed = False
+        self._failure: str | None = None
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._snap = Snapshot(False, "starting", 0)
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="moeflow-engine", daemon=True)
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Build the deployment on the engine thread; raises what building it raised."""
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise self._start_error
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.engine.max_model_len  # fixed at construction: safe to read from any thread
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a request for the engine thread; raises Overloaded or EngineUnavailable at once."""
+        stream = RequestStream(request, asyncio.get_running_loop())
+        with self._lock:
+            if self._closed or self._failure is not None:
+                raise EngineUnavailable(self._failure or "the server is shutting down")
+            if self._num_pending >= self.max_pending:
+                raise Overloaded(f"{self._num_pending} requests are unfinished (limit {self.max_pending})")
+            self._num_pending += 1
+            self._inbox.put(("add", stream))  # NOTE: under the lock: never after shutdown's "stop"
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """The handler stopped listening (client gone): cancel the request and free its KV blocks."""
+        self._inbox.put(("abort", request_id))
+
+    def snapshot(self) -> Snapshot:
+        return self._snap
+
+    def shutdown(self) -> None:
+        """Finish every request (with an error if unfinished), stop the thread, release the deployment."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(("stop", None))
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # -- engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.llm = self._make_llm()
+        except BaseException as e:  # a bad model path or layout: start() re-raises it
+            self._start_error = e
+            self._ready.set()
+            return
+        self._update_snapshot()
+        self._ready.set()
+        try:
+            self._serve()
+        except BaseException as e:  # a bug in this loop: answer everyone rather than hang them
+            logger.exception("engine thread crashed")
+            self._fail(f"the engine thread crashed: {type(e).__name__}: {e}")
+        finally:
+            self._end_all("abort", "the server is shutting down")
+            self._drain_refusing()
+            self.llm.shutdown()
+
+    def _serve(self) -> None:
+        engine = self.llm.engine
+        while True:
+            busy = self._failure is None and engine.has_unfinished()
+            try:
+                cmd = self._inbox.get_nowait() if busy else self._inbox.get(timeout=_IDLE_POLL_S)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd[0] == "stop":
+                    return
+                self._handle(*cmd)
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._failure is None:
+                try:
+                    result = engine.step() if engine.has_unfinished() else engine.check_workers()
+                except Exception as e:
+                    logger.exception("engine step failed")
+                    self._fail(f"an engine step raised {type(e).__name__}: {e}")
+                else:
+                    self._deliver(result)
+                    if engine.failed is not None:
+                        self._fail(engine.failed)
+            self._update_snapshot()
+
+    def _handle(self, kind: str, arg) -> None:
+        if kind == "add":
+            self._add(arg)
+        elif kind == "abort":
+            t = self._tracked.pop(arg, None)
+            if t is not None:
+                self.llm.engine.abort(arg)
+                self.metrics.finished.labels("abort").inc()
+                self._release()
+
+    def _add(self, stream: RequestStream) -> None:
+        r = stream.request
+        if self._failure is not None:
+            return self._refuse(stream, EngineUnavailable(self._failure))
+        try:
+            self.llm.engine.add_request(r)
+        except RequestError as e:
+            return self._refuse(stream, e)
+        except Exception as e:  # the deployment failed under us (WorkerDied)
+            return self._refuse(stream, EngineUnavailable(f"{type(e).__name__}: {e}"))
+        self._tracked[r.request_id] = _Tracked(stream)
+        self.metrics.prompt_tokens.inc(r.num_prompt_tokens)
+        stream.accept()
+
+    def _refuse(self, stream: RequestStream, error: BaseException) -> None:
+        stream.accept(error)
+        self._release()
+
+    def _deliver(self, result: StepResult) -> None:
+        now = clock()
+        self.metrics.observe_busy(result.busy_s)
+        tokens: dict[str, list[int]] = {}
+        for rid, out in result.outputs.items():
+            t = self._tracked.get(rid)
+            if t is None or out.token_id is None:
+                continue
+            if t.num_tokens == 0:
+                self.metrics.ttft.observe(now - t.stream.request.arrival_s)
+            else:
+                self.metrics.itl.observe(now - t.last_token_s)
+            t.num_tokens += 1
+            t.last_token_s = now
+            tokens.setdefault(rid, []).append(out.token_id)
+        self.metrics.generation_tokens.inc(sum(map(len, tokens.values())))
+        finished = {r.request_id: r for r in result.finished if r.request_id in self._tracked}
+        for rid, ids in tokens.items():
+            if rid not in finished:
+                self._tracked[rid].stream.push(Delta(tuple(ids)))
+        for rid, r in finished.items():
+            t = self._tracked.pop(rid)
+            t.stream.push(Delta(tuple(tokens.get(rid, ())), r.finish_reason, r.error))
+            self.metrics.finished.labels(r.finish_reason).inc()
+            if r.finish_reason in ("stop", "length"):
+                self.metrics.e2e.observe(now - r.arrival_s)
+            self._release()
+
+    def _fail(self, reason: str) -> None:
+        """Stop serving: /health turns unhealthy, and every tracked request ends with this error."""
+        with self._lock:
+            self._failure = reason
+        self._end_all("error", reason)
+
+    def _end_all(self, finish_reason: str, error: str) -> None:
+        for rid, t in list(self._tracked.items()):
+            if self._failure is None:
+                self.llm.engine.abort(rid)
+            t.stream.push(Delta((), finish_reason, error))
+            self.metrics.finished.labels(finish_reason).inc()
+            self._release()
+        self._tracked.clear()
+
+    def _drain_refusing(self) -> None:
+        """Answer what is still in the inbox (nothing can arrive after "stop")."""
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._refuse(arg, EngineUnavailable(self._failure or "the server is shutting down"))
+
+    def _release(self) -> None:
+        with self._lock:
+            self._num_pending -= 1
+
+    def _update_snapshot(self) -> None:
+        with self._lock:
+            pending, failure = self._num_pending, self._failure
+        if failure is not None:
+            self._snap = Snapshot(False, failure, pending)
+            return
+        load = self.llm.engine.load()
+        self._snap = Snapshot(True, None, pending, load.num_waiting, load.num_running,
+                              load.num_free_kv_blocks, load.num_kv_blocks)

@@ -1,0 +1,101 @@
+"""ServerMetrics: the Prometheus registry behind ``GET /metrics``.
+
+Histograms and counters are observed by the engine thread as tokens come out; gauges are read
+at scrape time from the engine thread's latest snapshot (``AsyncEngine.snapshot``), so a scrape
+never touches the engine. A registry per server (not the global one) lets several servers live
+in one process, as the tests do.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self, busy_window_s: float, clock: Callable[[], float]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("moeflow_time_to_first_token_seconds", "Arrival to first output token",
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("moeflow_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("moeflow_e2e_request_latency_seconds", "Arrival to finish of finished requests",
+                             buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.finished = Counter("moeflow_requests_finished", "Accepted requests by how they ended "
+                                "(stop, length, error, abort)", ["finish_reason"], registry=r)
+        self.errors = Counter("moeflow_http_errors", "Error answers of the routes by HTTP status (401 and "
+                              "413 come from the guards before any route and are not counted)", ["status"], registry=r)
+        self.prompt_tokens = Counter("moeflow_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("moeflow_generation_tokens", "Output tokens produced", registry=r)
+        self.busy_seconds = Counter("moeflow_worker_busy_seconds", "Compute seconds reported per worker",
+                                    ["worker"], registry=r)
+        self._busy_window_s = busy_window_s
+        self._busy: deque[tuple[float, str, float]] = deque()  # (when, worker, seconds), oldest first
+        self._workers: set[str] = set()
+        self._lock = threading.Lock()  # the engine thread appends while a scrape reads
+        self._clock = clock
+        self._start_s = clock()
+        self._snapshot: Callable[[], object] | None = None
+
+    def observe_busy(self, busy_s: dict[str, float]) -> None:
+        """Engine thread: the compute each worker reported in one step."""
+        now = self._clock()
+        with self._lock:
+            for worker, secs in busy_s.items():
+                self.busy_seconds.labels(worker).inc(secs)
+                self._busy.append((now, worker, secs))
+                self._workers.add(worker)
+            while self._busy and self._busy[0][0] < now - self._busy_window_s:
+                self._busy.popleft()
+
+    def busy_fractions(self) -> dict[str, float]:
+        """Per worker, compute seconds over the trailing window (or since start, if shorter)."""
+        now = self._clock()
+        span = max(min(self._busy_window_s, now - self._start_s), 1e-9)
+        with self._lock:
+            totals = dict.fromkeys(self._workers, 0.0)
+            for t, worker, secs in self._busy:
+                if t >= now - self._busy_window_s:
+                    totals[worker] += secs
+        return {w: min(1.0, s / span) for w, s in totals.items()}
+
+    def watch(self, snapshot: Callable[[], object]) -> None:
+        """Export the gauges of ``snapshot()`` (an ``async_engine.Snapshot``) at every scrape."""
+        self._snapshot = snapshot
+        self.registry.register(_Gauges(self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Gauges:
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics._snapshot()
+        gauges = [
+            ("moeflow_healthy", "1 while the engine serves, 0 after a failure", float(s.healthy)),
+            ("moeflow_requests_pending", "Accepted and not finished (the admission bound counts these)",
+             s.num_pending),
+            ("moeflow_requests_waiting", "Queue depth: accepted, not yet admitted to a group", s.num_waiting),
+            ("moeflow_requests_running", "Admitted (KV blocks reserved), not finished", s.num_running),
+            ("moeflow_kv_blocks_free", "Free KV-cache blocks, summed over attention groups", s.num_free_kv_blocks),
+            ("moeflow_kv_blocks_total", "KV-cache blocks, summed over attention groups", s.num_kv_blocks),
+        ]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        busy = GaugeMetricFamily("moeflow_worker_busy_fraction", "Compute seconds per wall second of each "
+                                 "worker over the trailing window (attention groups, dep ranks, colocated)",
+                                 labels=["worker"])
+        for worker, frac in sorted(self.metrics.busy_fractions().items()):
+            busy.add_metric([worker], frac)
+        yield busy

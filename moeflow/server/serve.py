@@ -1,0 +1,68 @@
+"""``moeflow serve``: any deployment mode behind the OpenAI-compatible HTTP server (uvicorn)."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from moeflow.config import ConfigError
+from moeflow.engine.args import add_engine_args, engine_kwargs
+from moeflow.server.config import ServerConfig
+
+_DEFAULTS = ServerConfig()
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    s = p.add_argument_group("HTTP server")
+    s.add_argument("--host", default=_DEFAULTS.host, help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=_DEFAULTS.port)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    s.add_argument("--max-pending-requests", type=int, default=_DEFAULTS.max_pending_requests,
+                   help="requests accepted and unfinished (queued + running); past it new ones get 429")
+    s.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
+                   help="larger request bodies get 413")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from moeflow import LLM
+    from moeflow.engine.base import clock
+    from moeflow.server.app import build_app
+    from moeflow.server.async_engine import AsyncEngine
+    from moeflow.server.metrics import ServerMetrics
+
+    if args.trace:
+        raise ConfigError("moeflow serve records no trace (--trace); use moeflow bench serve --trace")
+    config = ServerConfig(model_name=args.served_model_name or args.model, host=args.host, port=args.port,
+                          api_key=args.api_key, max_pending_requests=args.max_pending_requests,
+                          max_body_bytes=args.max_body_bytes)
+    kwargs = engine_kwargs(args)
+    metrics = ServerMetrics(config.busy_window_s, clock)
+    engine = AsyncEngine(lambda: LLM(**kwargs), config.max_pending_requests, metrics)
+    try:
+        engine.start()  # loads the model (and starts the workers) on the engine thread
+        metrics.watch(engine.snapshot)
+        app = build_app(engine, config, metrics)
+        print(f"moeflow: serving {config.model_name!r} (mode {args.mode}, context {engine.max_model_len}) "
+              f"on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+        # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; with
+        # SIGTERM's default action that would kill us before the workers and shared memory are
+        # released, so SIGTERM becomes an exception that runs the ``finally`` below.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, lifespan="off",
+                    timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)

@@ -1,0 +1,81 @@
+"""A worker SIGKILLed under ``moeflow serve --mode asap``: the requests in flight get errors (500,
+or an error event on a stream), /health turns 503, new requests get 503 — never a hung connection.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow  # two asap deployments (2 worker processes each)
+
+
+@pytest.fixture
+def server(checkpoints, tmp_path):
+    s = ServerProcess(checkpoints("qwen3").path, "--mode", "asap", "--attn-dp", "1", "--moe-workers", "1",
+                      "--dtype", "float32", log_path=str(tmp_path / "server.log"))
+    pids = s.worker_pids()
+    assert len(pids) == 2, s.log()
+    yield s, pids
+    assert s.stop() in (0, 143), s.log()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "a worker outlived the server"
+
+
+def _assert_unavailable(s: ServerProcess) -> None:
+    h = httpx.get(s.url + "/health", timeout=10)
+    assert h.status_code == 503 and h.json()["status"] == "unhealthy" and "exited unexpectedly" in h.json()["reason"]
+    r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert s.metrics()["moeflow_healthy"] == 0
+
+
+async def _in_flight_then_kill(url: str, victim: int):
+    """One plain and one streamed request running when ``victim`` is killed; both must end."""
+    body = {"prompt": "a long generation", "max_tokens": 400, "temperature": 0}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:  # a hang would time out, failing the test
+        plain = asyncio.ensure_future(c.post("/v1/completions", json=body))
+        events = []
+        async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:  # tokens are flowing: kill now
+                        os.kill(victim, signal.SIGKILL)
+        return await plain, events
+
+
+def test_killed_worker_fails_requests_in_flight_and_health(server):
+    s, pids = server
+    assert httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    victim = min(pids)  # the MoE worker: it is started first
+    t0 = time.monotonic()
+    plain, events = asyncio.run(_in_flight_then_kill(s.url, victim))
+    assert time.monotonic() - t0 < 25
+    assert plain.status_code == 500, plain.text
+    err = plain.json()["error"]
+    assert err["code"] == "engine_failed" and f"pid {victim}" in err["message"]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == "engine_failed" and f"pid {victim}" in last["error"]["message"]
+    _assert_unavailable(s)
+
+
+def test_worker_killed_while_idle_turns_health_unhealthy(server):
+    s, pids = server
+    os.kill(max(pids), signal.SIGKILL)  # the attention worker
+    deadline = time.monotonic() + 10
+    while httpx.get(s.url + "/health").status_code == 200:
+        assert time.monotonic() < deadline, "/health still reports healthy"
+        time.sleep(0.05)
+    _assert_unavailable(s)
