@@ -1,4 +1,4 @@
-"""``moeflow`` command line: generate, serve, bench."""
+"""``moeflow`` command line: generate, serve, simulate, profile, bench."""
 from __future__ import annotations
 
 import argparse
@@ -48,26 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
 
-    from moeflow.server import serve
+    from moeflow.bench import comm, experts, plot, prefill, profile, serve, trace_summary
+    from moeflow.server import serve as server
+    from moeflow.sim import cli as sim_cli
 
-    serve.add_parser(sub)
+    server.add_parser(sub)
+    sim_cli.add_parser(sub)
+    profile.add_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from moeflow.bench import comm, experts, plot, prefill, serve, trace_summary
-
-    prefill.add_parser(bsub)
-    comm.add_parser(bsub)
-    experts.add_parser(bsub)
-    serve.add_parser(bsub)
-    plot.add_parser(bsub)
-    trace_summary.add_parser(bsub)
-
-    from moeflow.bench import profile
-    from moeflow.sim import cli as sim_cli
-
-    sim_cli.add_parser(sub)
-    profile.add_parser(sub)
+    for m in (prefill, comm, experts, serve, plot, trace_summary):
+        m.add_parser(bsub)
 
     args = parser.parse_args(argv)
     try:
