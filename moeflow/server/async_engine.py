@@ -227,6 +227,7 @@ class AsyncEngine:
         """Stop serving: /health turns unhealthy, and every tracked request ends with this error."""
         with self._lock:
             self._failure = reason
+        self._update_snapshot()  # before the requests end: a client that saw its error sees /health fail too
         self._end_all("error", reason)
 
     def _end_all(self, finish_reason: str, error: str) -> None:
