@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("dep mode (synchronous baselines)")
     s.add_argument("--dp", type=int, default=1, help="N: ranks of DP attention + expert parallelism")
     s.add_argument("--chunked-prefill-size", type=int, default=None, help="C: the ChunkedPrefill baseline")
+    s.add_argument("--dp-placement", default="least_loaded", choices=["least_loaded", "round_robin"],
+                   help="dep: a request's rank is the least loaded at its first step, or fixed in turn at arrival")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace (asap)")
 
 
@@ -49,7 +51,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             if getattr(args, name) is not None:
                 kw[name] = getattr(args, name)
     elif args.mode == "dep":
-        kw.update(dp=args.dp, chunked_prefill_size=args.chunked_prefill_size, pin_cpus=args.pin_cpus,
+        kw.update(dp=args.dp, chunked_prefill_size=args.chunked_prefill_size, placement=args.dp_placement,
+                  pin_cpus=args.pin_cpus,
                   trace=args.trace is not None)
         if args.max_batch_tokens is not None:
             kw["max_batch_tokens"] = args.max_batch_tokens

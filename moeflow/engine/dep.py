@@ -25,23 +25,23 @@ _IDLE_S = 0.002  # a step with nothing to schedule sleeps this long instead of s
 class DepEngine(ProcessEngine):
     def __init__(self, model_path: str, config: EngineConfig, dp: int = 1, chunked_prefill_size: int | None = None,
                  max_batch_tokens: int = 16384, pin_cpus: bool = False, wait_policy: WaitPolicy | None = None,
-                 trace: bool = False):
+                 trace: bool = False, placement: str = "least_loaded"):
         super().__init__(config, dp)
         self.model_config, _ = load_config(model_path)
         mc = self.model_config
         if not mc.num_moe_layers:
             raise ConfigError("mode 'dep' needs a model with MoE layers")
         self.parallel = ParallelConfig(attn_dp=dp, attn_tp=1, moe_workers=dp, pin_cpus=pin_cpus)
-        placement = self.parallel.placement(mc.num_experts)  # rank r holds the r-th 1/N of every layer
+        experts = self.parallel.placement(mc.num_experts)  # rank r holds the r-th 1/N of every layer
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.chunked_prefill_size = chunked_prefill_size
         spec = CommSpec(dp, 1, dp, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size, max_batch_tokens,
-                        config.dtype, max_local_experts=max(len(ids) for ids in placement))
+                        config.dtype, max_local_experts=max(len(ids) for ids in experts))
         comm = CommConfig(spec, "shm", self.deployment_id, wait_policy or WaitPolicy())
         allocators = [BlockAllocator(config.num_kv_blocks, config.kv_block_size) for _ in range(dp)]
         self.scheduler = DepScheduler(allocators, max_batch_tokens, self.max_model_len, config.max_num_seqs,
-                                      chunked_prefill_size)
-        self._launch([WorkerSetup("dep", r, model_path, config, self.parallel, comm, placement, 0, trace=trace,
+                                      chunked_prefill_size, placement)
+        self._launch([WorkerSetup("dep", r, model_path, config, self.parallel, comm, experts, 0, trace=trace,
                                   cpu=r if pin_cpus else None) for r in range(dp)])
         self.ranks = list(self.deployment.workers)
 

@@ -23,15 +23,15 @@ def reference(checkpoints):
     return out
 
 
-@pytest.mark.parametrize("name,dp,chunk", [
-    ("qwen3", 1, None), ("qwen3", 2, None), ("qwen3", 3, None),
-    ("qwen3", 2, 16),  # the 57-token prompt runs in 4 chunks over the cache of the earlier ones
-    ("qwen2_moe", 3, 8),  # shared expert + a dense layer; ranks get 3/3/2 experts
+@pytest.mark.parametrize("name,dp,chunk,placement", [
+    ("qwen3", 1, None, "least_loaded"), ("qwen3", 2, None, "least_loaded"), ("qwen3", 3, None, "round_robin"),
+    ("qwen3", 2, 16, "least_loaded"),  # the 57-token prompt runs in 4 chunks over the cache of the earlier ones
+    ("qwen2_moe", 3, 8, "least_loaded"),  # shared expert + a dense layer; ranks get 3/3/2 experts
 ])
-def test_dep_matches_colocated(checkpoints, reference, name, dp, chunk):
+def test_dep_matches_colocated(checkpoints, reference, name, dp, chunk, placement):
     refs = reference[name]
     with LLM(checkpoints(name).path, dtype="float32", mode="dep", dp=dp, chunked_prefill_size=chunk,
-             trace=True) as llm:
+             placement=placement, trace=True) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
         spans = llm.engine.collect_spans()
         deployment_id = llm.engine.deployment_id
