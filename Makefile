@@ -1,4 +1,4 @@
-# `make run`: set up and run the demo on the embedded model. `make test`: set up and pass the tests.
+# `make run`: set up and run the demo (asap vs dep over HTTP on the embedded model). `make test`: set up and pass the tests.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -12,8 +12,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# the demo: moeflow serve in asap mode, then the dep baseline, each driven over HTTP by
+# bench serve --base-url; prints both result tables side by side, writes demo-out/ttft_vs_rate.png
 run: $(STAMP)
-	$(VENV)/bin/moeflow generate --model tiny --prompt "The quick brown fox" --max-tokens 32
+	$(VENV)/bin/moeflow demo --out-dir demo-out
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports

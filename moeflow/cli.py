@@ -1,4 +1,4 @@
-"""``moeflow`` command line: generate, serve, simulate, profile, bench."""
+"""``moeflow`` command line: generate, serve, simulate, profile, demo, bench."""
 from __future__ import annotations
 
 import argparse
@@ -48,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
 
-    from moeflow.bench import comm, experts, plot, prefill, profile, serve, trace_summary
+    from moeflow.bench import comm, demo, experts, plot, prefill, profile, serve, trace_summary
     from moeflow.server import serve as server
     from moeflow.sim import cli as sim_cli
 
     server.add_parser(sub)
     sim_cli.add_parser(sub)
     profile.add_parser(sub)
+    demo.add_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

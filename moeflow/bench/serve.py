@@ -5,6 +5,10 @@ generated afresh (same seed: same prompt lengths at every rate) and replayed aga
 clock (``bench.replay``). ``--find-slo-rps`` then bisects for the SLO throughput (``bench.slo``),
 each probe a fresh replay on the same deployment. Output: a table per rate, ``--json``,
 ``--plot``, and with ``--trace`` a Chrome trace of every measured replay (warm-up left out).
+
+With ``--base-url`` the same workload goes over HTTP to a running ``moeflow serve`` (or any
+OpenAI-compatible server) instead, with ``vllm bench serve``'s flags and metric names
+(``bench.http_bench``); the deployment flags are then unused.
 """
 from __future__ import annotations
 
@@ -43,6 +47,22 @@ def add_parser(sub) -> None:
     s.add_argument("--find-slo-rps", action="store_true", help="bisect for the highest rate within the SLO")
     s.add_argument("--slo-probes", type=int, default=5, help="bisection probes after bracketing")
     s.add_argument("--slo-rel-tol", type=float, default=0.05, help="stop bisecting once hi/lo <= 1 + this")
+    h = p.add_argument_group("HTTP client (vllm bench serve's flags; --base-url selects it)")
+    h.add_argument("--base-url", default=None, metavar="URL", help="drive a running server, e.g. http://127.0.0.1:8000")
+    h.add_argument("--endpoint", default="/v1/completions")
+    h.add_argument("--served-model-name", default=None, help='"model" field of each request (default: none sent)')
+    h.add_argument("--api-key", default=None)
+    h.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s (HTTP default inf: all at once); in-process: the same as --rps R")
+    h.add_argument("--num-prompts", type=int, default=None, help="at most this many requests (instead of --duration-s)")
+    h.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (HTTP)")
+    h.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for request_goodput, NAME in ttft, tpot, e2el (milliseconds)")
+    h.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft, tpot, itl, e2el")
+    h.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    h.add_argument("--save-result", action="store_true", help="write the result JSON to --result-dir")
+    h.add_argument("--result-dir", default=".")
+    h.add_argument("--result-filename", default=None)
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="FILE.json")
     o.add_argument("--plot", default=None, metavar="FILE.png")
@@ -52,9 +72,10 @@ def add_parser(sub) -> None:
 
 def workload_config(args: argparse.Namespace, rate_rps: float | None) -> WorkloadConfig:
     duration = args.duration_s
-    if duration is None and args.workload != "trace":
+    if duration is None and args.workload != "trace" and args.num_prompts is None:
         duration = _DEFAULT_DURATION_S
     return WorkloadConfig(kind=args.workload, rate_rps=rate_rps, burstiness=args.burstiness, duration_s=duration,
+                          num_requests=args.num_prompts,
                           length_scale=args.length_scale, isl=args.isl, isl_ratio=args.isl_ratio,
                           fixed_len=args.fixed_len, trace_path=args.trace_file, output_len=args.max_tokens,
                           seed=args.seed)
@@ -73,8 +94,14 @@ def parse_rates(text: str | None, kind: str) -> list[float | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.base_url is not None:
+        from moeflow.bench.http_bench import run_http
+
+        return run_http(args)
     from moeflow import LLM
 
+    if args.request_rate is not None and args.rps is None:
+        args.rps = f"{args.request_rate!r}"
     rates = parse_rates(args.rps, args.workload)
     workload_config(args, rates[0])  # invalid workload flags fail before the deployment starts
     if args.find_slo_rps and args.slo_ttft_s is None:

@@ -197,7 +197,9 @@ class OpenAIServing:
                     yield _sse(self._failure(d).body())  # the status line is sent already: an error event
                     break
                 delta = text.add(list(d.token_ids), final=d.finish_reason is not None)
-                if delta or d.finish_reason is not None:
+                # NOTE: a chunk per step that produced tokens, even when they decode to no text yet
+                # (part of a UTF-8 character): clients time tokens by chunks (TTFT, ITL).
+                if d.token_ids or d.finish_reason is not None:
                     yield chunk(delta, d.finish_reason)
             else:
                 if include_usage:

@@ -1,0 +1,156 @@
+"""``moeflow demo`` (``make run``): asap vs the synchronous baseline, served over HTTP on ``tiny``.
+
+For each system (asap D=1 E=1, then dep dp=2: two worker processes each) it starts ``moeflow
+serve`` on a free port, waits for /health, runs ``bench serve --base-url`` at each rate (the same
+seeded workload every time), and stops the server. Then it prints the result tables side by side,
+writes every run's JSON and a TTFT-vs-rate plot to ``--out-dir``, and exits 0 only if every
+request of every run completed. The servers' logs and each run's own table land in ``--out-dir``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from moeflow.bench.http_metrics import percentile_key
+
+# (name, serve flags, config for bench.plot's label)
+SYSTEMS = (("asap", ["--mode", "asap", "--attn-dp", "1", "--moe-workers", "1"],
+            {"attn_dp": 1, "attn_tp": 1, "moe_workers": 1}),
+           ("dep", ["--mode", "dep", "--dp", "2"], {"dp": 2}))
+_START_TIMEOUT_S = 180.0
+_ROWS = (("Successful requests", "completed", "d"), ("Benchmark duration (s)", "duration", ".2f"),
+         ("Request throughput (req/s)", "request_throughput", ".2f"),
+         ("Request goodput (req/s)", "request_goodput", ".2f"),
+         ("Output token throughput (tok/s)", "output_throughput", ".2f"),
+         ("Total Token throughput (tok/s)", "total_token_throughput", ".2f"))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="asap vs dep over HTTP on the embedded model: tables side by side, a plot")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--rates", default="1,2,4", help="request rates (req/s), comma-separated")
+    p.add_argument("--num-prompts", type=int, default=20, help="requests per rate")
+    p.add_argument("--length-scale", type=float, default=0.03,
+                   help="production workload scaled by this (0.03: mean ~150 prompt tokens)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--goodput", default="ttft:1000", help="NAME:MS SLO of request_goodput")
+    p.add_argument("--out-dir", default="demo-out")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeflow.bench.plot import plot_results
+
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    os.makedirs(args.out_dir, exist_ok=True)
+    t0 = time.monotonic()
+    print(f"workload: production prompt lengths x {args.length_scale:g}, {args.num_prompts} requests per rate, "
+          f"{args.max_tokens} output tokens, Poisson arrivals at {', '.join(f'{r:g}' for r in rates)} req/s; "
+          f"model {args.model!r}", flush=True)
+    results: dict[str, dict[float, dict]] = {}
+    for name, flags, _ in SYSTEMS:
+        results[name] = {}
+        with _Server(args.model, flags, os.path.join(args.out_dir, f"server-{name}.log")) as url:
+            print(f"[{time.monotonic() - t0:3.0f} s] {name}: moeflow serve {' '.join(flags)} is up at {url}", flush=True)
+            for rate in rates:
+                results[name][rate] = _bench(args, name, url, rate)
+                m = results[name][rate]
+                print(f"{name} @ {rate:g} req/s: {m['completed']}/{m['num_prompts']} completed, "
+                      f"mean TTFT {m['mean_ttft_ms']:.0f} ms", flush=True)
+    print()
+    print(side_by_side([(f"{n} @{r:g}", results[n][r]) for r in rates for n, _, _ in SYSTEMS]))
+    plot = os.path.join(args.out_dir, "ttft_vs_rate.png")
+    plot_results([{"mode": n, "config": cfg, "slo_ttft_s": None,
+                   "points": [{"rps": r, "ttft_mean_s": results[n][r]["mean_ttft_ms"] / 1000} for r in rates]}
+                  for n, _, cfg in SYSTEMS], plot, title=f"{args.model}: mean TTFT vs request rate (HTTP)")
+    print(f"\nwrote {plot} and the runs' JSON to {args.out_dir}/ in {time.monotonic() - t0:.0f} s")
+    ok = all(m["completed"] == m["num_prompts"] for per in results.values() for m in per.values())
+    return 0 if ok else 1
+
+
+def _bench(args: argparse.Namespace, name: str, url: str, rate: float) -> dict:
+    """One ``bench serve --base-url`` run in this process; its table goes to a file, its JSON is returned."""
+    from moeflow.cli import main
+
+    stem = os.path.join(args.out_dir, f"{name}-{rate:g}rps")
+    argv = ["bench", "serve", "--base-url", url, "--workload", "production", "--length-scale",
+            str(args.length_scale), "--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
+            "--max-tokens", str(args.max_tokens), "--goodput", args.goodput, "--percentile-metrics",
+            "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--json", stem + ".json"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(argv)
+    with open(stem + ".txt", "w") as f:
+        f.write(out.getvalue())
+    if rc != 0:
+        raise RuntimeError(f"bench serve against {name} at {rate:g} req/s exited with {rc}:\n{out.getvalue()}")
+    with open(stem + ".json") as f:
+        return json.load(f)
+
+
+def side_by_side(columns: list[tuple[str, dict]], percentiles: tuple[float, ...] = (50.0, 99.0)) -> str:
+    """vLLM's result rows, one column per run."""
+    width = max(11, *(len(c) + 1 for c, _ in columns))
+    rows = [(label, key, fmt) for label, key, fmt in _ROWS]
+    for metric, short in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        rows.append((f"Mean {short} (ms)", f"mean_{metric}_ms", ".1f"))
+        rows += [(f"P{percentile_key(p)} {short} (ms)", f"p{percentile_key(p)}_{metric}_ms", ".1f")
+                 for p in percentiles]
+    lines = [f"{'':<32}" + "".join(f"{c:>{width}}" for c, _ in columns)]
+    for label, key, fmt in rows:
+        cells = [format(m[key], fmt) if m.get(key) is not None else "-" for _, m in columns]
+        lines.append(f"{label:<32}" + "".join(f"{c:>{width}}" for c in cells))
+    return "\n".join(lines)
+
+
+class _Server:
+    """``moeflow serve`` in a subprocess on a free port; stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, model: str, flags: list[str], log_path: str):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.cmd = [sys.executable, "-m", "moeflow", "serve", "--model", model, "--port", str(self.port),
+                    "--log-level", "warning", *flags]
+        self.log_path = log_path
+
+    def __enter__(self) -> str:
+        import httpx
+
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per process, as the engine assumes
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{' '.join(self.cmd)} exited with {self.proc.returncode}; see {self.log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                        return url
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the server was not healthy within {_START_TIMEOUT_S:g} s; see {self.log_path}")
+                time.sleep(0.2)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # graceful: the server releases workers and shared memory
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
