@@ -138,7 +138,8 @@ def test_dead_moe_worker_errors_requests_fast_and_cleans_up(checkpoints):
 def test_ctrl_c_leaves_no_process_or_segment(checkpoints, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
+        import faulthandler, signal, sys
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if we hang
         from moeflow import LLM, SamplingParams
         if __name__ == "__main__":
             llm = LLM({checkpoints("qwen3").path!r}, mode="asap", moe_workers=1)
@@ -152,12 +153,26 @@ def test_ctrl_c_leaves_no_process_or_segment(checkpoints, tmp_path):
                 print("interrupted", flush=True)
                 sys.exit(130)
     """))
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    deployment_id, *pids = p.stdout.readline().split()
+    # NOTE: output goes to files, not pipes: a child that fills a pipe nobody reads blocks forever
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        p = subprocess.Popen([sys.executable, str(script)], stdout=fo, stderr=fe, text=True)
+    deadline = time.monotonic() + 120
+    while not out.read_text().endswith("\n") and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    deployment_id, *pids = out.read_text().split()
     time.sleep(1.0)
     p.send_signal(signal.SIGINT)
-    assert p.wait(timeout=30) == 130
-    assert "interrupted" in p.stdout.read()
+    try:
+        rc = p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        p.kill()
+        p.wait()
+        pytest.fail(f"no exit 30 s after SIGINT; stdout: {out.read_text()!r}; stderr tail: {err.read_text()[-4000:]}")
+    assert rc == 130, err.read_text()[-4000:]
+    assert "interrupted" in out.read_text()
     time.sleep(0.5)
     assert not any(_alive(int(x)) for x in pids)
     assert list_segments(deployment_id) == []
