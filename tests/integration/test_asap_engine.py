@@ -140,6 +140,9 @@ def test_ctrl_c_leaves_no_process_or_segment(checkpoints, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import faulthandler, signal, sys
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if we hang
+        # NOTE: a child started from a background job inherits SIGINT ignored, and Python then keeps
+        # it ignored; install the handler a terminal's Python would have
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from moeflow import LLM, SamplingParams
         if __name__ == "__main__":
             llm = LLM({checkpoints("qwen3").path!r}, mode="asap", moe_workers=1)
