@@ -18,7 +18,7 @@ import math
 
 from moeflow.bench.metrics import format_point, summarize
 from moeflow.bench.replay import random_prompts, replay
-from moeflow.bench.slo import SloSearch, find_slo_rps
+from moeflow.bench.slo import SloSearch, find_slo_rps, probe_ttft_s
 from moeflow.bench.workload import KINDS, WorkloadConfig, generate_requests
 from moeflow.engine.args import add_engine_args, engine_kwargs
 
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
                          ttft_p99_s=None)
             points[rps] = p
             print(format_point(p), flush=True)
-            return p["ttft_mean_s"] if p["ttft_mean_s"] is not None else math.inf
+            return probe_ttft_s(p)
 
         for rate in rates:
             measure(rate)
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             # NOTE: with --trace every probe runs to the end: stopping aborts work in flight, and
             # collecting spans needs an idle deployment.
             stop = None if args.trace else search.slo_ttft_s
-            measured = {r: (p["ttft_mean_s"] if p["ttft_mean_s"] is not None else math.inf) for r, p in points.items()}
+            measured = {r: probe_ttft_s(p) for r, p in points.items()}
             slo = find_slo_rps(lambda r: measure(r, stop), search, measured)
             print(f"SLO throughput (mean TTFT <= {search.slo_ttft_s:g} s): "
                   + (f"{slo.rps:g} rps" if slo.rps is not None else "none of the probed rates meets it")

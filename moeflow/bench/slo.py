@@ -16,6 +16,7 @@ the answer is only as sharp as the run-to-run noise at the threshold.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +42,11 @@ class SloResult:
     rps: float | None  # highest rate measured to meet the SLO; None: none did
     upper_rps: float | None  # lowest rate above it measured to miss it; None: none did
     num_probes: int  # replays the search ran (the sweep's rates not counted)
+
+
+def probe_ttft_s(point: dict) -> float:
+    """A ``bench serve`` point's mean TTFT for the search: inf when nothing completed."""
+    return point["ttft_mean_s"] if point["ttft_mean_s"] is not None else math.inf
 
 
 def find_slo_rps(probe: Callable[[float], float], search: SloSearch, measured: dict[float, float]) -> SloResult:

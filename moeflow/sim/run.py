@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from moeflow.bench.metrics import summarize
-from moeflow.bench.slo import SloSearch, find_slo_rps
+from moeflow.bench.slo import SloSearch, find_slo_rps, probe_ttft_s
 from moeflow.bench.workload import generate_requests
 from moeflow.sim.asap import AsapSystem
 from moeflow.sim.config import SimConfig
@@ -65,14 +65,14 @@ def run_system(name: str, cfg: SimConfig, cost: CostModel, rates: tuple[float, .
         if tracing:
             spans = res.spans
         points[rate] = p
-        return p["ttft_mean_s"] if p["ttft_mean_s"] is not None else math.inf
+        return probe_ttft_s(p)
 
     for r in rates:
         measure(r)
     slo = None
     if find_slo:
         search = SloSearch(cfg.slo_ttft_s, cfg.slo_probes, cfg.slo_rel_tol)
-        measured = {r: (p["ttft_mean_s"] if p["ttft_mean_s"] is not None else math.inf) for r, p in points.items()}
+        measured = {r: probe_ttft_s(p) for r, p in points.items()}
         slo = find_slo_rps(lambda r: measure(r, search.slo_ttft_s), search, measured)
     result = {"mode": system.mode, "simulated": True,
               "config": {**dataclasses.asdict(system), "model": cfg.model, "hardware": cfg.hardware,

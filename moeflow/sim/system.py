@@ -40,7 +40,7 @@ class SystemConfig:
     # asap: an MoE worker receives, computes and sends on separate streams (ASAP §3.4); False: one
     # stream does all three in turn (and on a CPU core the communication threads share, that is the truth)
     comm_overlap: bool = True
-    super_kernel: bool = True  # asap: layer-oblivious MoE kernel; False pays host_dispatch_s per layer
+    super_kernel: bool = True  # layer-oblivious MoE kernel; False pays host_dispatch_s per MoE layer
     kv_tokens_per_group: int = 1 << 20  # KV-cache capacity of one attention group / rank
     block_size: int = 256
     max_num_seqs: int = 1024
