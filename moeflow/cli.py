@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
 
-    from moeflow.bench import comm, demo, experts, plot, prefill, profile, serve, trace_summary
+    from moeflow.bench import comm, demo, env, experts, plot, prefill, profile, serve, trace_summary
     from moeflow.server import serve as server
     from moeflow.sim import cli as sim_cli
 
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     sim_cli.add_parser(sub)
     profile.add_parser(sub)
     demo.add_parser(sub)
+    env.add_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -43,6 +43,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str | None = None  # config.json "dtype"/"torch_dtype": what the weights are stored in
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -78,7 +79,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # "auto": resolved once per deployment (hardware/dtype.py)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class EngineConfig:
     """Runtime settings of one deployment (the same object reaches every worker)."""
 
     model: str = "tiny"  # a local Hugging Face directory, or "tiny" for the embedded model
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # the engine replaces "auto" by what this machine computes fast
     max_num_batched_tokens: int = 8192  # S: most tokens in one forward batch
     max_num_seqs: int = 256  # most requests running at once
     kv_block_size: int = 16  # tokens per KV-cache block

@@ -7,3 +7,8 @@ import os
 def cache_dir() -> str:
     """Where generated artifacts (the embedded model) are kept: $MOEFLOW_CACHE_DIR or ~/.cache/moeflow."""
     return os.environ.get("MOEFLOW_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moeflow")
+
+
+def logging_level() -> str:
+    """Level of moeflow's own log lines: $MOEFLOW_LOGGING_LEVEL (DEBUG, INFO, WARNING, ...), default INFO."""
+    return os.environ.get("MOEFLOW_LOGGING_LEVEL", "INFO").upper()

@@ -153,23 +153,10 @@ class _Bench:
             cleanup(dep)
 
 
-def memcpy_s(x, repeats: int = 11) -> float:
-    """Median time of one single-threaded copy of ``x`` into another private buffer."""
-    import torch
-
-    dst = torch.empty_like(x)
-    dst.copy_(x)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from moeflow.hardware.report import memcpy_s
     from moeflow.model.tiny import TINY_HF_CONFIG
 
     torch.set_num_threads(1)

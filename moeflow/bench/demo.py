@@ -19,6 +19,7 @@ import sys
 import time
 
 from moeflow.bench.http_metrics import percentile_key
+from moeflow.config import DTYPES
 
 # (name, serve flags, config for bench.plot's label)
 SYSTEMS = (("asap", ["--mode", "asap", "--attn-dp", "1", "--moe-workers", "1"],
@@ -35,6 +36,7 @@ _ROWS = (("Successful requests", "completed", "d"), ("Benchmark duration (s)", "
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="asap vs dep over HTTP on the embedded model: tables side by side, a plot")
     p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: what this machine computes natively")
     p.add_argument("--rates", default="1,2,4", help="request rates (req/s), comma-separated")
     p.add_argument("--num-prompts", type=int, default=20, help="requests per rate")
     p.add_argument("--length-scale", type=float, default=0.03,
@@ -57,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[float, dict]] = {}
     for name, flags, _ in SYSTEMS:
         results[name] = {}
-        with _Server(args.model, flags, os.path.join(args.out_dir, f"server-{name}.log")) as url:
-            print(f"[{time.monotonic() - t0:3.0f} s] {name}: moeflow serve {' '.join(flags)} is up at {url}", flush=True)
+        with _Server(args.model, ["--dtype", args.dtype, *flags], os.path.join(args.out_dir, f"server-{name}.log")) as url:
+            print(f"[{time.monotonic() - t0:3.0f} s] {name}: moeflow serve {' '.join(flags)} is up at {url} "
+                  f"({_dtype_line(os.path.join(args.out_dir, f'server-{name}.log'))})", flush=True)
             for rate in rates:
                 results[name][rate] = _bench(args, name, url, rate)
                 m = results[name][rate]
@@ -73,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nwrote {plot} and the runs' JSON to {args.out_dir}/ in {time.monotonic() - t0:.0f} s")
     ok = all(m["completed"] == m["num_prompts"] for per in results.values() for m in per.values())
     return 0 if ok else 1
+
+
+def _dtype_line(log_path: str) -> str:
+    """What the server logged about its dtype at start (the engine logs the choice and why)."""
+    with open(log_path) as f:
+        line = next((ln for ln in f if "moeflow.hardware" in ln), "")
+    return line.split("moeflow.hardware: ", 1)[-1].strip() or "dtype not logged"
 
 
 def _bench(args: argparse.Namespace, name: str, url: str, rate: float) -> dict:

@@ -12,13 +12,15 @@ import json
 import statistics
 import time
 
+from moeflow.config import DTYPES
+
 TOKENS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("experts", help="expert-layer time vs tokens, and the MoE inflection point")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: what this machine computes natively")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", default=None)
@@ -52,9 +54,14 @@ def run(args: argparse.Namespace) -> int:
     from moeflow.model.moe import experts_grouped, plan_pairs
     from moeflow.model.weights import LoadSpec, load_weights
 
+    from moeflow.hardware import resolve_dtype
+    from moeflow.model.weights import load_config
+
     torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    args.dtype = resolve_dtype(args.dtype, load_config(path)[0].checkpoint_dtype).dtype
     dtype = getattr(torch, args.dtype)
-    cfg, w = load_weights(resolve_model(args.model), dtype, LoadSpec(attention=False))
+    cfg, w = load_weights(path, dtype, LoadSpec(attention=False))
     layer = w.experts.layer_ids[0]
     g = torch.Generator().manual_seed(0)
     points = []

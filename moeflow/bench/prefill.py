@@ -1,8 +1,9 @@
 """``moeflow bench prefill``: prefill throughput of moeflow vs transformers, and MFU.
 
-Both run on the same checkpoint, in bf16 with the same thread count, side by side in one run
-(alternating, median of ``--repeats``). The GEMM ceiling is measured in the same run, so MFU is
-relative to what this machine delivered at that moment.
+Both run on the same checkpoint, in the same dtype (``--dtype``, default ``auto``: what this machine
+computes natively) and thread count, side by side in one run (alternating, median of
+``--repeats``). The GEMM ceiling is measured in the same run and the same dtype, so MFU is
+relative to what this machine delivered at that moment for the dtype actually run.
 """
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def gemm_gflops(threads: int, repeats: int = 5) -> float:
-    """bf16 GEMM rate of this machine now: [2048, 1024] x [1024, 4096], median of ``repeats``."""
+def gemm_gflops(threads: int, dtype: str, repeats: int = 5) -> float:
+    """GEMM rate of this machine now in ``dtype``: [2048, 1024] x [1024, 4096], median of ``repeats``."""
     import torch
 
     torch.set_num_threads(threads)
-    a = torch.randn(2048, 1024, dtype=torch.bfloat16)
-    b = torch.randn(4096, 1024, dtype=torch.bfloat16)
+    a = torch.randn(2048, 1024).to(getattr(torch, dtype))
+    b = torch.randn(4096, 1024).to(getattr(torch, dtype))
     torch.nn.functional.linear(a, b)
     t = _median_time(lambda: torch.nn.functional.linear(a, b), repeats)
     return 2 * 2048 * 1024 * 4096 / t / 1e9
@@ -83,16 +84,16 @@ def run_vs_transformers(args: argparse.Namespace) -> int:
     from moeflow.bench.flops import prefill_flops
 
     torch.set_num_threads(args.threads)
-    llm = LLM(**{**engine_kwargs(args), "dtype": "bfloat16"}, max_num_batched_tokens=16384)
-    cfg = llm.engine.model_config
+    llm = LLM(**engine_kwargs(args), max_num_batched_tokens=16384)
+    cfg, dtype = llm.engine.model_config, llm.config.dtype  # "auto" resolved
     hf = None
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=torch.bfloat16).eval()
+        hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=getattr(torch, dtype)).eval()
     params = SamplingParams(max_tokens=1, temperature=0.0)
     cases = {"single_2048": [SINGLE_LEN], "ragged_8": RAGGED_LENS}
-    gemm = gemm_gflops(args.threads)
+    gemm = gemm_gflops(args.threads, dtype)
     rows = []
     for name, lens in cases.items():
         prompts = _prompts(lens, seed=len(lens))
@@ -115,9 +116,9 @@ def run_vs_transformers(args: argparse.Namespace) -> int:
             row.update({"transformers_s": t_hf, "transformers_tok_s": tokens / t_hf,
                         "transformers_mfu": flops / t_hf / 1e9 / gemm, "speedup": t_hf / t_ours})
         rows.append(row)
-    gemm_after = gemm_gflops(args.threads)
+    gemm_after = gemm_gflops(args.threads, dtype)
     llm.shutdown()
-    result = {"model": args.model, "mode": args.mode, "dtype": "bfloat16", "threads": args.threads,
+    result = {"model": args.model, "mode": args.mode, "dtype": dtype, "threads": args.threads,
               "repeats": args.repeats, "gemm_gflops": gemm, "gemm_gflops_after": gemm_after,
               "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "rows": rows}
     _print(result)
@@ -128,7 +129,7 @@ def run_vs_transformers(args: argparse.Namespace) -> int:
 
 
 def _print(r: dict) -> None:
-    print(f"model={r['model']} mode={r['mode']} bf16 threads={r['threads']} "
+    print(f"model={r['model']} mode={r['mode']} {r['dtype']} threads={r['threads']} "
           f"GEMM {r['gemm_gflops']:.0f} GFLOP/s (after: {r['gemm_gflops_after']:.0f})")
     print(f"{'case':<12} {'tokens':>6} {'moeflow tok/s':>14} {'MFU':>6} {'transformers tok/s':>19} {'MFU':>6} {'speedup':>8}")
     for row in r["rows"]:
@@ -151,8 +152,8 @@ def run_stream(args: argparse.Namespace) -> int:
     kw.setdefault("min_batch_tokens", SINGLE_LEN)  # one prompt per batch: pairs of 2k-token batches
     kw.setdefault("max_batch_tokens", SINGLE_LEN)
     kw.setdefault("max_batch_wait_s", 0.0)
-    base = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_num_batched_tokens=SINGLE_LEN)
     ours = LLM(**kw)
+    base = LLM(args.model, dtype=ours.config.dtype, num_threads=args.threads, max_num_batched_tokens=SINGLE_LEN)
     try:
         base.generate(prompts[:1], params)
         ours.generate(prompts[:2], params)
@@ -176,10 +177,10 @@ def run_stream(args: argparse.Namespace) -> int:
         ours.shutdown()
     tb, to = statistics.median(t_base), statistics.median(t_ours)
     result = {"model": args.model, "mode": args.mode, "config": {k: v for k, v in kw.items() if k != "model"},
-              "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "prompts": args.stream,
+              "dtype": ours.config.dtype, "threads": args.threads, "repeats": args.repeats, "prompts": args.stream,
               "prompt_len": SINGLE_LEN, "colocated_tok_s": tokens / tb, "mode_tok_s": tokens / to,
               "speedup": tb / to, "busy_fraction_steady": busy, "trace": args.trace}
-    print(f"stream of {args.stream} x {SINGLE_LEN}-token prompts, {args.dtype}, {args.threads} thread(s) per process")
+    print(f"stream of {args.stream} x {SINGLE_LEN}-token prompts, {result['dtype']}, {args.threads} thread(s) per process")
     print(f"{'colocated':<34} {tokens / tb:>8.0f} tok/s")
     print(f"{args.mode + ' ' + _layout(kw):<34} {tokens / to:>8.0f} tok/s   speedup {tb / to:.2f}x")
     for proc, frac in sorted(busy.items()):

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from moeflow.config import DTYPES
 from moeflow.sim.profiled import fit_nonneg
 
 ATTN_SHAPES = [  # (query lens, context lens) of one batch
@@ -33,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--json", required=True, metavar="FILE.json")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                   help="auto: what this machine computes natively (the engine's own default)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and no engine runs (for tests)")
     p.set_defaults(func=run)
 
@@ -51,7 +54,7 @@ def pairs_of(q_lens: list[int], ctx_lens: list[int]) -> int:
     return sum(q * c + q * (q + 1) // 2 for q, c in zip(q_lens, ctx_lens))
 
 
-def profile_stages(model_path: str, repeats: int, quick: bool) -> dict:
+def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) -> dict:
     import torch
 
     from moeflow.model.kv_cache import AttentionMetadata, KVCache
@@ -60,7 +63,7 @@ def profile_stages(model_path: str, repeats: int, quick: bool) -> dict:
     from moeflow.model.weights import LoadSpec, load_weights
 
     torch.set_num_threads(1)
-    dtype = torch.bfloat16
+    dtype = getattr(torch, dtype_name)
     cfg, w = load_weights(model_path, dtype)
     model = MoETransformer(cfg, w)
     layer = next(i for i, s in enumerate(cfg.sparse_layers) if s)
@@ -116,13 +119,13 @@ def profile_stages(model_path: str, repeats: int, quick: bool) -> dict:
             "head": {"samples": head, "fit": dict(zip(("c0", "per_token", "per_sampled"), head_fit))}}
 
 
-def profile_engine(model: str, mode: str, kwargs: dict, repeats: int) -> list[dict]:
+def profile_engine(model: str, dtype: str, mode: str, kwargs: dict, repeats: int) -> list[dict]:
     """TTFT of lone requests (nothing else running) through a real deployment."""
     from moeflow import LLM, SamplingParams
 
     out = []
     rng = np.random.default_rng(0)
-    with LLM(model=model, mode=mode, **kwargs) as llm:
+    with LLM(model=model, mode=mode, dtype=dtype, **kwargs) as llm:
         vocab = llm.engine.model_config.vocab_size
         params = SamplingParams(max_tokens=1, temperature=0.0)
         llm.generate([[1] * 16], params)  # warm-up
@@ -143,14 +146,18 @@ ENGINES = {  # the layouts the validation runs; no lone-batch wait or split, so 
 
 def run(args: argparse.Namespace) -> int:
     from moeflow.engine.llm import resolve_model
+    from moeflow.hardware import resolve_dtype
+    from moeflow.model.weights import load_config
 
     t0 = time.perf_counter()
-    prof = {"model": args.model, "dtype": "bfloat16", "threads": 1, "machine": platform.processor() or platform.machine()}
-    prof.update(profile_stages(resolve_model(args.model), args.repeats, args.quick))
+    path = resolve_model(args.model)
+    dtype = resolve_dtype(args.dtype, load_config(path)[0].checkpoint_dtype).dtype
+    prof = {"model": args.model, "dtype": dtype, "threads": 1, "machine": platform.processor() or platform.machine()}
+    prof.update(profile_stages(path, dtype, args.repeats, args.quick))
     prof["engine"] = {}
     if not args.quick:
         for name, (mode, kw) in ENGINES.items():
-            prof["engine"][name] = {"layout": kw, "samples": profile_engine(args.model, mode, kw, args.repeats)}
+            prof["engine"][name] = {"layout": kw, "samples": profile_engine(args.model, dtype, mode, kw, args.repeats)}
     with open(args.json, "w") as f:
         json.dump(prof, f, indent=2)
     a = prof["attention"]["fit"]

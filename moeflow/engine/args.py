@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 
+from moeflow.config import DTYPES
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help='local Hugging Face directory, or "tiny" (embedded, random weights)')
     p.add_argument("--mode", default="colocated", choices=["colocated", "asap", "dep"], help="deployment mode")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                   help="auto: the checkpoint's dtype where this machine computes it natively, else float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     lim = p.add_argument_group("engine limits (default: LLM's)")

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 from moeflow.config import ConfigError, EngineConfig, ModelConfig
 from moeflow.core import Request, RequestError
+from moeflow.hardware import resolve_dtype
+from moeflow.model.weights import load_config
 
 
 def clock() -> float:
@@ -101,4 +104,7 @@ def create_engine(mode: str, model_path: str, config: EngineConfig, **mode_kwarg
 
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; available modes: {sorted(MODES)}")
+    model, _ = load_config(model_path)
+    # NOTE: resolved here, once, so every worker of the deployment gets the same concrete dtype
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, model.checkpoint_dtype).dtype)
     return MODES[mode](model_path, config, **mode_kwargs)

@@ -21,7 +21,7 @@ def resolve_model(model: str) -> str:
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", mode: str = "colocated", dtype: str = "bfloat16", seed: int = 0,
+    def __init__(self, model: str = "tiny", mode: str = "colocated", dtype: str = "auto", seed: int = 0,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, num_kv_blocks: int = 4096,
                  kv_block_size: int = 16, max_model_len: int | None = None, num_threads: int = 1,
                  **mode_kwargs):
@@ -32,6 +32,7 @@ class LLM:
         self.model_path = resolve_model(model)
         self.mode = mode
         self.engine = create_engine(mode, self.model_path, self.config, **mode_kwargs)
+        self.config = self.engine.config  # with "auto" resolved
         mc = self.engine.model_config
         self.tokenizer = load_tokenizer(self.model_path, mc.vocab_size)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)

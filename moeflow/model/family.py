@@ -98,6 +98,7 @@ def common_fields(hf: dict) -> dict:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids(hf),
+        checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
         extra={"model_type": hf.get("model_type")},
     )
 

@@ -24,6 +24,8 @@ class SimConfig:
     cost: str = "analytic"
     profile: str | None = None  # profiled cost: the JSON ``moeflow profile`` wrote
     hardware_overrides: tuple[tuple[str, float], ...] = ()
+    machine: str | None = None  # hardware cpu-here: the `moeflow env --json` report of that machine
+    dtype: str | None = None  # hardware cpu-here: the dtype run there (default: what auto picks there)
     rps: tuple[float, ...] = (1.0,)
     slo_ttft_s: float | None = None
     find_slo_rps: bool = False

@@ -88,18 +88,40 @@ PRESETS: dict[str, Hardware] = {
         "gb200", flops=2.5e15, flops_int8=5e15, mem_bw_Bps=8e12, link_bw_Bps=900e9, link_latency_s=2e-6,
         launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S, gemm_eff=0.7, attn_eff=0.667,
         mem_eff=_MEM_EFF, link_eff=_LINK_EFF),
-    # One process on one core of this machine (docs/results/prefill.md, comm.md; DESIGN.md):
-    # bf16 GEMM 208 GFLOP/s per core, no int8 path, memcpy ~20 GB/s, cross-core shm copies 29 GB/s,
-    # 3-20 us protocol cost per message. For predictions here use the profiled cost instead.
-    "cpu-here": Hardware(
-        "cpu-here", flops=208e9, flops_int8=208e9, mem_bw_Bps=20e9, link_bw_Bps=29e9, link_latency_s=10e-6,
-        launch_s=20e-6, host_dispatch_s=0.0,
-        gemm_eff=0.6,  # bench prefill's MFU against the measured GEMM rate: 58-61%
-        attn_eff=0.5, mem_eff=0.8, link_eff=1.0),  # assumed, not measured: the profiled cost replaces them
 }
 
+# "cpu-here" is not a constant: one core of the machine a ``moeflow env --json`` report measured,
+# at the dtype the engine runs there (processors differ between machines by 100x in bf16).
+MEASURED = "cpu-here"
 
-def hardware_preset(name: str) -> Hardware:
+
+def cpu_hardware(report: dict, dtype: str | None = None) -> Hardware:
+    """One process on one core of the machine ``report`` (``moeflow env --json``) describes.
+
+    Rates are the report's measurements for ``dtype`` (default: what ``auto`` picks there): GEMM
+    GFLOP/s on one thread, memcpy bandwidth (a shared-memory transfer is a copy), the shared-memory
+    flag round trip as link latency. Efficiencies: GEMM 0.6 (bench prefill's MFU against the
+    measured GEMM rate, 58-61% on the AVX-512 machine); the rest assumed, as before: for
+    predictions here the profiled cost replaces them.
+    """
+    dtype = dtype or report.get("auto_dtype", "float32")
+    gemm = report.get("gemm", {}).get(dtype)
+    if gemm is None:
+        raise ValueError(f"hardware {MEASURED}: the machine report has no GEMM rate for {dtype!r} "
+                         f"(has {sorted(report.get('gemm', {}))}); regenerate it with moeflow env --json")
+    flops = float(gemm["gflops"]) * 1e9
+    copy_bps = float(report["memcpy_gbps"]) * 1e9
+    return Hardware(MEASURED, flops=flops, flops_int8=flops, mem_bw_Bps=copy_bps, link_bw_Bps=copy_bps,
+                    link_latency_s=float(report["shm_flag_round_trip_us"]) * 1e-6, launch_s=20e-6,
+                    host_dispatch_s=0.0, gemm_eff=0.6, attn_eff=0.5, mem_eff=0.8, link_eff=1.0)
+
+
+def hardware_preset(name: str, report: dict | None = None, dtype: str | None = None) -> Hardware:
+    if name == MEASURED:
+        if report is None:
+            raise ValueError(f"hardware {MEASURED} is measured, not a constant: give machine: FILE.json, "
+                             f"the report of `moeflow env --json > FILE.json` on the machine to simulate")
+        return cpu_hardware(report, dtype)
     if name not in PRESETS:
-        raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(sorted([*PRESETS, MEASURED]))}")
     return PRESETS[name]

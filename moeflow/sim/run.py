@@ -3,6 +3,7 @@ JSON schema (so ``moeflow bench plot`` overlays simulated and measured curves)."
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -26,7 +27,12 @@ def build_cost(cfg: SimConfig) -> CostModel:
         from moeflow.sim.profiled import ProfiledCost
 
         return ProfiledCost.load(model, cfg.profile)
-    return AnalyticCost(model, hardware_preset(cfg.hardware).with_overrides(**dict(cfg.hardware_overrides)))
+    report = None
+    if cfg.machine:
+        with open(cfg.machine) as f:
+            report = json.load(f)
+    hw = hardware_preset(cfg.hardware, report, cfg.dtype)
+    return AnalyticCost(model, hw.with_overrides(**dict(cfg.hardware_overrides)))
 
 
 @dataclass

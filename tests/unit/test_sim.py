@@ -156,17 +156,21 @@ def test_simulating_stops_early_once_the_slo_is_lost():
 def test_simulate_cli_writes_schema_plot_trace_and_compares(tmp_path, capsys):
     from moeflow.cli import main
 
+    machine = tmp_path / "machine.json"  # what `moeflow env --json` reports (the figures of an AVX-512 machine)
+    machine.write_text(json.dumps({"auto_dtype": "bfloat16", "memcpy_gbps": 20.0, "shm_flag_round_trip_us": 10.0,
+                                   "gemm": {"bfloat16": {"gflops": 208.0}, "float32": {"gflops": 110.0}}}))
     cfg = tmp_path / "exp.yaml"
     cfg.write_text("""
 model: tiny
 hardware: cpu-here
+machine: MACHINE
 workload: {kind: production, length_scale: 0.1, duration_s: 10, seed: 0}
 rps: [0.5, 1]
 slo_ttft_s: 2
 systems:
   dep: {mode: dep, dp: 2}
   asap: {mode: asap, attn_dp: 1, moe_workers: 1}
-""")
+""".replace("MACHINE", str(machine)))
     out, png, trace = tmp_path / "o.json", tmp_path / "o.png", tmp_path / "t.json"
     assert main(["simulate", "--config", str(cfg), "--find-slo-rps", "--json", str(out), "--plot", str(png),
                  "--trace", str(trace), "--trace-window-s", "20"]) == 0
