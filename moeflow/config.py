@@ -5,7 +5,9 @@ files in ``moeflow/model/`` translate a Hugging Face ``config.json`` into it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -15,6 +17,16 @@ class ConfigError(ValueError):
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def opt(default: Any, help: str, flag: str | None = None, cli: bool = True, choices: tuple | None = None) -> Any:
+    """A config field with its command-line help (the CLI is generated from the fields): ``flag``
+    overrides the generated name (``--<field-with-dashes>``, or ``--no-<field>`` for a boolean that
+    defaults to True); ``cli=False`` keeps a field off the command line."""
+    meta = {"help": help, "flag": flag, "cli": cli, "choices": choices}
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+TRANSPORTS = ("shm", "dist")
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # "auto": resolved once per deployment (hardware/dtype.py)
 
 
@@ -95,6 +108,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int = 1  # torch threads per process
     seed: int = 0
+    pin_cpus: bool = False  # pin each worker process to one CPU (round robin)
+    transport: str = "shm"  # dispatch/combine between processes: "shm" (one host) or "dist" (torch.distributed)
+    trace: bool = False  # workers record spans for a Chrome/Perfetto trace
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -104,23 +120,24 @@ class EngineConfig:
             _require(isinstance(v, int) and v > 0, f"EngineConfig.{name} must be a positive int, got {v!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
+        _require(self.transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batching policy of the disaggregated (asap) scheduler; each optimization can be switched off."""
 
-    min_batch_tokens: int = 256  # length-aware batching: form a batch once it holds this many tokens
-    max_batch_tokens: int = 16384  # S: never more tokens in one batch
-    max_batch_wait_s: float = 0.05  # ... or once its oldest request has waited this long
-    long_prompt_tokens: int = 16384  # prompts above this run alone (no interleaving partner)
-    length_aware: bool = True  # False: a batch of whatever is waiting, at once
-    dual_batch: bool = True  # False: one batch per DP group at a time
+    min_batch_tokens: int = opt(256, "length-aware batching: form a batch once it holds this many tokens")
+    max_batch_tokens: int = opt(16384, "S: never more tokens in one batch")
+    max_batch_wait_s: float = opt(0.05, "... or once its oldest request has waited this long")
+    long_prompt_tokens: int = opt(16384, "prompts above this run alone (no interleaving partner)")
+    length_aware: bool = opt(True, "ablation: a batch of whatever is waiting, at once")
+    dual_batch: bool = opt(True, "ablation: one batch per DP group at a time")
     # moeflow's addition to ASAP: a lone batch (no partner, no decode rows) of at least
     # min_split_tokens is cut at its token midpoint into two micro-batches that interleave like a
     # pair; the second attends to the first's KV of the same layer, written just before it.
-    split_lone_batch: bool = True
-    min_split_tokens: int = 512
+    split_lone_batch: bool = opt(True, "ablation: never cut a lone batch into two halves", flag="--no-split")
+    min_split_tokens: int = opt(512, "a lone batch of at least this many tokens is cut in two")
 
     def __post_init__(self) -> None:
         _require(isinstance(self.min_batch_tokens, int) and self.min_batch_tokens > 0,
@@ -129,46 +146,3 @@ class SchedulerConfig:
                  f"max_batch_tokens ({self.max_batch_tokens}) must be >= min_batch_tokens ({self.min_batch_tokens})")
         _require(self.max_batch_wait_s >= 0, f"max_batch_wait_s must be >= 0, got {self.max_batch_wait_s}")
         _require(self.long_prompt_tokens > 0, f"long_prompt_tokens must be > 0, got {self.long_prompt_tokens}")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Process layout of a disaggregated deployment (ASAP Table 1 names)."""
-
-    attn_dp: int = 1  # D: attention data-parallel groups
-    attn_tp: int = 1  # T: tensor-parallel members inside one group
-    moe_workers: int = 1  # E: MoE worker processes
-    # per MoE worker, the global expert ids it holds; None: contiguous ranges. An expert listed
-    # for several workers is replicated (DP group g uses replica g mod copies).
-    expert_placement: tuple[tuple[int, ...], ...] | None = None
-    pin_cpus: bool = False  # pin each worker process to one CPU (round robin)
-    transport: str = "shm"  # "shm" (one host) or "gloo" (torch.distributed, across hosts)
-
-    def __post_init__(self) -> None:
-        for name in ("attn_dp", "attn_tp", "moe_workers"):
-            v = getattr(self, name)
-            _require(isinstance(v, int) and v > 0, f"ParallelConfig.{name} must be a positive int, got {v!r}")
-        if self.expert_placement is not None:
-            _require(len(self.expert_placement) == self.moe_workers,
-                     f"expert_placement lists {len(self.expert_placement)} workers, moe_workers is {self.moe_workers}")
-            for w, ids in enumerate(self.expert_placement):
-                _require(len(ids) > 0 and len(set(ids)) == len(ids),
-                         f"expert_placement[{w}] must list distinct expert ids, got {ids}")
-
-    @property
-    def num_attention_workers(self) -> int:
-        return self.attn_dp * self.attn_tp
-
-    def placement(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
-        """Experts held by each MoE worker; validated against the model's expert count."""
-        if self.expert_placement is None:
-            _require(self.moe_workers <= num_experts,
-                     f"{self.moe_workers} MoE workers for {num_experts} experts: some would hold none")
-            bounds = [w * num_experts // self.moe_workers for w in range(self.moe_workers + 1)]
-            return tuple(tuple(range(bounds[w], bounds[w + 1])) for w in range(self.moe_workers))
-        held = {e for ids in self.expert_placement for e in ids}
-        _require(all(0 <= e < num_experts for e in held),
-                 f"expert_placement names experts outside [0, {num_experts})")
-        missing = sorted(set(range(num_experts)) - held)
-        _require(not missing, f"expert_placement leaves experts {missing} on no worker")
-        return self.expert_placement

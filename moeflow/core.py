@@ -185,3 +185,12 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One work item for one group (an attention DP group, a dep rank): one batch, or two that
+    the group interleaves layer by layer. Every scheduler's ``schedule(now)`` returns a list of these."""
+
+    group: int
+    batches: tuple[Batch, ...]

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
+from moeflow.config import EngineConfig
 from moeflow.core import Batch, SamplingParams
+from moeflow.layout import Layout
+
+if TYPE_CHECKING:  # comm imports torch; messages stay importable without it
+    from moeflow.comm import CommConfig
 
 # token id -> (logprob, rank)
 RawLogprobs = dict[int, tuple[float, int]]
@@ -65,7 +72,7 @@ class WorkDone:
 
 @dataclass
 class WorkerReady:
-    role: str  # "attention" | "moe" | "dep"
+    role: str  # a key of workers.roles.ROLES
     index: int
     pid: int
 
@@ -105,19 +112,27 @@ class Shutdown:
     """Engine -> worker: exit after releasing what you own."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class World:
+    """The torch.distributed world of a deployment, when something needs one (tensor-parallel
+    attention, a torch.distributed transport); the engine computes it from the layout."""
+
+    size: int
+    port: int  # TCP port of the rendezvous on 127.0.0.1
+    tp_groups: tuple[tuple[int, ...], ...] = ()  # global ranks of each tensor-parallel group, in order
+
+
+@dataclass(frozen=True)
 class WorkerSetup:
     """Everything a worker process needs to start (pickled once at spawn)."""
 
-    role: str  # "attention" | "moe"
-    index: int  # attention: global attention rank g*T + m; moe: worker index
+    role: str  # a key of workers.roles.ROLES: "attention" | "moe" | "dep"
+    index: int  # attention: global attention rank g*T + m; moe: worker index; dep: rank
     model_path: str
-    engine: object  # config.EngineConfig
-    parallel: object  # config.ParallelConfig
-    comm: object  # comm.CommConfig
-    placement: tuple[tuple[int, ...], ...]  # experts held by each MoE worker
-    dist_port: int  # TCP port of the torch.distributed rendezvous on 127.0.0.1 (0: no world)
-    recv_thread: bool = True  # MoE worker: receive/migrate on its own thread
-    send_thread: bool = True  # MoE worker: combine-send on its own thread
-    trace: bool = False
+    engine: EngineConfig  # dtype, limits, threads, trace, ...
+    layout: Layout  # the deployment's shape (asap: D, T, E; dep: N)
+    comm: CommConfig  # dispatch/combine buffers and transport
+    placement: tuple[tuple[int, ...], ...]  # experts held by each expert-side worker (MoE worker, dep rank)
+    world: World | None = None  # None: this deployment has no torch.distributed world
+    world_rank: int = 0  # this process's rank in ``world``
     cpu: int | None = None  # pin the process to this CPU

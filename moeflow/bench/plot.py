@@ -42,7 +42,7 @@ def label(result: dict) -> str:
     if c.get("chunked_prefill_size"):
         parts.append(f"chunk={c['chunked_prefill_size']}")
     for flag, name in (("dual_batch", "no-dual-batch"), ("length_aware", "no-length-aware"),
-                       ("recv_thread", "no-comm-threads")):
+                       ("comm_threads", "no-comm-threads"), ("recv_thread", "no-comm-threads")):
         if c.get(flag) is False:
             parts.append(name)
     return " ".join(parts)

@@ -4,11 +4,15 @@ Obviously correct, single process, no shared memory, no slots, no waiting: one F
 Its delivery rules are the specification the fast transports are tested against: a region is
 complete when each of its T lanes holds a message; regions are served round robin; a combine
 receive takes the next message of exactly the workers asked for.
+
+A whole deployment can run in one thread on it (mini-sglang's offline mode): set ``pump`` to a
+function that makes the other side progress (an expert worker's ``step``) and a receive that
+finds nothing calls it until the message is there or it has nothing left to do.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage
 from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
@@ -16,6 +20,14 @@ from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchRece
 
 
 class _Hub:
+    pump: Callable[[], bool] | None = None  # runs the other side one step; False: it had nothing to do
+
+    def wait(self, poll):
+        msg = poll()
+        while msg is None and self.pump is not None and self.pump():
+            msg = poll()
+        return msg
+
     def __init__(self, spec):
         # dispatch[e][lane], combine[rank][e]: deque of (header words, payload [n, H] clone)
         self.dispatch = [[deque() for _ in range(spec.num_attention_ranks)] for _ in range(spec.num_moe_workers)]
@@ -36,13 +48,13 @@ class RefDispatchSender(DispatchSender):
 class RefDispatchReceiver(DispatchReceiver):
     def __init__(self, config, worker, hub: _Hub):
         super().__init__(config, worker)
-        self.lanes = hub.dispatch[worker]
+        self.hub, self.lanes = hub, hub.dispatch[worker]
 
     def poll(self) -> DispatchMessage | None:
         return self._scan(lambda lane: bool(self.lanes[lane]), lambda lane, j: self.lanes[lane].popleft())
 
     def recv(self, timeout_s=None):
-        return self.poll()  # single process: nothing can arrive while we wait
+        return self.hub.wait(self.poll)  # single process: nothing arrives unless the pump runs
 
 
 class RefCombineSender(CombineSender):
@@ -59,7 +71,7 @@ class RefCombineSender(CombineSender):
 class RefCombineReceiver(CombineReceiver):
     def __init__(self, config, group, member, hub: _Hub):
         super().__init__(config, group, member)
-        self.segments = hub.combine[self.spec.attention_rank(group, member)]
+        self.hub, self.segments = hub, hub.combine[self.spec.attention_rank(group, member)]
         self._seq = [0] * self.spec.num_moe_workers
 
     def poll(self, workers: Sequence[int]) -> CombineMessage | None:
@@ -73,7 +85,8 @@ class RefCombineReceiver(CombineReceiver):
         return CombineMessage(out)
 
     def recv(self, workers, timeout_s=None):
-        return self.poll(list(workers))
+        workers = list(workers)
+        return self.hub.wait(lambda: self.poll(workers))
 
 
 @register
@@ -83,6 +96,14 @@ class ReferenceTransport(Transport):
     def __init__(self, config):
         super().__init__(config)
         self.hub = _Hub(config.spec)
+
+    @property
+    def pump(self):
+        return self.hub.pump
+
+    @pump.setter
+    def pump(self, fn: Callable[[], bool] | None) -> None:
+        self.hub.pump = fn
 
     def dispatch_sender(self, group, member):
         return RefDispatchSender(self.config, group, member, self.hub)

@@ -9,14 +9,15 @@ from __future__ import annotations
 import os
 
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
-from moeflow.config import ConfigError, EngineConfig, ParallelConfig, SchedulerConfig
-from moeflow.engine.base import StepResult, clock, register_mode
+from moeflow.config import ConfigError, EngineConfig
+from moeflow.core import Work
+from moeflow.engine.base import StepResult, clock, context_len, register_mode
 from moeflow.engine.process_engine import ProcessEngine
-from moeflow.messages import WorkDone, WorkerSetup
+from moeflow.layout import AsapLayout
+from moeflow.messages import WorkDone, WorkerSetup, World
 from moeflow.model.sharding import check_tp
 from moeflow.model.weights import load_config
-from moeflow.scheduler.asap import AsapScheduler, Work
-from moeflow.scheduler.block_allocator import BlockAllocator
+from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied, free_port
 from moeflow.workers.world import DIST_TRANSPORTS
 
@@ -25,43 +26,35 @@ _IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
 
 @register_mode("asap")
 class AsapEngine(ProcessEngine):
-    def __init__(self, model_path: str, config: EngineConfig, attn_dp: int = 1, attn_tp: int = 1,
-                 moe_workers: int = 1, expert_placement=None, pin_cpus: bool = False, transport: str = "shm",
-                 scheduler: SchedulerConfig | None = None, recv_thread: bool = True, send_thread: bool = True,
-                 wait_policy: WaitPolicy | None = None, trace: bool = False, **scheduler_kwargs):
-        super().__init__(config, attn_dp)
+    def __init__(self, model_path: str, config: EngineConfig, layout: AsapLayout):
+        super().__init__(config, layout)
         self.model_config, _ = load_config(model_path)
         mc = self.model_config
         if not mc.num_moe_layers:
             raise ConfigError("mode 'asap' needs a model with MoE layers")
-        if scheduler is None:
-            scheduler = SchedulerConfig(**scheduler_kwargs)
-        elif scheduler_kwargs:
-            raise ConfigError(f"pass scheduler options either as scheduler=... or as keywords, not both: "
-                              f"{sorted(scheduler_kwargs)}")
-        self.parallel = ParallelConfig(attn_dp, attn_tp, moe_workers,
-                                       tuple(map(tuple, expert_placement)) if expert_placement else None,
-                                       pin_cpus, transport)
-        placement = self.parallel.placement(mc.num_experts)
-        check_tp(mc, attn_tp)
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        spec = CommSpec(attn_dp, attn_tp, moe_workers, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
-                        scheduler.max_batch_tokens, config.dtype,
+        placement = layout.placement(mc.num_experts)
+        d, t, e = layout.attn_dp, layout.attn_tp, layout.moe_workers
+        check_tp(mc, t)
+        self.max_model_len = context_len(config, mc)
+        spec = CommSpec(d, t, e, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
+                        layout.scheduler.max_batch_tokens, config.dtype,
                         max_local_experts=max(len(ids) for ids in placement))
-        comm = CommConfig(spec, transport, self.deployment_id, wait_policy or WaitPolicy())
-        port = free_port() if attn_tp > 1 or transport in DIST_TRANSPORTS else 0
-        d = self.parallel.num_attention_workers
+        comm = CommConfig(spec, config.transport, self.deployment_id, WaitPolicy())
+        n = layout.num_attention_workers  # world ranks: attention g*T + m first, then MoE workers
+        world = None
+        if t > 1 or config.transport in DIST_TRANSPORTS:
+            groups = tuple(tuple(range(g * t, (g + 1) * t)) for g in range(d)) if t > 1 else ()
+            world = World(n + e, free_port(), groups)
         ncpu = os.cpu_count() or 1
 
-        def setup(role: str, index: int, slot: int) -> WorkerSetup:
-            return WorkerSetup(role, index, model_path, config, self.parallel, comm, placement, port,
-                               recv_thread, send_thread, trace, cpu=slot % ncpu if pin_cpus else None)
+        def setup(role: str, index: int, rank: int) -> WorkerSetup:
+            return WorkerSetup(role, index, model_path, config, layout, comm, placement, world, rank,
+                               cpu=rank % ncpu if config.pin_cpus else None)
 
-        allocators = [BlockAllocator(config.num_kv_blocks, config.kv_block_size) for _ in range(attn_dp)]
-        self.scheduler = AsapScheduler(scheduler, allocators, self.max_model_len, config.max_num_seqs)
+        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
+                                        config.max_num_seqs)
         # MoE workers first: they own the dispatch buffers the attention workers attach to.
-        self._launch([setup("moe", e, d + e) for e in range(moe_workers)] +
-                     [setup("attention", r, r) for r in range(d)])
+        self._launch([setup("moe", i, n + i) for i in range(e)] + [setup("attention", r, r) for r in range(n)])
         self.attention = [w for w in self.deployment.workers if w.role == "attention"]
         self._inflight: dict[int, Work] = {}  # by group
 
@@ -69,7 +62,7 @@ class AsapEngine(ProcessEngine):
         self._check_alive()
         try:
             for work in self.scheduler.schedule(clock()):
-                t = self.parallel.attn_tp
+                t = self.layout.attn_tp
                 self._run_work(work.group, work.batches, self.attention[work.group * t:(work.group + 1) * t])
                 self._inflight[work.group] = work
             return self._collect()
@@ -81,7 +74,7 @@ class AsapEngine(ProcessEngine):
         wake = self.scheduler.next_wakeup_s()
         if not self._inflight and wake is not None:
             timeout = min(_IDLE_WAIT_S, max(0.0, wake - clock()))
-        leaders = [self.attention[g * self.parallel.attn_tp] for g in self._inflight]
+        leaders = [self.attention[g * self.layout.attn_tp] for g in self._inflight]
         outputs, finished, busy_s = {}, [], {}
         for _, msg in self.deployment.recv_any(leaders, timeout):
             if isinstance(msg, WorkDone):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from moeflow.config import ConfigError, EngineConfig, ModelConfig
 from moeflow.core import Request, RequestError
 from moeflow.hardware import resolve_dtype
+from moeflow.layout import Layout
 from moeflow.model.weights import load_config
 
 
@@ -64,14 +65,19 @@ class Engine(abc.ABC):
         return StepResult({}, [])
 
     def load(self) -> EngineLoad:
-        pool = self.scheduler  # every mode's scheduler is a scheduler.pool.RequestPool
+        pool = self.scheduler.pool
         return EngineLoad(len(pool.waiting), sum(len(g.requests) for g in pool.groups),
                           sum(g.allocator.num_free for g in pool.groups),
                           sum(g.allocator.num_blocks for g in pool.groups))
 
     def collect_spans(self) -> list:
         """Trace spans recorded by the deployment's workers (modes with worker processes)."""
-        raise ConfigError(f"mode {self.mode_name!r} records no trace spans; use --mode asap")
+        raise ConfigError(f"mode {self.mode_name!r} records no trace spans; use a mode with worker processes")
+
+
+def context_len(config: EngineConfig, model: ModelConfig) -> int:
+    """The deployment's max_model_len: the config's, capped by the model's positions."""
+    return min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
 
 
 def validate_request(request: Request, model: ModelConfig) -> None:
@@ -88,7 +94,7 @@ def validate_request(request: Request, model: ModelConfig) -> None:
             raise RequestError(f"request {request.request_id}: {name}={n} exceeds the vocabulary size {vocab}")
 
 
-MODES: dict[str, type[Engine]] = {}
+MODES: dict[str, type[Engine]] = {}  # mode name -> engine class (one per layout in moeflow.layout)
 
 
 def register_mode(name: str):
@@ -99,12 +105,13 @@ def register_mode(name: str):
     return deco
 
 
-def create_engine(mode: str, model_path: str, config: EngineConfig, **mode_kwargs) -> Engine:
+def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engine:
+    """The deployment ``layout`` describes, running ``config``'s settings on ``model_path``."""
     from moeflow.engine import asap, colocated, dep  # noqa: F401  (registers the built-in modes)
 
-    if mode not in MODES:
-        raise ConfigError(f"unknown mode {mode!r}; available modes: {sorted(MODES)}")
+    if layout.mode not in MODES:
+        raise ConfigError(f"mode {layout.mode!r} has a layout but no engine; engines: {sorted(MODES)}")
     model, _ = load_config(model_path)
     # NOTE: resolved here, once, so every worker of the deployment gets the same concrete dtype
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, model.checkpoint_dtype).dtype)
-    return MODES[mode](model_path, config, **mode_kwargs)
+    return MODES[layout.mode](model_path, config, layout)

@@ -3,35 +3,31 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.config import ConfigError, EngineConfig
+from moeflow.config import EngineConfig
 from moeflow.core import Request
-from moeflow.engine.base import Engine, StepResult, clock, register_mode, validate_request
+from moeflow.engine.base import Engine, StepResult, clock, context_len, register_mode, validate_request
+from moeflow.layout import ColocatedLayout
 from moeflow.messages import BatchTiming
 from moeflow.model.kv_cache import KVCache
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import TORCH_DTYPES, load_weights
-from moeflow.scheduler.block_allocator import BlockAllocator
-from moeflow.scheduler.continuous import ContinuousBatching
+from moeflow.scheduler import make_scheduler
 from moeflow.workers.runner import ModelRunner
-
 
 
 @register_mode("colocated")
 class ColocatedEngine(Engine):
-    def __init__(self, model_path: str, config: EngineConfig, **mode_kwargs):
-        if mode_kwargs:
-            raise ConfigError(f"mode 'colocated' takes no options, got {sorted(mode_kwargs)}")
-        self.config = config
+    def __init__(self, model_path: str, config: EngineConfig, layout: ColocatedLayout):
+        self.config, self.layout = config, layout
         torch.set_num_threads(config.num_threads)
         dtype = TORCH_DTYPES[config.dtype]
         self.model_config, weights = load_weights(model_path, dtype)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = context_len(config, mc)
         kv = KVCache(mc.num_layers, config.num_kv_blocks, config.kv_block_size, mc.num_kv_heads, mc.head_dim, dtype)
         self.runner = ModelRunner(MoETransformer(mc, weights), kv, seed=config.seed)
-        allocator = BlockAllocator(config.num_kv_blocks, config.kv_block_size)
-        self.scheduler = ContinuousBatching(allocator, config.max_num_batched_tokens, config.max_num_seqs,
-                                            self.max_model_len)
+        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
+                                        config.max_num_seqs, config.max_num_batched_tokens)
 
     def add_request(self, request: Request) -> None:
         validate_request(request, self.model_config)
@@ -39,9 +35,11 @@ class ColocatedEngine(Engine):
         self.runner.add_request(request.request_id, request.prompt_token_ids, request.params)
 
     def step(self) -> StepResult:
-        batch = self.scheduler.schedule()
-        if batch is None:
+        works = self.scheduler.schedule(clock())
+        if not works:
             return StepResult({}, [])
+        (work,) = works
+        (batch,) = work.batches
         t0 = clock()
         outputs = self.runner.execute(batch)
         t1 = clock()
@@ -49,7 +47,7 @@ class ColocatedEngine(Engine):
         for o in outputs.values():
             o.timing = timing
         sampled = {rid: o.token_id for rid, o in outputs.items() if o.token_id is not None}
-        finished = self.scheduler.update(batch, sampled)
+        finished = self.scheduler.update(0, batch, sampled)
         for r in finished:
             self.runner.remove_request(r.request_id)
         return StepResult(outputs, finished, {"colocated": t1 - t0})

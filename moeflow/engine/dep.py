@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
-from moeflow.config import ConfigError, EngineConfig, ParallelConfig
-from moeflow.engine.base import StepResult, clock, register_mode
+from moeflow.config import ConfigError, EngineConfig
+from moeflow.engine.base import StepResult, clock, context_len, register_mode
 from moeflow.engine.process_engine import ProcessEngine
+from moeflow.layout import DepLayout, expert_placement
 from moeflow.messages import WorkDone, WorkerSetup
 from moeflow.model.weights import load_config
-from moeflow.scheduler.block_allocator import BlockAllocator
-from moeflow.scheduler.dep import DepScheduler
+from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied
 
 _IDLE_S = 0.002  # a step with nothing to schedule sleeps this long instead of spinning
@@ -23,37 +23,38 @@ _IDLE_S = 0.002  # a step with nothing to schedule sleeps this long instead of s
 
 @register_mode("dep")
 class DepEngine(ProcessEngine):
-    def __init__(self, model_path: str, config: EngineConfig, dp: int = 1, chunked_prefill_size: int | None = None,
-                 max_batch_tokens: int = 16384, pin_cpus: bool = False, wait_policy: WaitPolicy | None = None,
-                 trace: bool = False, placement: str = "least_loaded"):
-        super().__init__(config, dp)
+    def __init__(self, model_path: str, config: EngineConfig, layout: DepLayout):
+        super().__init__(config, layout)
         self.model_config, _ = load_config(model_path)
         mc = self.model_config
         if not mc.num_moe_layers:
             raise ConfigError("mode 'dep' needs a model with MoE layers")
-        self.parallel = ParallelConfig(attn_dp=dp, attn_tp=1, moe_workers=dp, pin_cpus=pin_cpus)
-        experts = self.parallel.placement(mc.num_experts)  # rank r holds the r-th 1/N of every layer
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.chunked_prefill_size = chunked_prefill_size
-        spec = CommSpec(dp, 1, dp, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size, max_batch_tokens,
+        if layout.tp != 1:
+            raise ConfigError(f"dep layout tp={layout.tp}: the engine runs dep ranks of one process (tp 1); "
+                              f"tensor-parallel ranks are the simulator's")
+        if config.transport != "shm":
+            raise ConfigError(f"mode 'dep' runs its all-to-all over shared memory, not {config.transport!r}")
+        dp = layout.dp
+        experts = expert_placement(None, dp, mc.num_experts)  # rank r holds the r-th 1/N of every layer
+        self.max_model_len = context_len(config, mc)
+        spec = CommSpec(dp, 1, dp, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size, layout.max_batch_tokens,
                         config.dtype, max_local_experts=max(len(ids) for ids in experts))
-        comm = CommConfig(spec, "shm", self.deployment_id, wait_policy or WaitPolicy())
-        allocators = [BlockAllocator(config.num_kv_blocks, config.kv_block_size) for _ in range(dp)]
-        self.scheduler = DepScheduler(allocators, max_batch_tokens, self.max_model_len, config.max_num_seqs,
-                                      chunked_prefill_size, placement)
-        self._launch([WorkerSetup("dep", r, model_path, config, self.parallel, comm, experts, 0, trace=trace,
-                                  cpu=r if pin_cpus else None) for r in range(dp)])
+        comm = CommConfig(spec, "shm", self.deployment_id, WaitPolicy())
+        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
+                                        config.max_num_seqs)
+        self._launch([WorkerSetup("dep", r, model_path, config, layout, comm, experts,
+                                  cpu=r if config.pin_cpus else None) for r in range(dp)])
         self.ranks = list(self.deployment.workers)
 
     def step(self) -> StepResult:
         self._check_alive()
-        batches = self.scheduler.schedule(clock())
-        if batches is None:
+        works = self.scheduler.schedule(clock())
+        if not works:
             time.sleep(_IDLE_S)
             return StepResult({}, [])
         try:
-            for r, b in enumerate(batches):
-                self._run_work(r, (b,), [self.ranks[r]])
+            for w in works:
+                self._run_work(w.group, w.batches, [self.ranks[w.group]])
             done: dict[int, WorkDone] = {}
             while len(done) < len(self.ranks):  # the global step boundary: every rank, slowest included
                 for _, msg in self.deployment.recv_any([w for i, w in enumerate(self.ranks) if i not in done], 0.5):
@@ -62,10 +63,10 @@ class DepEngine(ProcessEngine):
         except WorkerDied as e:
             return self._fail(str(e))
         outputs, finished = {}, []
-        for r, b in enumerate(batches):
-            out = self._attach_timing(done[r], (b,))
-            finished += self.scheduler.update(r, b, {rid: o.token_id for rid, o in out.items()
-                                                     if o.token_id is not None})
+        for w in works:
+            out = self._attach_timing(done[w.group], w.batches)
+            finished += self.scheduler.update(w.group, w.batches[0], {rid: o.token_id for rid, o in out.items()
+                                                                      if o.token_id is not None})
             outputs.update(out)
         for req in finished:
             self._forget(req.request_id)

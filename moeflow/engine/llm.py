@@ -1,14 +1,16 @@
 """``LLM``: the vLLM-shaped front object over any mode."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from moeflow.config import EngineConfig
+from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Request, RequestError, RequestOutput, SamplingParams
 from moeflow.engine.base import clock, create_engine
 from moeflow.engine.output import OutputTracker
 from moeflow.engine.tokenizer import load_tokenizer
+from moeflow.layout import Layout, make_layout
 from moeflow.model.tiny import tiny_path
 from moeflow.settings import cache_dir
 
@@ -21,23 +23,37 @@ def resolve_model(model: str) -> str:
 
 
 class LLM:
+    """``LLM(model, mode=..., <EngineConfig fields>, <the mode's layout fields>)``, or
+    ``LLM(model, layout=AsapLayout(...), ...)``; ``LLM.from_system(spec)`` for an experiment entry."""
+
     def __init__(self, model: str = "tiny", mode: str = "colocated", dtype: str = "auto", seed: int = 0,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, num_kv_blocks: int = 4096,
                  kv_block_size: int = 16, max_model_len: int | None = None, num_threads: int = 1,
-                 **mode_kwargs):
-        self.config = EngineConfig(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs, kv_block_size=kv_block_size,
-                                   num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-                                   num_threads=num_threads, seed=seed)
+                 pin_cpus: bool = False, transport: str = "shm", trace: bool = False,
+                 layout: Layout | None = None, **layout_kwargs):
+        if layout is None:
+            layout = make_layout(mode, **layout_kwargs)
+        elif layout_kwargs or mode not in ("colocated", layout.mode):
+            raise ConfigError(f"give the deployment either as layout=... or as mode= and its options, not both "
+                              f"(mode={mode!r}, options {sorted(layout_kwargs)})")
+        config = EngineConfig(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                              max_num_seqs=max_num_seqs, kv_block_size=kv_block_size,
+                              num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                              num_threads=num_threads, seed=seed, pin_cpus=pin_cpus, transport=transport, trace=trace)
         self.model_path = resolve_model(model)
-        self.mode = mode
-        self.engine = create_engine(mode, self.model_path, self.config, **mode_kwargs)
+        self.layout, self.mode = layout, layout.mode
+        self.engine = create_engine(layout, self.model_path, config)
         self.config = self.engine.config  # with "auto" resolved
         mc = self.engine.model_config
         self.tokenizer = load_tokenizer(self.model_path, mc.vocab_size)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self._eos = mc.eos_token_ids or (() if tok_eos is None else (tok_eos,))
         self._ids = itertools.count()
+
+    @classmethod
+    def from_system(cls, spec) -> "LLM":
+        """The deployment of one ``systems:`` entry of an experiment file (``moeflow.experiment``)."""
+        return cls(layout=spec.layout, **dataclasses.asdict(spec.engine))
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -1,6 +1,8 @@
 """What every mode with worker processes shares: launching, request bookkeeping, failure, traces.
 
-A subclass builds the scheduler and the worker setups, then implements ``step``.
+A subclass builds the scheduler and the worker setups, then implements ``step``. Requests live in
+the scheduler's pool (their one owner in this process); here only ids: which group holds state
+for which request, and what each group may forget.
 """
 from __future__ import annotations
 
@@ -10,16 +12,17 @@ import uuid
 from moeflow.config import EngineConfig
 from moeflow.core import Batch, Request
 from moeflow.engine.base import Engine, StepResult, validate_request
+from moeflow.layout import Layout
 from moeflow.messages import BatchTiming, DumpSpans, NewRequest, RunWork, Spans
 from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle
 
 
 class ProcessEngine(Engine):
-    def __init__(self, config: EngineConfig, num_groups: int):
-        self.config = config
+    def __init__(self, config: EngineConfig, layout: Layout):
+        self.config, self.layout = config, layout
         self.deployment_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.deployment: Deployment | None = None
-        self._requests: dict[str, Request] = {}
+        num_groups = layout.num_groups
         self._known: list[set[str]] = [set() for _ in range(num_groups)]  # requests each group holds state for
         self._freed: list[list[str]] = [[] for _ in range(num_groups)]
         self._work_ids = 0
@@ -35,13 +38,10 @@ class ProcessEngine(Engine):
         self._check_alive()
         validate_request(request, self.model_config)
         self.scheduler.add(request)
-        self._requests[request.request_id] = request
 
     def abort(self, request_id: str) -> None:
-        r = self.scheduler.abort(request_id, "abort")
+        self.scheduler.abort(request_id, "abort")
         self._forget(request_id)
-        if r is None:
-            self._requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -54,7 +54,7 @@ class ProcessEngine(Engine):
         for b in batches:
             for s in b.seqs:
                 if s.request_id not in self._known[group]:
-                    r = self._requests[s.request_id]
+                    r = self.scheduler.pool.get(s.request_id)
                     new.append(NewRequest(r.request_id, r.prompt_token_ids, r.params))
                     self._known[group].add(s.request_id)
         self._work_ids += 1
@@ -85,7 +85,6 @@ class ProcessEngine(Engine):
             if request_id in known:
                 known.discard(request_id)
                 self._freed[g].append(request_id)
-        self._requests.pop(request_id, None)
 
     # -- failure and shutdown -----------------------------------------------------------------
 
@@ -93,12 +92,11 @@ class ProcessEngine(Engine):
         """A worker died: every request still here ends with an error, and the deployment stops."""
         self.failed = reason
         finished = []
-        for rid in list(self._requests):
+        for rid in list(self.scheduler.pool.requests):
             r = self.scheduler.abort(rid, "error")
             if r is not None:
                 r.error = reason
                 finished.append(r)
-        self._requests.clear()
         self._on_fail()
         # NOTE: a short grace: the survivors are usually blocked on the dead worker and never see
         # the Shutdown message; the requests' errors wait for this.

@@ -4,26 +4,20 @@ Pure Python; the engine and the simulator both drive it: ``add`` on arrival, ``s
 whenever a group turns idle, a request arrives or ``next_wakeup_s`` passes, ``update`` with each
 finished batch, ``release`` when a group has finished its work item. No cross-group balancing:
 nothing waits for anything. Decode steps of a group's requests ride in the same work items.
+The policies are objects passed in (``from_config`` builds them from the layout's switches):
+how batches form (``BatchFormer``), how many a group takes (``Pairing``), and whether a lone
+batch is cut in two (``LoneBatchSplit``).
 """
 from __future__ import annotations
 
 import abc
 import itertools
-from dataclasses import dataclass
 
 from moeflow.config import SchedulerConfig
-from moeflow.core import Batch, Request
+from moeflow.core import Batch, Request, Work
+from moeflow.scheduler import scheduler_for
 from moeflow.scheduler.batching import BatchFormer, ImmediateBatching, LengthAwareBatching, Proposal
-from moeflow.scheduler.block_allocator import BlockAllocator
-from moeflow.scheduler.pool import RequestPool
-
-
-@dataclass(frozen=True)
-class Work:
-    """One work item of one DP group: 1 batch, or 2 interleaved layer by layer."""
-
-    group: int
-    batches: tuple[Batch, ...]
+from moeflow.scheduler.pool import RequestPool, Scheduler
 
 
 class Pairing(abc.ABC):
@@ -61,35 +55,52 @@ class SingleBatch(Pairing):
         return min(1, len(proposals))
 
 
-class AsapScheduler(RequestPool):
-    def __init__(self, cfg: SchedulerConfig, allocators: list[BlockAllocator], max_model_len: int,
-                 max_num_seqs: int):
-        super().__init__(allocators, max_model_len, max_num_seqs)
-        self.cfg = cfg
-        self.former: BatchFormer = (
+class LoneBatchSplit:
+    """moeflow's addition to ASAP: a lone prefill batch (no partner, no decode rows) of at least
+    ``min_tokens`` is cut at its token midpoint into two micro-batches that interleave like a pair."""
+
+    def __init__(self, min_tokens: int):
+        self.min_tokens = min_tokens
+
+    def applies(self, pieces: list[tuple[Request, int, int]]) -> bool:
+        return sum(n for _, _, n in pieces) >= self.min_tokens
+
+
+class AsapScheduler(Scheduler):
+    def __init__(self, pool: RequestPool, former: BatchFormer, pairing: Pairing, max_batch_tokens: int,
+                 split: LoneBatchSplit | None = None):
+        super().__init__(pool)
+        self.former, self.pairing, self.split = former, pairing, split
+        self.max_batch_tokens = max_batch_tokens
+        self._batch_ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, pool: RequestPool, cfg: SchedulerConfig) -> "AsapScheduler":
+        former: BatchFormer = (
             LengthAwareBatching(cfg.min_batch_tokens, cfg.max_batch_tokens, cfg.max_batch_wait_s,
                                 cfg.long_prompt_tokens)
             if cfg.length_aware else ImmediateBatching(cfg.max_batch_tokens, cfg.long_prompt_tokens))
-        self.pairing: Pairing = DualBatchInterleaving() if cfg.dual_batch else SingleBatch()
-        self._batch_ids = itertools.count()
+        pairing = DualBatchInterleaving() if cfg.dual_batch else SingleBatch()
+        split = LoneBatchSplit(cfg.min_split_tokens) if cfg.dual_batch and cfg.split_lone_batch else None
+        return cls(pool, former, pairing, cfg.max_batch_tokens, split)
 
     def add(self, request: Request) -> None:
-        self.check(request, self.cfg.max_batch_tokens)
-        self.waiting.append(request)
+        self.pool.check(request, self.max_batch_tokens)
+        self.pool.enqueue(request)
 
     def schedule(self, now: float) -> list[Work]:
-        works = []
-        for gid, g in enumerate(self.groups):
+        pool, works = self.pool, []
+        for gid, g in enumerate(pool.groups):
             if g.busy:
                 continue
             decode = [r for r in g.requests if not r.is_prefill]  # a prompt is done within one work item
             want = self.pairing.max_batches - (1 if decode and self.pairing.max_batches > 1 else 0)
-            proposals = self.former.propose(self.waiting, now, want, lambda reqs, gid=gid: self.room_for(gid, reqs)) \
+            proposals = self.former.propose(pool.waiting, now, want, lambda reqs, gid=gid: pool.room_for(gid, reqs)) \
                 if want else []
             prefill = []
             for p in proposals[:self.pairing.take(bool(decode), proposals)]:
                 for r in p.requests:
-                    self.admit(gid, r)
+                    pool.admit(gid, r)
                 prefill.append(list(p.requests))
             batches = self._compose(decode, prefill)
             if batches:
@@ -102,18 +113,12 @@ class AsapScheduler(RequestPool):
                   for reqs in ([decode] if decode else []) + prefill]
         if self.pairing.max_batches == 1 and len(pieces) > 1:
             pieces = [[x for p in pieces for x in p]]  # single-batch ablation: one mixed batch
-        elif (self.pairing.max_batches == 2 and self.cfg.split_lone_batch and len(pieces) == 1 and not decode
-              and sum(n for _, _, n in pieces[0]) >= self.cfg.min_split_tokens):
+        elif self.split is not None and len(pieces) == 1 and not decode and self.split.applies(pieces[0]):
             pieces = _halve(pieces[0])
-        return [Batch(next(self._batch_ids), tuple(self.seq(r, n, start) for r, start, n in p)) for p in pieces]
+        return [Batch(next(self._batch_ids), tuple(self.pool.seq(r, n, start) for r, start, n in p)) for p in pieces]
 
     def next_wakeup_s(self) -> float | None:
-        """When waiting work may become schedulable without any other event (a batch falling due)."""
-        return self.former.next_due_s(self.waiting)
-
-    def release(self, group: int) -> None:
-        """The group finished its work item."""
-        self.groups[group].busy = False
+        return self.former.next_due_s(self.pool.waiting)
 
 
 def _halve(pieces: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
@@ -133,3 +138,8 @@ def _halve(pieces: list[tuple[Request, int, int]]) -> list[list[tuple[Request, i
             second.append((r, start + k, n - k))
             acc = half
     return [first, second]
+
+
+@scheduler_for("asap")
+def _build(layout, pool: RequestPool, max_num_batched_tokens: int) -> AsapScheduler:
+    return AsapScheduler.from_config(pool, layout.scheduler)

@@ -8,43 +8,43 @@ from __future__ import annotations
 
 import itertools
 
-from moeflow.core import Batch, Request, ScheduledSeq
-from moeflow.scheduler.block_allocator import BlockAllocator
-from moeflow.scheduler.pool import RequestPool
+from moeflow.core import Batch, Request, ScheduledSeq, Work
+from moeflow.scheduler import scheduler_for
+from moeflow.scheduler.pool import RequestPool, Scheduler
 
 
-class ContinuousBatching(RequestPool):
-    def __init__(self, allocator: BlockAllocator, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int):
-        super().__init__([allocator], max_model_len, max_num_seqs)
-        self.allocator = allocator
+class ContinuousBatching(Scheduler):
+    def __init__(self, pool: RequestPool, max_num_batched_tokens: int):
+        super().__init__(pool)
         self.max_num_batched_tokens = max_num_batched_tokens
         self._batch_ids = itertools.count()
 
     @property
     def running(self) -> list[Request]:
-        return self.groups[0].requests
+        return self.pool.groups[0].requests
 
     def add(self, request: Request) -> None:
-        self.check(request, None)
-        self.waiting.append(request)
+        self.pool.check(request, None)
+        self.pool.enqueue(request)
 
-    def schedule(self) -> Batch | None:
-        budget = self.max_num_batched_tokens
+    def schedule(self, now: float = 0.0) -> list[Work]:
+        pool, budget = self.pool, self.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         for r in self.running:
             if budget == 0:
                 break
-            seqs.append(self.seq(r, min(r.num_tokens - r.num_computed_tokens, budget)))
+            seqs.append(pool.seq(r, min(r.num_tokens - r.num_computed_tokens, budget)))
             budget -= seqs[-1].num_tokens
-        while self.waiting and budget > 0:
-            r = self.waiting[0]
-            if not self.room_for(0, [r]):
+        while pool.waiting and budget > 0:
+            r = pool.waiting[0]
+            if not pool.room_for(0, [r]):
                 break  # FIFO: a large head request is not overtaken (no starvation)
-            self.admit(0, r)
-            seqs.append(self.seq(r, min(r.num_tokens, budget)))
+            pool.admit(0, r)
+            seqs.append(pool.seq(r, min(r.num_tokens, budget)))
             budget -= seqs[-1].num_tokens
-        return Batch(next(self._batch_ids), tuple(seqs)) if seqs else None
+        return [Work(0, (Batch(next(self._batch_ids), tuple(seqs)),))] if seqs else []
 
-    def update(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
-        return super().update(0, batch, sampled)
+
+@scheduler_for("colocated")
+def _build(layout, pool: RequestPool, max_num_batched_tokens: int) -> ContinuousBatching:
+    return ContinuousBatching(pool, max_num_batched_tokens)

@@ -2,50 +2,85 @@
 
 Every global step gives each of the N ranks one batch (possibly empty: that rank runs a dummy
 step, as vLLM's data parallelism does), and no rank starts step k+1 before every rank finished
-step k. "Default" assigns each waiting request, first come first served, to the rank with the
-fewest tokens in this step, so ranks get batches of similar total token count. With
-``chunked_prefill_size`` = C, prompts advance at most C tokens per step (the rest in later steps,
-on the same rank, attending to the KV cache of earlier chunks).
-
-``placement="round_robin"`` instead fixes each request's rank when it arrives, in turn, as
-SGLang's data-parallel controller does by default: a rank's queue then waits for that rank even
-when another one has room (each rank stays first come first served).
+step k. With ``chunked_prefill_size`` = C, prompts advance at most C tokens per step (the rest in
+later steps, on the same rank, attending to the KV cache of earlier chunks). Where a waiting
+request goes is a ``Placement`` policy (siblings below).
 """
 from __future__ import annotations
 
 import itertools
 
-PLACEMENTS = ("least_loaded", "round_robin")
-
-from moeflow.core import Batch, Request, RequestError
-from moeflow.scheduler.block_allocator import BlockAllocator
-from moeflow.scheduler.pool import RequestPool
+from moeflow.core import Batch, Request, Work
+from moeflow.scheduler import scheduler_for
+from moeflow.scheduler.pool import RequestPool, Scheduler
 
 
-class DepScheduler(RequestPool):
-    def __init__(self, allocators: list[BlockAllocator], max_batch_tokens: int, max_model_len: int,
-                 max_num_seqs: int, chunked_prefill_size: int | None = None, placement: str = "least_loaded"):
-        if placement not in PLACEMENTS:
-            raise RequestError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        if chunked_prefill_size is not None and not 0 < chunked_prefill_size <= max_batch_tokens:
-            raise RequestError(f"chunked_prefill_size must be in [1, max_batch_tokens={max_batch_tokens}], "
-                               f"got {chunked_prefill_size}")
-        super().__init__(allocators, max_model_len, max_num_seqs)
+class Placement:
+    """Which ranks may take a waiting request, and what a rank that cannot take its head does."""
+
+    stops_at_blocked_head: bool = True  # FIFO over all ranks: nobody overtakes the head
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks = num_ranks
+
+    def on_arrival(self, request: Request) -> None:
+        pass
+
+    def candidates(self, request: Request) -> list[int]:
+        raise NotImplementedError
+
+    def forget(self, request_id: str) -> None:
+        """The request was admitted or aborted: nothing left to place."""
+
+
+class LeastLoaded(Placement):
+    """"Default": each waiting request, first come first served, to the rank with the fewest
+    tokens in this step, so ranks get batches of similar total token count."""
+
+    def candidates(self, request):
+        return list(range(self.num_ranks))
+
+
+class RoundRobin(Placement):
+    """SGLang's data-parallel controller: a request's rank is fixed at arrival, in turn; a rank's
+    queue then waits for that rank even when another has room (each rank stays FIFO)."""
+
+    stops_at_blocked_head = False
+
+    def __init__(self, num_ranks: int):
+        super().__init__(num_ranks)
+        self._turn = itertools.cycle(range(num_ranks))
+        self.rank_of: dict[str, int] = {}
+
+    def on_arrival(self, request):
+        self.rank_of[request.request_id] = next(self._turn)
+
+    def candidates(self, request):
+        return [self.rank_of[request.request_id]]
+
+    def forget(self, request_id):
+        self.rank_of.pop(request_id, None)
+
+
+PLACEMENTS: dict[str, type[Placement]] = {"least_loaded": LeastLoaded, "round_robin": RoundRobin}
+
+
+class DepScheduler(Scheduler):
+    def __init__(self, pool: RequestPool, placement: Placement, max_batch_tokens: int,
+                 chunked_prefill_size: int | None = None):
+        super().__init__(pool)
+        self.placement = placement
         self.max_batch_tokens = max_batch_tokens
         self.chunk = chunked_prefill_size
-        self.placement = placement
         self._batch_ids = itertools.count()
-        self._turn = itertools.cycle(range(len(allocators)))
-        self.rank_of: dict[str, int] = {}  # round_robin: the rank fixed at arrival
 
     def add(self, request: Request) -> None:
-        self.check(request, None if self.chunk else self.max_batch_tokens, "; use chunked prefill")
-        self.waiting.append(request)
-        if self.placement == "round_robin":
-            self.rank_of[request.request_id] = next(self._turn)
+        self.pool.check(request, None if self.chunk else self.max_batch_tokens, "; use chunked prefill")
+        self.pool.enqueue(request)
+        self.placement.on_arrival(request)
 
     def abort(self, request_id: str, reason: str) -> Request | None:
-        self.rank_of.pop(request_id, None)
+        self.placement.forget(request_id)
         return super().abort(request_id, reason)
 
     def _step_tokens(self, r: Request) -> int:
@@ -53,34 +88,43 @@ class DepScheduler(RequestPool):
         left = r.num_tokens - r.num_computed_tokens
         return left if self.chunk is None else min(left, self.chunk)
 
-    def schedule(self, now: float = 0.0) -> list[Batch] | None:
-        """One batch per rank for the next global step, or None when no rank has anything to do."""
-        plan: list[list[tuple[Request, int]]] = [[] for _ in self.groups]
-        load = [0] * len(self.groups)
-        for i, g in enumerate(self.groups):
+    def schedule(self, now: float = 0.0) -> list[Work]:
+        """One work item per rank for the next global step (empty batches included), or [] when
+        no rank has anything to do."""
+        pool = self.pool
+        plan: list[list[tuple[Request, int]]] = [[] for _ in pool.groups]
+        load = [0] * len(pool.groups)
+        for i, g in enumerate(pool.groups):
             for r in g.requests:
                 n = min(self._step_tokens(r), self.max_batch_tokens - load[i])
                 if n > 0:
                     plan[i].append((r, n))
                     load[i] += n
-        blocked: set[int] = set()  # round_robin: ranks whose queue head did not fit
-        for r in list(self.waiting):
-            if len(blocked) == len(self.groups):
+        blocked: set[int] = set()  # ranks whose queue head did not fit (round robin)
+        for r in list(pool.waiting):
+            if len(blocked) == len(pool.groups):
                 break
             n = self._step_tokens(r)
-            ranks = [self.rank_of[r.request_id]] if self.placement == "round_robin" else range(len(self.groups))
+            ranks = self.placement.candidates(r)
             fits = [i for i in ranks if i not in blocked
-                    and load[i] + n <= self.max_batch_tokens and self.room_for(i, [r])]
+                    and load[i] + n <= self.max_batch_tokens and pool.room_for(i, [r])]
             if not fits:
-                if self.placement == "least_loaded":
-                    break  # FIFO: nobody overtakes the head
-                blocked.add(ranks[0])  # FIFO per rank
+                if self.placement.stops_at_blocked_head:
+                    break
+                blocked.add(ranks[0])
                 continue
             i = min(fits, key=lambda j: (load[j], j))
-            self.admit(i, r)
-            self.rank_of.pop(r.request_id, None)
+            pool.admit(i, r)
+            self.placement.forget(r.request_id)
             plan[i].append((r, n))
             load[i] += n
         if not any(plan):
-            return None
-        return [Batch(next(self._batch_ids), tuple(self.seq(r, n) for r, n in p)) for p in plan]
+            return []
+        return [Work(i, (Batch(next(self._batch_ids), tuple(pool.seq(r, n) for r, n in p)),))
+                for i, p in enumerate(plan)]
+
+
+@scheduler_for("dep")
+def _build(layout, pool: RequestPool, max_num_batched_tokens: int) -> DepScheduler:
+    return DepScheduler(pool, PLACEMENTS[layout.placement](len(pool.groups)), layout.max_batch_tokens,
+                        layout.chunked_prefill_size)

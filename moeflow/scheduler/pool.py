@@ -1,14 +1,16 @@
-"""RequestPool: the bookkeeping every multi-group scheduler shares.
+"""RequestPool: the requests of one deployment, and the bookkeeping every scheduler shares.
 
 A waiting FIFO, and per group (an attention DP group, or a dep rank) the KV blocks and the
-requests admitted there. Policies decide *what* to admit and batch; the pool does the rest.
+requests admitted there. The pool is the one owner of ``Request`` objects in the engine process:
+everything else (engines, trackers) holds request ids. Schedulers take a pool and decide *what*
+to admit and batch; the pool does the rest.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from moeflow.core import Batch, Request, RequestError, RequestStatus, ScheduledSeq
+from moeflow.core import Batch, Request, RequestError, RequestStatus, ScheduledSeq, Work
 from moeflow.scheduler.block_allocator import BlockAllocator
 
 
@@ -26,6 +28,15 @@ class RequestPool:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.group_of: dict[str, int] = {}
+        self.requests: dict[str, Request] = {}  # every accepted, unfinished request, by id
+
+    def get(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def enqueue(self, request: Request) -> None:
+        """Accept a checked request into the waiting FIFO."""
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
 
     def check(self, request: Request, max_prompt_tokens: int | None, hint: str = "") -> None:
         """Reject what could never run, naming the numbers (nothing is queued on error)."""
@@ -79,6 +90,7 @@ class RequestPool:
         return finished
 
     def _drop(self, r: Request) -> None:
+        self.requests.pop(r.request_id, None)
         g = self.groups[self.group_of.pop(r.request_id)]
         g.requests.remove(r)
         g.allocator.free(r.request_id)
@@ -87,6 +99,7 @@ class RequestPool:
         r = next((x for x in self.waiting if x.request_id == request_id), None)
         if r is not None:
             self.waiting.remove(r)
+            self.requests.pop(request_id, None)
         elif request_id in self.group_of:
             gid = self.group_of[request_id]
             r = next(x for x in self.groups[gid].requests if x.request_id == request_id)
@@ -98,3 +111,39 @@ class RequestPool:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(g.requests for g in self.groups)
+
+
+class Scheduler:
+    """What every mode's scheduler is: a policy over a ``RequestPool``.
+
+    ``add`` on arrival, ``schedule(now)`` -> work items for idle groups, ``update`` with each
+    finished batch, ``release`` when a group finished its work item. The engine and the
+    simulator drive every scheduler through exactly these calls.
+    """
+
+    def __init__(self, pool: RequestPool):
+        self.pool = pool
+
+    def add(self, request: Request) -> None:
+        """Check (raising RequestError, nothing queued) and queue."""
+        raise NotImplementedError
+
+    def schedule(self, now: float) -> list[Work]:
+        raise NotImplementedError
+
+    def update(self, group: int, batch: Batch, sampled: dict[str, int]) -> list[Request]:
+        return self.pool.update(group, batch, sampled)
+
+    def release(self, group: int) -> None:
+        """The group finished its work item (schedulers without a global step wait for this)."""
+        self.pool.groups[group].busy = False
+
+    def abort(self, request_id: str, reason: str) -> Request | None:
+        return self.pool.abort(request_id, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.pool.has_unfinished()
+
+    def next_wakeup_s(self) -> float | None:
+        """When waiting work may become schedulable with no other event (a batch falling due)."""
+        return None

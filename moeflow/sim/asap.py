@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from moeflow.core import Batch, Request
-from moeflow.scheduler.asap import AsapScheduler, Work
+from moeflow.core import Batch, Request, Work
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import System
 
@@ -41,9 +40,11 @@ class _Group:
 
 
 class AsapSystem(System):
-    def __init__(self, cfg, cost, trace_until_s=0.0):
-        super().__init__(cfg, cost, trace_until_s)
-        self.sched = AsapScheduler(cfg.scheduler, self._allocators(cfg.attn_dp), cfg.max_model_len, cfg.max_num_seqs)
+    def __init__(self, spec, cost, trace_until_s=0.0):
+        super().__init__(spec, cost, trace_until_s)
+        cfg = spec.layout
+        self.sched = self._scheduler()
+        self.overlap = cfg.comm_threads and spec.sim.comm_overlap  # MoE workers receive/compute/send at once
         self.groups = [_Group() for _ in range(cfg.attn_dp)]
         e = cfg.moe_workers
         self.local_experts = max(1, self.model.num_experts // e)
@@ -70,7 +71,7 @@ class AsapSystem(System):
             self.loop.at(due, self._schedule)
 
     def _start(self, work: Work, now: float) -> None:
-        c, m, cfg = self.cost, self.model, self.cfg
+        c, m, cfg = self.cost, self.model, self.layout
         g = self.groups[work.group]
         g.flights = len(work.batches)
         e = cfg.moe_workers
@@ -80,7 +81,7 @@ class AsapSystem(System):
             f = _Flight(work.group, b, c.attention_s(shape, cfg.attn_tp, False), c.attention_s(shape, cfg.attn_tp, True),
                         c.dispatch_bytes(t) / e, c.combine_bytes(t) / e,
                         c.experts_s(round(t * m.top_k / e), self.local_experts)
-                        + (0.0 if cfg.super_kernel else c.host_dispatch_s))
+                        + (0.0 if self.spec.sim.super_kernel else c.host_dispatch_s))
             self.started([s.request_id for s in b.seqs], m.num_dense_layers * f.attn_dense_s
                           + m.num_moe_layers * f.attn_s, now)
             g.ready.append(f)
@@ -113,11 +114,11 @@ class AsapSystem(System):
     def _through_experts(self, f: _Flight, sent_s: float) -> float:
         """Price the dispatch, expert compute and combine of one layer on every MoE worker (FIFO
         ports and streams); returns when the last combine has reached the group."""
-        cfg, bw, lat = self.cfg, self.bw, self.latency
+        cfg, bw, lat = self.layout, self.bw, self.latency
         back = 0.0
         self.busy_s["moe"] += f.experts_s * cfg.moe_workers
         for w in range(cfg.moe_workers):
-            if cfg.comm_overlap:
+            if self.overlap:
                 recv_end = max(sent_s, self.moe_in_free[w]) + f.dispatch_bytes / bw
                 self.moe_in_free[w] = recv_end
                 start = max(recv_end + lat, self.moe_free[w])
@@ -153,7 +154,7 @@ class AsapSystem(System):
         g.flights -= 1
         if g.flights == 0:  # the work item is complete: sample, then report every batch
             shape = AttnShape.sum([AttnShape.of_batch(x.batch) for x in g.done])
-            head = self.cost.head_s(shape, self.cfg.attn_tp)
+            head = self.cost.head_s(shape, self.layout.attn_tp)
             self.started([s.request_id for x in g.done for s in x.batch.seqs], head / len(g.done), self.loop.now)
             self.busy_s["attention"] += head
             self.loop.at(self.loop.now + head, self._work_done, f.group)

@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeflow.bench.metrics import format_point
-    from moeflow.sim.config import load_config
+    from moeflow.experiment import load_experiment as load_config
     from moeflow.sim.run import build_cost, run_system
 
     cfg = load_config(args.config)

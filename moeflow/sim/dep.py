@@ -8,19 +8,18 @@ event per step keeps the simulator fast; the trace still shows every layer of th
 from __future__ import annotations
 
 from moeflow.core import Request
-from moeflow.scheduler.dep import DepScheduler
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import System
 
 
 class DepSystem(System):
-    def __init__(self, cfg, cost, trace_until_s=0.0):
-        super().__init__(cfg, cost, trace_until_s)
-        self.sched = DepScheduler(self._allocators(cfg.dp), cfg.max_batch_tokens, cfg.max_model_len,
-                                  cfg.max_num_seqs, cfg.chunked_prefill_size, cfg.placement)
+    def __init__(self, spec, cost, trace_until_s=0.0):
+        super().__init__(spec, cost, trace_until_s)
+        self.sched = self._scheduler()
         self.busy = False
-        self.ep = cfg.dp * cfg.tp  # expert devices: every device of every rank
-        self.num_entities = {"rank": cfg.dp}
+        layout = spec.layout
+        self.ep = layout.dp * layout.tp  # expert devices: every device of every rank
+        self.num_entities = {"rank": layout.dp}
         self.busy_s = {"rank": 0.0}
 
     def add(self, request: Request) -> None:
@@ -30,12 +29,13 @@ class DepSystem(System):
 
     def _step(self) -> None:
         now = self.loop.now
-        batches = self.sched.schedule(now)
-        if batches is None:
+        works = self.sched.schedule(now)
+        if not works:
             self.busy = False
             return
+        batches = [w.batches[0] for w in works]
         self.busy = True
-        m, c, tp = self.model, self.cost, self.cfg.tp
+        m, c, tp = self.model, self.cost, self.layout.tp
         shapes = [AttnShape.of_batch(b, m.index_topk) for b in batches]
         tokens = [s.num_tokens for s in shapes]
         attn = [c.attention_s(s, tp, False) for s in shapes]
@@ -46,7 +46,7 @@ class DepSystem(System):
         share = (self.ep - 1) / self.ep  # the rest stays on the device
         dispatch = c.all_to_all_s(max(c.dispatch_bytes(t) for t in tokens) / tp * share)
         combine = c.all_to_all_s(max(c.combine_bytes(t) for t in tokens) / tp * share)
-        if not self.cfg.super_kernel:  # the host launches each MoE layer's kernels
+        if not self.spec.sim.super_kernel:  # the host launches each MoE layer's kernels
             experts += c.host_dispatch_s
         moe_layer = max(attn) + dispatch + experts + combine
         dense_layer = max(attn_dense)

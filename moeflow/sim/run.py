@@ -10,18 +10,25 @@ from dataclasses import dataclass
 from moeflow.bench.metrics import summarize
 from moeflow.bench.slo import SloSearch, find_slo_rps, probe_ttft_s
 from moeflow.bench.workload import generate_requests
+from moeflow.experiment import Experiment, SystemSpec, system_to_dict
 from moeflow.sim.asap import AsapSystem
-from moeflow.sim.config import SimConfig
 from moeflow.sim.cost import AnalyticCost, CostModel
 from moeflow.sim.dep import DepSystem
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset
-from moeflow.sim.system import RunResult, System, SystemConfig
+from moeflow.sim.system import RunResult, System
 
-SYSTEMS: dict[str, type[System]] = {"dep": DepSystem, "asap": AsapSystem}
+SYSTEMS: dict[str, type[System]] = {"dep": DepSystem, "asap": AsapSystem}  # mode -> simulated system
 
 
-def build_cost(cfg: SimConfig) -> CostModel:
+def make_system(spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0) -> System:
+    if spec.layout.mode not in SYSTEMS:
+        raise ValueError(f"system {spec.name!r}: mode {spec.layout.mode!r} is not simulated; "
+                         f"simulated modes: {sorted(SYSTEMS)}")
+    return SYSTEMS[spec.layout.mode](spec, cost, trace_until_s)
+
+
+def build_cost(cfg: Experiment) -> CostModel:
     model = model_preset(cfg.model)
     if cfg.cost == "profiled":
         from moeflow.sim.profiled import ProfiledCost
@@ -31,7 +38,9 @@ def build_cost(cfg: SimConfig) -> CostModel:
     if cfg.machine:
         with open(cfg.machine) as f:
             report = json.load(f)
-    hw = hardware_preset(cfg.hardware, report, cfg.dtype)
+    if cfg.hardware is None:
+        raise ValueError("experiment: the analytic cost needs hardware: PRESET")
+    hw = hardware_preset(cfg.hardware, report, None if cfg.dtype == "auto" else cfg.dtype)
     return AnalyticCost(model, hw.with_overrides(**dict(cfg.hardware_overrides)))
 
 
@@ -42,10 +51,10 @@ class SystemRun:
     spans: list
 
 
-def run_point(system: SystemConfig, cost: CostModel, cfg: SimConfig, rate: float,
+def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float,
               stop_above_mean_ttft_s: float | None = None, trace_until_s: float = 0.0) -> tuple[dict, RunResult]:
     workload = dataclasses.replace(cfg.workload, rate_rps=rate)
-    sim = SYSTEMS[system.mode](system, cost, trace_until_s)
+    sim = make_system(system, cost, trace_until_s)
     res = sim.run(generate_requests(workload), stop_above_mean_ttft_s)
     p = summarize(rate, res.records, 0.0, cfg.workload.length_scale)
     p["sim_events"] = res.num_events
@@ -56,7 +65,7 @@ def run_point(system: SystemConfig, cost: CostModel, cfg: SimConfig, rate: float
     return p, res
 
 
-def run_system(name: str, cfg: SimConfig, cost: CostModel, rates: tuple[float, ...], find_slo: bool,
+def run_system(name: str, cfg: Experiment, cost: CostModel, rates: tuple[float, ...], find_slo: bool,
                trace_rate: float | None = None, trace_window_s: float = 0.0) -> SystemRun:
     system = cfg.systems[name]
     points: dict[float, dict] = {}
@@ -80,9 +89,9 @@ def run_system(name: str, cfg: SimConfig, cost: CostModel, rates: tuple[float, .
         search = SloSearch(cfg.slo_ttft_s, cfg.slo_probes, cfg.slo_rel_tol)
         measured = {r: probe_ttft_s(p) for r, p in points.items()}
         slo = find_slo_rps(lambda r: measure(r, search.slo_ttft_s), search, measured)
-    result = {"mode": system.mode, "simulated": True,
-              "config": {**dataclasses.asdict(system), "model": cfg.model, "hardware": cfg.hardware,
-                         "cost": cfg.cost, "devices": system.num_devices},
+    result = {"mode": system.layout.mode, "simulated": True,
+              "config": {"name": system.name, **system_to_dict(system), "model": cfg.model, "hardware": cfg.hardware,
+                         "cost": cfg.cost, "devices": system.layout.num_processes},
               "workload": {k: v for k, v in cfg.workload.to_dict().items() if k != "rate_rps"},
               "slo_ttft_s": cfg.slo_ttft_s, "slo_rps": slo.rps if slo else None,
               "slo_upper_rps": slo.upper_rps if slo else None,

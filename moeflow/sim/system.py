@@ -11,58 +11,12 @@ from dataclasses import dataclass, field
 
 from moeflow.bench.metrics import RequestRecord, mean_ttft_lower_bound
 from moeflow.bench.workload import WorkloadRequest
-from moeflow.config import SchedulerConfig
 from moeflow.core import Batch, Request, SamplingParams
+from moeflow.experiment import SystemSpec
 from moeflow.messages import Span
-from moeflow.scheduler.block_allocator import BlockAllocator
+from moeflow.scheduler import Scheduler, make_scheduler
 from moeflow.sim.cost import CostModel
 from moeflow.sim.events import EventLoop
-
-MODES = ("dep", "asap")
-
-
-@dataclass(frozen=True)
-class SystemConfig:
-    """A deployment to simulate. dep: ``dp`` ranks of ``tp`` devices, experts over all dp·tp devices.
-    asap: ``attn_dp`` groups of ``attn_tp`` devices plus ``moe_workers`` expert devices."""
-
-    name: str
-    mode: str
-    dp: int = 1
-    tp: int = 1
-    chunked_prefill_size: int | None = None
-    placement: str = "least_loaded"  # dep: how requests meet ranks (scheduler/dep.py PLACEMENTS)
-    max_batch_tokens: int = 16384  # dep: per rank and step; asap: scheduler.max_batch_tokens wins
-    attn_dp: int = 1
-    attn_tp: int = 1
-    moe_workers: int = 1
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # asap: an MoE worker receives, computes and sends on separate streams (ASAP §3.4); False: one
-    # stream does all three in turn (and on a CPU core the communication threads share, that is the truth)
-    comm_overlap: bool = True
-    super_kernel: bool = True  # layer-oblivious MoE kernel; False pays host_dispatch_s per MoE layer
-    kv_tokens_per_group: int = 1 << 20  # KV-cache capacity of one attention group / rank
-    block_size: int = 256
-    max_num_seqs: int = 1024
-    max_model_len: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"system {self.name!r}: {msg}")
-
-        need(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}")
-        for f in ("dp", "tp", "attn_dp", "attn_tp", "moe_workers", "max_batch_tokens", "kv_tokens_per_group",
-                  "block_size", "max_num_seqs", "max_model_len"):
-            need(isinstance(getattr(self, f), int) and getattr(self, f) > 0,
-                 f"{f} must be a positive int, got {getattr(self, f)!r}")
-        need(self.chunked_prefill_size is None or self.chunked_prefill_size > 0,
-             f"chunked_prefill_size must be > 0, got {self.chunked_prefill_size}")
-
-    @property
-    def num_devices(self) -> int:
-        return self.dp * self.tp if self.mode == "dep" else self.attn_dp * self.attn_tp + self.moe_workers
-
 
 @dataclass
 class RunResult:
@@ -85,9 +39,15 @@ class _Track:
     compute_s: float = 0.0
 
 
+_NO_LIMIT = 1 << 40  # max_model_len None: the simulator caps nothing
+
+
 class System(abc.ABC):
-    def __init__(self, cfg: SystemConfig, cost: CostModel, trace_until_s: float = 0.0):
-        self.cfg, self.cost, self.model = cfg, cost, cost.model
+    """One simulated deployment of ``spec``: its layout, the engine's KV and sequence limits, and
+    the simulator's modelling options."""
+
+    def __init__(self, spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0):
+        self.spec, self.layout, self.cost, self.model = spec, spec.layout, cost, cost.model
         self.loop = EventLoop()
         self.trace_until_s = trace_until_s  # record spans that start before this time (0: none)
         self.spans: list[Span] = []
@@ -97,9 +57,11 @@ class System(abc.ABC):
         self.busy_s: dict[str, float] = {}  # per role: compute seconds summed over its entities
         self.num_entities: dict[str, int] = {}
 
-    def _allocators(self, n: int) -> list[BlockAllocator]:
-        c = self.cfg
-        return [BlockAllocator(-(-c.kv_tokens_per_group // c.block_size), c.block_size) for _ in range(n)]
+    def _scheduler(self) -> Scheduler:
+        """The engine's scheduler for this layout, built as the engine builds it."""
+        e = self.spec.engine
+        return make_scheduler(self.layout, e.num_kv_blocks, e.kv_block_size, e.max_model_len or _NO_LIMIT,
+                              e.max_num_seqs, e.max_num_batched_tokens)
 
     def span(self, track: str, name: str, start_s: float, end_s: float) -> None:
         if start_s < self.trace_until_s and end_s > start_s:

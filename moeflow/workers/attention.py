@@ -1,196 +1,57 @@
-"""Attention worker: KV cache, embeddings, attention, router, combine, LM head and sampling.
+"""Attention-side worker process: receive -> handle -> reply on the control pipe.
 
-Its loop is receive -> handle -> reply on the control pipe. A work item holds one batch or two;
-with two, the worker alternates layer by layer (ASAP dual-batch interleaving): it computes one
-batch's attention while the MoE workers run the other batch's experts.
-
-Legend: n tokens of a batch, s = this TP member's share of them, K experts per token, H hidden.
+It owns ``AttentionStages`` (model, KV cache, request state, dispatch/combine endpoints) and a
+``LayerSchedule`` that walks the layers with them; the role decides which schedule (asap:
+``Interleaved``, dep: ``Lockstep``).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from moeflow.comm import make_transport
-from moeflow.core import Batch
-from moeflow.messages import (BatchTiming, DumpSpans, RunWork, SeqOutput, Shutdown, Spans, WorkDone,
-                              WorkerSetup)
-from moeflow.model.kv_cache import AttentionMetadata, KVCache
-from moeflow.model.sharding import shard_attention
-from moeflow.model.transformer import AttentionOut, MoETransformer
-from moeflow.model.weights import LoadSpec, TORCH_DTYPES, load_weights
-from moeflow.workers.dispatch import ExpertRoutes, WorkerShare
-from moeflow.workers.runner import ModelRunner
-from moeflow.workers.tracer import Tracer
-from moeflow.workers.world import TPGroup
-
-
-
-@dataclass
-class InFlight:
-    """One batch moving through the layers."""
-
-    batch: Batch
-    meta: AttentionMetadata
-    hidden: torch.Tensor  # [n, H] input of the current layer
-    lo: int  # this member's share: rows [lo, hi)
-    hi: int
-    attn: AttentionOut | None = None
-    topk_w: torch.Tensor | None = None  # [s, K] of the share
-    shares: list[WorkerShare] = field(default_factory=list)
-    workers: list[int] = field(default_factory=list)
-    start_s: float = 0.0
-    compute_s: float = 0.0
-    wait_s: float = 0.0
+from moeflow.messages import BatchTiming, DumpSpans, RunWork, Shutdown, Spans, WorkDone
+from moeflow.workers.schedule import LayerSchedule
+from moeflow.workers.stages import AttentionStages
 
 
 class AttentionWorker:
-    def __init__(self, setup: WorkerSetup, tp: TPGroup | None):
-        p = setup.parallel
-        self.setup, self.tp = setup, tp
-        self.group, self.member = divmod(setup.index, p.attn_tp)
-        dtype = TORCH_DTYPES[setup.engine.dtype]
-        cfg, weights = load_weights(setup.model_path, dtype, self.load_spec())
-        self.cfg, self.weights = cfg, weights
-        mcfg, mweights = shard_attention(cfg, weights, self.member, p.attn_tp)
-        self.model = MoETransformer(mcfg, mweights, attn_reduce=tp.all_reduce if tp else None)
-        e = setup.engine
-        kv = KVCache(cfg.num_layers, e.num_kv_blocks, e.kv_block_size, mcfg.num_kv_heads, cfg.head_dim, dtype)
-        self.runner = ModelRunner(self.model, kv, seed=e.seed)
-        self.routes = ExpertRoutes(setup.placement, cfg.num_experts, self.group) if cfg.num_moe_layers else None
-        self.epw = setup.comm.spec.experts_per_worker
-        self.tracer = Tracer(setup.role, setup.index, setup.trace)
-        self.make_endpoints(make_transport(setup.comm))
-
-    def load_spec(self) -> LoadSpec:
-        return LoadSpec(routed_experts=False)
-
-    def make_endpoints(self, transport) -> None:
-        # NOTE: receivers own their buffers; build ours before attaching to the MoE workers'.
-        self.receiver = transport.combine_receiver(self.group, self.member)
-        self.sender = transport.dispatch_sender(self.group, self.member)
-
-    def targets(self, topk_ids: torch.Tensor) -> list[int]:
-        """MoE workers this batch sends to: only those holding its experts (others wait for nothing)."""
-        return self.routes.workers_for(topk_ids)
-
-    # -- loop ---------------------------------------------------------------------------------
+    def __init__(self, stages: AttentionStages, schedule: LayerSchedule, replies: bool):
+        self.stages, self.schedule = stages, schedule
+        self.replies = replies  # the group's leader reports WorkDone; other TP members stay silent
 
     def serve(self, conn) -> None:
+        s = self.stages
         while True:
             msg = conn.recv()
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, DumpSpans):
-                conn.send(Spans(self.setup.role, self.setup.index, self.tracer.drain()))
+                conn.send(Spans(s.setup.role, s.setup.index, s.tracer.drain()))
             elif isinstance(msg, RunWork):
                 done = self.run_work(msg)
-                if self.member == 0:
+                if self.replies:
                     conn.send(done)
 
     def close(self) -> None:
-        self.sender.close()
-        self.receiver.close()
-
-    # -- one work item ------------------------------------------------------------------------
+        self.schedule.close()
+        self.stages.close()
 
     @torch.inference_mode()
     def run_work(self, work: RunWork) -> WorkDone:
+        s = self.stages
         for rid in work.freed:
-            self.runner.remove_request(rid)
+            s.runner.remove_request(rid)
         for r in work.new_requests:
-            self.runner.add_request(r.request_id, r.prompt_token_ids, r.params)
-        t0 = time.monotonic()
-        flights = []
-        for b in work.batches:
-            tokens, meta = self.runner.prepare(b)
-            n, t = tokens.shape[0], self.setup.parallel.attn_tp
-            flights.append(InFlight(b, meta, self.model.embed(tokens), self.member * n // t,
-                                     (self.member + 1) * n // t, start_s=t0))
-        self.layers(flights)
+            s.runner.add_request(r.request_id, r.prompt_token_ids, r.params)
+        flights = s.begin(work.batches, time.monotonic())
+        self.schedule.run(flights)
         outputs, timings = {}, []
         for f in flights:
             c0 = time.monotonic()
-            outputs[f.batch.batch_id] = self._sample(f)
+            outputs[f.batch.batch_id] = s.sample(f)
             end = time.monotonic()
             f.compute_s += end - c0
-            self.tracer.add("sample", c0, end, batch=f.batch.batch_id)
+            s.tracer.add("sample", c0, end, batch=f.batch.batch_id)
             timings.append(BatchTiming(f.batch.batch_id, f.start_s, end, f.compute_s, f.wait_s))
-        return WorkDone(self.group, work.work_id, outputs, timings)
-
-    def layers(self, flights: list[InFlight]) -> None:
-        num_layers = self.cfg.num_layers
-        for f in flights:
-            self._attention_and_dispatch(0, f)
-        # NOTE: each batch goes on to its next layer right after its own combine, so while one
-        # batch's experts run the worker is busy with the other batch's attention; combining all
-        # batches before any next-layer attention would idle the worker on the last batch's experts.
-        for layer in range(num_layers):
-            for f in flights:
-                self._combine(layer, f)
-                if layer + 1 < num_layers:
-                    self._attention_and_dispatch(layer + 1, f)
-
-    def _attention_and_dispatch(self, layer: int, f: InFlight) -> None:
-        c0 = time.monotonic()
-        m = self.model
-        f.attn = m.attention(layer, f.hidden, f.meta, self.runner.kv_cache)
-        c1 = time.monotonic()
-        self.tracer.add("attention", c0, c1, layer=layer, batch=f.batch.batch_id)
-        if not self.cfg.sparse_layers[layer]:
-            f.hidden = m.dense_mlp(layer, f.attn)
-            f.compute_s += time.monotonic() - c0
-            return
-        ids, wts = m.route(layer, f.attn.moe_input)  # [n, K] each, identical on every TP member
-        f.workers = self.targets(ids)  # the whole batch's set: every member sends to it
-        ids, f.topk_w = ids[f.lo:f.hi], wts[f.lo:f.hi]
-        x = f.attn.moe_input[f.lo:f.hi]  # [s, H]
-        f.shares = self.routes.split(ids, f.workers)
-        c2 = time.monotonic()
-        k = ids.shape[1]
-        for sh in f.shares:
-            tpe = sh.counts + [0] * (self.epw - len(sh.counts))
-            self.sender.send(sh.worker, x[sh.pair_index // k], layer, f.batch.batch_id, tpe)
-        c3 = time.monotonic()
-        self.tracer.add("router", c1, c2, layer=layer, batch=f.batch.batch_id)
-        self.tracer.add("dispatch", c2, c3, layer=layer, batch=f.batch.batch_id, workers=len(f.workers))
-        f.compute_s += c3 - c0
-
-    def _combine(self, layer: int, f: InFlight) -> None:
-        if not self.cfg.sparse_layers[layer]:
-            return
-        w0 = time.monotonic()
-        msg = self.receiver.recv(f.workers)
-        c0 = time.monotonic()
-        self.tracer.add("wait-combine", w0, c0, layer=layer, batch=f.batch.batch_id)
-        k = f.topk_w.shape[1]
-        flat_w = f.topk_w.reshape(-1)
-        routed = torch.zeros(f.hi - f.lo, self.cfg.hidden_size, dtype=f.hidden.dtype)  # [s, H]
-        for sh in f.shares:
-            y = msg.segments[sh.worker].payload  # [m, H], valid until the next recv: used at once
-            routed.index_add_(0, sh.pair_index // k, y * flat_w[sh.pair_index].to(y.dtype).unsqueeze(1))
-        a = f.attn
-        share = self.model.combine(layer, AttentionOut(a.residual[f.lo:f.hi], a.moe_input[f.lo:f.hi]), routed)
-        if self.tp is not None:
-            n, t = f.hidden.shape[0], self.tp.size
-            share = self.tp.all_gather_rows(share, [(i + 1) * n // t - i * n // t for i in range(t)])
-        f.hidden = share
-        c1 = time.monotonic()
-        self.tracer.add("combine", c0, c1, layer=layer, batch=f.batch.batch_id)
-        f.wait_s += c0 - w0
-        f.compute_s += c1 - c0
-
-    def _sample(self, f: InFlight) -> dict[str, SeqOutput]:
-        if self.tp is None:
-            return self.runner.sample(f.batch, f.hidden)
-        # NOTE: member 0 samples and broadcasts, so seeded and unseeded sampling stay identical
-        # across members without relying on bitwise-equal logits.
-        last = [s for s in f.batch.seqs if s.is_last_chunk]
-        out = self.runner.sample(f.batch, f.hidden) if self.member == 0 else {}
-        tokens = torch.tensor([out[s.request_id].token_id if out else 0 for s in last], dtype=torch.int64)
-        self.tp.broadcast(tokens)
-        if self.member != 0:
-            self.runner.append_tokens({s.request_id: int(t) for s, t in zip(last, tokens)})
-        return out
+        return WorkDone(s.group, work.work_id, outputs, timings)

@@ -41,23 +41,14 @@ def worker_main(setup: WorkerSetup, conn: Connection) -> None:
     import torch
 
     torch.set_num_threads(setup.engine.num_threads)
+    from moeflow.comm import make_transport
+    from moeflow.workers.roles import build_worker
     from moeflow.workers.world import close_world, init_world
 
     worker = None
     try:
         tp = init_world(setup)
-        if setup.role == "attention":
-            from moeflow.workers.attention import AttentionWorker
-
-            worker = AttentionWorker(setup, tp)
-        elif setup.role == "dep":
-            from moeflow.workers.dep import DepWorker
-
-            worker = DepWorker(setup, tp)
-        else:
-            from moeflow.workers.moe import MoEWorker
-
-            worker = MoEWorker(setup)
+        worker = build_worker(setup, make_transport(setup.comm), tp)
         conn.send(WorkerReady(setup.role, setup.index, os.getpid()))
         worker.serve(conn)
     except BaseException:

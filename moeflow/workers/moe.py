@@ -2,9 +2,10 @@
 
 No scheduler, no KV cache. Its loop: receive a complete dispatch region -> run the experts of
 that region's layer through the layer-oblivious grouped op -> combine-send each TP member's rows
-back. ASAP's triple-stream design becomes three threads here: receive/migrate, compute, send;
-each of the two communication threads can be switched off (then the compute thread does it).
-torch releases the GIL inside its kernels and copies, so the threads overlap for real.
+back. ASAP's triple-stream design becomes three threads (``ThreadedLoop``: receive/migrate,
+compute, send); ``InlineLoop`` is the ablation where the compute thread does all three. The loop
+is chosen once, at start. torch releases the GIL inside its kernels and copies, so the threads
+overlap for real.
 """
 from __future__ import annotations
 
@@ -12,68 +13,98 @@ import queue
 import threading
 import time
 
-import torch
-
-from moeflow.comm import make_transport
 from moeflow.messages import DumpSpans, Shutdown, Spans, WorkerSetup
-from moeflow.model.moe import experts_grouped
-from moeflow.model.weights import LoadSpec, TORCH_DTYPES, load_weights
+from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
+from moeflow.workers.experts import ExpertCompute, send_replies
 from moeflow.workers.tracer import Tracer
 
 _POLL_S = 0.05  # longest a blocking wait lasts before the control pipe is looked at again
 
 
 class MoEWorker:
-    def __init__(self, setup: WorkerSetup):
+    def __init__(self, setup: WorkerSetup, transport):
         self.setup = setup
         self.index = setup.index
-        held = setup.placement[setup.index]
         _, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
-                            LoadSpec(attention=False, experts=held))
-        self.experts = w.experts
-        self.num_local = len(held)
-        transport = make_transport(setup.comm)
+                            LoadSpec(attention=False, experts=setup.placement[setup.index]))
         self.receiver = transport.dispatch_receiver(setup.index)  # owns this worker's dispatch buffer
         self.sender = transport.combine_sender(setup.index)
-        self.tracer = Tracer("moe", setup.index, setup.trace)
+        self.tracer = Tracer("moe", setup.index, setup.engine.trace)
+        self.compute = ExpertCompute(w.experts, self.tracer)
+        self.loop = (ThreadedLoop if setup.layout.comm_threads else InlineLoop)(self)
+
+    def receive(self, thread: str, timeout_s: float):
+        """One complete region in private memory, or None after ``timeout_s``."""
+        t0 = time.monotonic()
+        msg = self.receiver.recv(timeout_s=timeout_s)
+        if msg is not None:
+            # waiting for a complete region + migrating it to private memory
+            self.tracer.add("recv", t0, time.monotonic(), thread, group=msg.group, layer=msg.rows[0].layer_id)
+        return msg
+
+    def step(self) -> bool:
+        """Serve one region if one is complete now (no waiting); whether there was one. The
+        in-process deployment pumps the expert side with this."""
+        msg = self.receiver.poll()
+        if msg is not None:
+            send_replies(self.sender, self.compute.run(msg), self.tracer)
+        return msg is not None
+
+    def serve(self, conn) -> None:
+        self.loop.start()
+        try:
+            while not self.loop.stopped():
+                if conn.poll():
+                    msg = conn.recv()
+                    if isinstance(msg, Shutdown):
+                        break
+                    if isinstance(msg, DumpSpans):
+                        conn.send(Spans("moe", self.index, self.tracer.drain()))
+                self.loop.turn()
+        finally:
+            self.loop.stop()
+        if self.loop.error is not None:
+            raise self.loop.error
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+class InlineLoop:
+    """One thread receives, computes and sends in turn."""
+
+    error: BaseException | None = None
+
+    def __init__(self, worker: MoEWorker):
+        self.w = worker
+
+    def start(self) -> None:
+        pass
+
+    def stopped(self) -> bool:
+        return False
+
+    def turn(self) -> None:
+        msg = self.w.receive("main", _POLL_S)
+        if msg is not None:
+            send_replies(self.w.sender, self.w.compute.run(msg), self.w.tracer)
+
+    def stop(self) -> None:
+        pass
+
+
+class ThreadedLoop:
+    """Receive and send on their own threads (ASAP's streams); the main thread computes."""
+
+    def __init__(self, worker: MoEWorker):
+        self.w = worker
         self._stop = threading.Event()
         self._inbox: queue.Queue = queue.Queue(maxsize=4)
         self._outbox: queue.Queue = queue.Queue(maxsize=4)
+        self._threads = [threading.Thread(target=self._guard(self._receive_loop), name="recv", daemon=True),
+                         threading.Thread(target=self._guard(self._send_loop), name="send", daemon=True)]
         self.error: BaseException | None = None
-
-    # -- the three stages ---------------------------------------------------------------------
-
-    def _receive(self, thread: str):
-        """One complete region in private memory, or None after a short wait."""
-        t0 = time.monotonic()
-        msg = self.receiver.recv(timeout_s=_POLL_S)
-        if msg is not None:
-            # waiting for a complete region + migrating it to private memory
-            self.tracer.add("recv", t0, time.monotonic(), thread, group=msg.group, layer=msg.layer_id)
-            if thread != "main":  # the payloads are views valid until the next recv
-                for row in msg.rows:
-                    row.payload = row.payload.clone()
-        return msg
-
-    @torch.inference_mode()
-    def _compute(self, msg) -> list[tuple]:
-        t0 = time.monotonic()
-        replies = []
-        for row in msg.rows:
-            counts = torch.tensor(row.tokens_per_expert[:self.num_local], dtype=torch.int64)
-            y = experts_grouped(self.experts, row.layer_id, row.payload, counts)  # [n, H]
-            replies.append((msg.group, row.member, y, row.layer_id, row.batch_id))
-        self.tracer.add("experts", t0, time.monotonic(), "main", group=msg.group, layer=msg.layer_id,
-                        tokens=sum(r.payload.shape[0] for r in msg.rows))
-        return replies
-
-    def _send(self, replies: list[tuple], thread: str) -> None:
-        t0 = time.monotonic()
-        for group, member, y, layer, batch in replies:
-            self.sender.send(group, member, y, layer, batch)
-        self.tracer.add("combine-send", t0, time.monotonic(), thread)
-
-    # -- threads ------------------------------------------------------------------------------
 
     def _guard(self, fn):
         def run():
@@ -86,8 +117,10 @@ class MoEWorker:
 
     def _receive_loop(self) -> None:
         while not self._stop.is_set():
-            msg = self._receive("recv")
+            msg = self.w.receive("recv", _POLL_S)
             if msg is not None:
+                for row in msg.rows:  # the payloads are views valid until the next recv
+                    row.payload = row.payload.clone()
                 self._inbox.put(msg)
 
     def _send_loop(self) -> None:
@@ -96,48 +129,23 @@ class MoEWorker:
                 replies = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
                 continue
-            self._send(replies, "send")
+            send_replies(self.w.sender, replies, self.w.tracer, "send")
 
-    # -- loop ---------------------------------------------------------------------------------
-
-    def serve(self, conn) -> None:
-        s = self.setup
-        threads = []
-        if s.recv_thread:
-            threads.append(threading.Thread(target=self._guard(self._receive_loop), name="recv", daemon=True))
-        if s.send_thread:
-            threads.append(threading.Thread(target=self._guard(self._send_loop), name="send", daemon=True))
-        for t in threads:
+    def start(self) -> None:
+        for t in self._threads:
             t.start()
-        try:
-            while not self._stop.is_set():
-                if conn.poll():
-                    msg = conn.recv()
-                    if isinstance(msg, Shutdown):
-                        break
-                    if isinstance(msg, DumpSpans):
-                        conn.send(Spans("moe", self.index, self.tracer.drain()))
-                if s.recv_thread:
-                    try:
-                        msg = self._inbox.get(timeout=_POLL_S)
-                    except queue.Empty:
-                        continue
-                else:
-                    msg = self._receive("main")
-                    if msg is None:
-                        continue
-                replies = self._compute(msg)
-                if s.send_thread:
-                    self._outbox.put(replies)
-                else:
-                    self._send(replies, "main")
-        finally:
-            self._stop.set()
-            for t in threads:
-                t.join(timeout=1.0)
-        if self.error is not None:
-            raise self.error
 
-    def close(self) -> None:
-        self.sender.close()
-        self.receiver.close()
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def turn(self) -> None:
+        try:
+            msg = self._inbox.get(timeout=_POLL_S)
+        except queue.Empty:
+            return
+        self._outbox.put(self.w.compute.run(msg))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=1.0)

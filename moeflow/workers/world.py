@@ -1,7 +1,7 @@
-"""The torch.distributed world of a deployment: attention ranks first (g*T + m), then MoE workers.
+"""The torch.distributed world of a deployment, as the engine laid it out (``messages.World``).
 
-It exists only when something needs it: tensor-parallel attention (T > 1: a gloo group per DP
-group for all-reduce / all-gather) or a torch.distributed comm transport.
+It exists only when something needs it: tensor-parallel attention (a gloo group per TP group for
+all-reduce / all-gather) or a torch.distributed comm transport.
 """
 from __future__ import annotations
 
@@ -10,16 +10,7 @@ import torch.distributed as dist
 
 from moeflow.messages import WorkerSetup
 
-DIST_TRANSPORTS = ("dist", "p2p")
-
-
-def needs_world(setup: WorkerSetup) -> bool:
-    return setup.parallel.attn_tp > 1 or setup.comm.transport in DIST_TRANSPORTS
-
-
-def global_rank(setup: WorkerSetup) -> int:
-    p = setup.parallel
-    return setup.index if setup.role == "attention" else p.num_attention_workers + setup.index
+DIST_TRANSPORTS = ("dist", "p2p")  # comm transports that need the world
 
 
 class TPGroup:
@@ -49,18 +40,16 @@ class TPGroup:
 
 def init_world(setup: WorkerSetup) -> TPGroup | None:
     """Join the world (if the deployment has one); returns this process's TP group, if any."""
-    if not needs_world(setup):
+    w = setup.world
+    if w is None:
         return None
-    p = setup.parallel
-    world = p.num_attention_workers + p.moe_workers
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{setup.dist_port}", world_size=world,
-                            rank=global_rank(setup))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{w.port}", world_size=w.size,
+                            rank=setup.world_rank)
     tp = None
-    if p.attn_tp > 1:
-        for g in range(p.attn_dp):  # NOTE: new_group is collective over the whole world, in order
-            grp = dist.new_group(list(range(g * p.attn_tp, (g + 1) * p.attn_tp)))
-            if setup.role == "attention" and setup.index // p.attn_tp == g:
-                tp = TPGroup(grp, p.attn_tp, setup.index % p.attn_tp)
+    for ranks in w.tp_groups:  # NOTE: new_group is collective over the whole world, in order
+        grp = dist.new_group(list(ranks))
+        if setup.world_rank in ranks:
+            tp = TPGroup(grp, len(ranks), ranks.index(setup.world_rank))
     return tp
 
 

@@ -7,6 +7,7 @@ from moeflow.config import SchedulerConfig
 from moeflow.core import Request, RequestError, SamplingParams
 from moeflow.scheduler.asap import AsapScheduler
 from moeflow.scheduler.block_allocator import BlockAllocator
+from moeflow.scheduler.pool import RequestPool
 
 
 def _req(rid: str, n: int, t: float = 0.0, max_tokens: int = 1) -> Request:
@@ -16,8 +17,8 @@ def _req(rid: str, n: int, t: float = 0.0, max_tokens: int = 1) -> Request:
 def _sched(groups: int = 1, blocks: int = 1000, **kw) -> AsapScheduler:
     cfg = SchedulerConfig(**{"min_batch_tokens": 100, "max_batch_tokens": 400, "max_batch_wait_s": 1.0,
                              "long_prompt_tokens": 300, **kw})
-    return AsapScheduler(cfg, [BlockAllocator(blocks, 16) for _ in range(groups)], max_model_len=4096,
-                         max_num_seqs=64)
+    return AsapScheduler.from_config(RequestPool([BlockAllocator(blocks, 16) for _ in range(groups)],
+                                                 max_model_len=4096, max_num_seqs=64), cfg)
 
 
 def _ids(work) -> list[list[str]]:
@@ -92,9 +93,9 @@ def test_abort_frees_blocks():
     s = _sched(max_batch_wait_s=0.0)
     s.add(_req("a", 100, max_tokens=5))
     s.schedule(now=0.0)
-    free = s.groups[0].allocator.num_free
+    free = s.pool.groups[0].allocator.num_free
     assert s.abort("a", "abort").finish_reason == "abort"
-    assert s.groups[0].allocator.num_free > free and not s.has_unfinished()
+    assert s.pool.groups[0].allocator.num_free > free and not s.has_unfinished()
 
 
 def test_a_lone_batch_is_halved_into_two_interleaved_micro_batches():
@@ -106,7 +107,7 @@ def test_a_lone_batch_is_halved_into_two_interleaved_micro_batches():
     assert got == [[("a", 0, 60, True), ("b", 0, 15, False)], [("b", 15, 75, True)]]
     assert [r.request_id for r in s.update(0, w.batches[0], {"a": 1})] == ["a"]  # b's first chunk samples nothing
     assert [r.request_id for r in s.update(0, w.batches[1], {"b": 2})] == ["b"]
-    assert s.groups[0].requests == [] and not s.has_unfinished()
+    assert s.pool.groups[0].requests == [] and not s.has_unfinished()
 
 
 def test_no_split_ablation_and_small_batches_stay_whole():

@@ -9,6 +9,7 @@ import pytest
 from moeflow.core import Request, RequestError, RequestStatus, SamplingParams
 from moeflow.scheduler.block_allocator import BlockAllocator, OutOfBlocks
 from moeflow.scheduler.continuous import ContinuousBatching
+from moeflow.scheduler.pool import RequestPool
 
 
 # -- BlockAllocator --------------------------------------------------------------------------------
@@ -41,13 +42,26 @@ def _req(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
     return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def _sched(num_blocks=16, block_size=4, budget=10, max_seqs=4, max_model_len=64) -> ContinuousBatching:
-    return ContinuousBatching(BlockAllocator(num_blocks, block_size), budget, max_seqs, max_model_len)
+class _Sched(ContinuousBatching):
+    """The pool's one allocator and waiting queue in reach of the assertions."""
+
+    allocator = property(lambda self: self.pool.groups[0].allocator)
+    waiting = property(lambda self: self.pool.waiting)
+
+    def next(self):
+        """The batch of the next step, or None when there is nothing to run."""
+        works = self.schedule(0.0)
+        assert len(works) <= 1 and all(w.group == 0 and len(w.batches) == 1 for w in works)
+        return works[0].batches[0] if works else None
+
+
+def _sched(num_blocks=16, block_size=4, budget=10, max_seqs=4, max_model_len=64) -> _Sched:
+    return _Sched(RequestPool([BlockAllocator(num_blocks, block_size)], max_model_len, max_seqs), budget)
 
 
 def _run(s: ContinuousBatching, batch, token: int = 7):
     """Pretend the batch ran: every sequence that reached its end samples ``token``."""
-    return s.update(batch, {q.request_id: token for q in batch.seqs if q.is_last_chunk})
+    return s.update(0, batch, {q.request_id: token for q in batch.seqs if q.is_last_chunk})
 
 
 def _shape(batch) -> list[tuple[str, int, int, bool]]:
@@ -58,30 +72,30 @@ def test_long_prompt_is_chunked_by_token_budget():
     s = _sched(budget=10)
     r = _req("a", 25, max_tokens=3)
     s.add(r)
-    b = s.schedule()
+    b = s.next()
     assert _shape(b) == [("a", 0, 10, False)]
     assert r.status is RequestStatus.RUNNING
     assert s.allocator.table("a") == (0, 1, 2, 3, 4, 5, 6)  # blocks for prompt + max_tokens = 28 up front
     assert b.seqs[0].block_ids == (0, 1, 2, 3, 4, 5, 6)
     assert _run(s, b) == [] and r.num_computed_tokens == 10 and r.output_token_ids == []
-    b = s.schedule()
+    b = s.next()
     assert _shape(b) == [("a", 10, 10, False)]
     _run(s, b)
-    b = s.schedule()
+    b = s.next()
     assert _shape(b) == [("a", 20, 5, True)]  # last chunk: a token is sampled
     _run(s, b)
     assert r.output_token_ids == [7] and not r.is_prefill
-    assert _shape(s.schedule()) == [("a", 25, 1, True)]  # then one token per step
+    assert _shape(s.next()) == [("a", 25, 1, True)]  # then one token per step
 
 
 def test_running_first_then_fifo_admission_within_budget():
     s = _sched(budget=10, max_seqs=3)
     for rid, n in (("a", 6), ("b", 3), ("c", 2), ("d", 1)):
         s.add(_req(rid, n))
-    b = s.schedule()
+    b = s.next()
     assert _shape(b) == [("a", 0, 6, True), ("b", 0, 3, True), ("c", 0, 1, False)]  # budget 10 split
     _run(s, b)
-    b = s.schedule()
+    b = s.next()
     # running requests (decodes, then c's remaining prompt token) go first; d waits: max_num_seqs=3
     assert _shape(b) == [("a", 6, 1, True), ("b", 3, 1, True), ("c", 1, 1, True)]
     assert [r.request_id for r in s.waiting] == ["d"]
@@ -93,17 +107,17 @@ def test_finished_requests_free_blocks_and_admit_the_next():
     a, big, small = _req("a", 7, max_tokens=2), _req("big", 9, max_tokens=3), _req("small", 1, max_tokens=1)
     for r in (a, big, small):
         s.add(r)
-    b = s.schedule()
+    b = s.next()
     # a takes 3 blocks; big (3 blocks) does not fit in the 1 left, and small may not overtake it
     assert _shape(b) == [("a", 0, 7, True)]
     assert s.allocator.num_free == 1 and [r.request_id for r in s.waiting] == ["big", "small"]
     assert _run(s, b) == []
-    b = s.schedule()
+    b = s.next()
     assert _shape(b) == [("a", 7, 1, True)]
     finished = _run(s, b)
     assert finished == [a] and a.finish_reason == "length" and a.status is RequestStatus.FINISHED
     assert s.allocator.num_free == 4 and s.allocator.table("a") == ()
-    b = s.schedule()
+    b = s.next()
     assert _shape(b) == [("big", 0, 9, True), ("small", 0, 1, True)]  # 3 + 1 blocks: both fit now
     assert s.allocator.num_free == 0
 
@@ -112,7 +126,7 @@ def test_stop_token_finishes_early():
     s = _sched()
     r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[7]))
     s.add(r)
-    assert _run(s, s.schedule(), token=7) == [r]
+    assert _run(s, s.next(), token=7) == [r]
     assert r.finish_reason == "stop" and r.stop_reason == 7 and not s.has_unfinished()
     assert s.allocator.num_free == 16
 
@@ -123,7 +137,7 @@ def test_eos_respected_unless_ignored():
     r2 = Request("b", [1], SamplingParams(max_tokens=10, ignore_eos=True), eos_token_ids=(9,))
     s.add(r)
     s.add(r2)
-    assert _run(s, s.schedule(), token=9) == [r]
+    assert _run(s, s.next(), token=9) == [r]
     assert r.finish_reason == "stop" and r.stop_reason is None and r2.finish_reason is None
 
 
@@ -137,9 +151,9 @@ def test_too_long_requests_are_rejected_with_the_numbers():
         s.add(_req("wide", 17, max_tokens=2))  # fits the context, not the whole cache
     with pytest.raises(RequestError, match="empty"):
         s.add(_req("empty", 0))
-    assert not s.has_unfinished() and s.schedule() is None
+    assert not s.has_unfinished() and s.next() is None
     s.add(_req("ok", 15, max_tokens=1))  # exactly 16 tokens = 4 blocks, within 20
-    assert s.schedule() is not None
+    assert s.next() is not None
 
 
 def test_abort_waiting_and_running():
@@ -147,12 +161,12 @@ def test_abort_waiting_and_running():
     a, b = _req("a", 6), _req("b", 2)
     s.add(a)
     s.add(b)
-    batch = s.schedule()  # a's first chunk runs; b waits (max_num_seqs=1)
+    batch = s.next()  # a's first chunk runs; b waits (max_num_seqs=1)
     assert s.abort("b", "abort") is b and b.finish_reason == "abort" and list(s.waiting) == []
     assert s.abort("a", "abort") is a and s.allocator.num_free == 16
     assert _run(s, batch) == []  # the in-flight batch of an aborted request is ignored
     assert s.abort("nobody", "abort") is None
-    assert not s.has_unfinished() and s.schedule() is None
+    assert not s.has_unfinished() and s.next() is None
 
 
 def test_scheduler_and_core_do_not_import_torch():

@@ -11,7 +11,7 @@ from moeflow.bench.workload import WorkloadRequest
 from moeflow.scheduler.asap import AsapScheduler
 from moeflow.scheduler.dep import DepScheduler
 from moeflow.sim.asap import AsapSystem
-from moeflow.sim.config import parse_config
+from moeflow.experiment import parse_experiment as parse_config, system_from_dict
 from moeflow.sim.cost import AnalyticCost
 from moeflow.sim.dep import DepSystem
 from moeflow.sim.events import EventLoop
@@ -19,17 +19,20 @@ from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset
 from moeflow.sim.run import build_cost, run_point, run_system
 from moeflow.sim.shape import AttnShape
-from moeflow.sim.system import SystemConfig
 
 SCHED = {"min_batch_tokens": 256, "max_batch_tokens": 8192, "max_batch_wait_s": 0.01, "long_prompt_tokens": 4096}
 
 
+# KV capacity nobody reaches here: 1M tokens per group, 1024 sequences
+LIMITS = {"num_kv_blocks": 4096, "kv_block_size": 256, "max_num_seqs": 1024}
+
+
 def _cfg(**systems) -> object:
+    systems = systems or {"dep": {"mode": "dep", "dp": 4, "max_batch_tokens": 8192},
+                          "asap": {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "scheduler": SCHED}}
     return parse_config({"model": "qwen3-235b-a22b", "hardware": "h200", "rps": [2, 8], "slo_ttft_s": 1.0,
                          "workload": {"kind": "production", "length_scale": 0.25, "duration_s": 20, "seed": 3},
-                         "systems": systems or {
-                             "dep": {"mode": "dep", "dp": 4, "max_batch_tokens": 8192},
-                             "asap": {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "scheduler": SCHED}}})
+                         "systems": {n: {"engine": LIMITS, **d} for n, d in systems.items()}})
 
 
 def test_events_run_in_time_then_insertion_order_and_never_in_the_past():
@@ -84,7 +87,7 @@ def test_a_lone_request_takes_the_closed_form_time():
     cost = build_cost(cfg)
     m, n = cost.model, 3000
     shape = AttnShape.of([(0, n, True)])
-    dep_cfg = SystemConfig("d", "dep", dp=4, max_batch_tokens=8192)
+    dep_cfg = system_from_dict("d", {"mode": "dep", "dp": 4, "max_batch_tokens": 8192, "engine": LIMITS})
     rec = DepSystem(dep_cfg, cost).run([WorkloadRequest(0.0, n, 1)]).records[0]
     moved = 3 / 4
     layer = (cost.attention_s(shape, 1, False) + cost.all_to_all_s(cost.dispatch_bytes(n) * moved)
@@ -92,9 +95,8 @@ def test_a_lone_request_takes_the_closed_form_time():
              + cost.all_to_all_s(cost.combine_bytes(n) * moved))
     assert rec.ttft_s == pytest.approx(cost.head_s(shape, 1) + m.num_layers * layer)
     sched = dict(SCHED, max_batch_wait_s=0.0, split_lone_batch=False)
-    asap_cfg = SystemConfig("a", "asap", attn_dp=1, moe_workers=2, scheduler=parse_config(
-        {"model": "tiny", "hardware": "h200", "workload": {"duration_s": 1},
-         "systems": {"a": {"mode": "asap", "scheduler": sched}}}).systems["a"].scheduler)
+    asap_cfg = system_from_dict("a", {"mode": "asap", "attn_dp": 1, "moe_workers": 2, "scheduler": sched,
+                                      "engine": LIMITS})
     sim = AsapSystem(asap_cfg, cost)
     rec = sim.run([WorkloadRequest(0.0, n, 1)]).records[0]
     bw = cost.link_bw_Bps
@@ -113,7 +115,7 @@ def test_the_engine_schedulers_drive_the_simulation():
 
 def test_each_asap_optimization_raises_slo_throughput():
     base = {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "scheduler": SCHED}
-    cfg = _cfg(asap=base, no_overlap={**base, "comm_overlap": False}, no_super_kernel={**base, "super_kernel": False},
+    cfg = _cfg(asap=base, no_overlap={**base, "comm_threads": False}, no_super_kernel={**base, "sim": {"super_kernel": False}},
                no_dual={**base, "scheduler": {**SCHED, "dual_batch": False}})
     cost = build_cost(cfg)
     slo = {n: run_system(n, cfg, cost, cfg.rps, find_slo=True).result["slo_rps"] for n in cfg.systems}

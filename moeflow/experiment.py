@@ -1,0 +1,145 @@
+"""An experiment file: one YAML that drives both the real engine and the simulator.
+
+    model: tiny                       # the engine's model (a directory or "tiny"); the simulator's preset
+    dtype: auto                       # what the deployments compute in (the simulator's cpu-here rates too)
+    workload: {kind: production, length_scale: 0.25, duration_s: 40, seed: 0}
+    rps: [0.3, 0.45]
+    slo_ttft_s: 8
+    systems:
+      dep2: {mode: dep, dp: 2}
+      asap: {mode: asap, attn_dp: 1, moe_workers: 1, comm_threads: false,
+             engine: {num_kv_blocks: 4096},        # EngineConfig: limits the simulator honours too
+             sim: {super_kernel: true}}           # SimOptions: the simulator's modelling choices
+    hardware: cpu-here                 # simulator only, with cost / profile / machine / hardware_overrides
+
+Each ``systems:`` entry is a layout (``moeflow.layout``: ``mode`` and that mode's fields, the
+scheduler's fields accepted flat) plus two sub-configs. Everything is validated before anything
+runs, and every random source takes its seed from here. Pure Python (the simulator reads it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+import yaml
+
+from moeflow.bench.workload import WorkloadConfig
+from moeflow.config import DTYPES, ConfigError, EngineConfig
+from moeflow.layout import Layout, layout_from_dict
+
+COSTS = ("analytic", "profiled")
+_ENGINE_KEYS_ELSEWHERE = ("model", "dtype")  # set once for the whole experiment
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Modelling choices only the simulator has (the engine always does the real thing)."""
+
+    super_kernel: bool = True  # layer-oblivious MoE kernel; False pays host_dispatch_s per MoE layer
+    # whether the device runs the layout's communication threads/streams concurrently with its
+    # compute; False where they share one CPU core with the experts (this machine)
+    comm_overlap: bool = True
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One system of an experiment: a layout, the engine's settings and the simulator's options."""
+
+    name: str
+    layout: Layout
+    engine: EngineConfig  # the engine uses all of it; the simulator its KV-cache and sequence limits
+    sim: SimOptions = field(default_factory=SimOptions)
+
+    @property
+    def kv_tokens_per_group(self) -> int:
+        """KV-cache capacity of one attention group (or rank), in tokens."""
+        return self.engine.num_kv_blocks * self.engine.kv_block_size
+
+
+@dataclass(frozen=True)
+class Experiment:
+    model: str  # the engine's model (a Hugging Face directory or "tiny"); the simulator's model preset
+    systems: dict[str, SystemSpec]
+    workload: WorkloadConfig  # rate_rps is set per probe
+    dtype: str = "auto"
+    rps: tuple[float, ...] = (1.0,)
+    slo_ttft_s: float | None = None
+    find_slo_rps: bool = False
+    slo_probes: int = 6
+    slo_rel_tol: float = 0.02
+    # simulator only
+    hardware: str | None = None  # hardware preset (sim/hardware.py)
+    cost: str = "analytic"
+    profile: str | None = None  # profiled cost: the JSON ``moeflow profile`` wrote
+    machine: str | None = None  # hardware cpu-here: the `moeflow env --json` report of that machine
+    hardware_overrides: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"experiment: {msg}")
+
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.cost in COSTS, f"cost must be one of {COSTS}, got {self.cost!r}")
+        need(self.cost != "profiled" or bool(self.profile), "cost: profiled needs profile: FILE.json")
+        need(bool(self.systems), "systems: give at least one")
+        need(all(r > 0 for r in self.rps), f"rps must all be > 0, got {list(self.rps)}")
+        need(not self.find_slo_rps or (self.slo_ttft_s or 0) > 0, "find_slo_rps needs slo_ttft_s > 0")
+
+
+def _pick(cls, d: dict, where: str, exclude: tuple[str, ...] = ()) -> dict:
+    known = {f.name for f in fields(cls)} - set(exclude)
+    unknown = set(d) - known
+    if unknown:
+        raise ConfigError(f"experiment: unknown keys in {where}: {sorted(unknown)} (known: {sorted(known)})")
+    return d
+
+
+def system_from_dict(name: str, d: dict, model: str = "tiny", dtype: str = "auto") -> SystemSpec:
+    """One ``systems:`` entry, as both the engine and the simulator read it."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"experiment: systems.{name} must be a mapping, got {d!r}")
+    d = dict(d)
+    engine = _pick(EngineConfig, dict(d.pop("engine", None) or {}), f"systems.{name}.engine", _ENGINE_KEYS_ELSEWHERE)
+    sim = _pick(SimOptions, dict(d.pop("sim", None) or {}), f"systems.{name}.sim")
+    return SystemSpec(name, layout_from_dict(d, f"systems.{name}"), EngineConfig(model=model, dtype=dtype, **engine),
+                      SimOptions(**sim))
+
+
+def _number(v, where: str) -> float:
+    # NOTE: YAML 1.1 reads 28e9 (no dot, no sign) as a string; accept what float() accepts
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"experiment: {where} must be a number, got {v!r}") from None
+
+
+def parse_experiment(d: dict) -> Experiment:
+    if not isinstance(d, dict):
+        raise ConfigError("experiment: the file must hold a mapping")
+    d = dict(_pick(Experiment, d, "the top level"))
+    for key in ("model", "systems", "workload"):
+        if key not in d:
+            raise ConfigError(f"experiment: missing {key!r}")
+    model, dtype = d["model"], d.get("dtype", "auto")
+    d["systems"] = {n: system_from_dict(n, s, model, dtype) for n, s in (d["systems"] or {}).items()}
+    w = dict(_pick(WorkloadConfig, d["workload"] or {}, "workload"))
+    w.setdefault("rate_rps", 1.0)
+    d["workload"] = WorkloadConfig(**w)
+    d["hardware_overrides"] = tuple(sorted((k, _number(v, f"hardware_overrides.{k}"))
+                                           for k, v in (d.get("hardware_overrides") or {}).items()))
+    d["rps"] = tuple(float(r) for r in (d.get("rps") or (1.0,)))
+    return Experiment(**d)
+
+
+def load_experiment(path: str) -> Experiment:
+    with open(path) as f:
+        return parse_experiment(yaml.safe_load(f))
+
+
+def system_to_dict(spec: SystemSpec) -> dict:
+    """The entry's settings as a result file records them."""
+    from moeflow.layout import layout_to_dict
+
+    engine = {k: v for k, v in dataclasses.asdict(spec.engine).items() if k not in _ENGINE_KEYS_ELSEWHERE}
+    return {**layout_to_dict(spec.layout), "engine": engine, "sim": dataclasses.asdict(spec.sim)}

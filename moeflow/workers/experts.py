@@ -1,0 +1,52 @@
+"""Running the experts of whatever (region, batch, layer) a dispatch message carries.
+
+One message = one complete region: a row per lane, each row's tokens grouped by local expert.
+The layer-oblivious grouped op takes the layer as an argument, so the same code serves every
+layer in any order. The MoE worker (asap) and the dep rank both compute through this.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.model.moe import ExpertWeights, experts_grouped
+from moeflow.workers.tracer import Tracer
+
+
+@dataclass
+class Reply:
+    """Expert results for one lane of one region, to combine-send back."""
+
+    region: int  # the sender's DP group (its region in our dispatch buffer)
+    lane: int  # the sender's TP member (its lane in that region)
+    payload: torch.Tensor  # [n, H] in the row order it arrived
+    layer_id: int
+    batch_id: int
+
+
+class ExpertCompute:
+    def __init__(self, experts: ExpertWeights, tracer: Tracer):
+        self.experts = experts
+        self.num_local = len(experts.expert_ids)
+        self.tracer = tracer
+
+    @torch.inference_mode()
+    def run(self, msg, thread: str = "main") -> list[Reply]:
+        t0 = time.monotonic()
+        replies = []
+        for row in msg.rows:
+            counts = torch.tensor(row.tokens_per_expert[:self.num_local], dtype=torch.int64)  # [El]
+            y = experts_grouped(self.experts, row.layer_id, row.payload, counts)  # [n, H]
+            replies.append(Reply(msg.group, row.member, y, row.layer_id, row.batch_id))
+        self.tracer.add("experts", t0, time.monotonic(), thread, group=msg.group, layer=msg.rows[0].layer_id,
+                        tokens=sum(r.payload.shape[0] for r in msg.rows))
+        return replies
+
+
+def send_replies(sender, replies: list[Reply], tracer: Tracer, thread: str = "main") -> None:
+    t0 = time.monotonic()
+    for r in replies:
+        sender.send(r.region, r.lane, r.payload, r.layer_id, r.batch_id)
+    tracer.add("combine-send", t0, time.monotonic(), thread)

@@ -1,0 +1,55 @@
+"""Process roles, in a registry keyed by ``WorkerSetup.role``: each builds the worker object a
+process runs (``serve(conn)``, ``close()``) from its setup, the comm transport (injected: a test
+runs an attention/MoE pair in one process on the reference transport) and its TP group.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from moeflow.messages import WorkerSetup
+from moeflow.model.weights import LoadSpec
+from moeflow.workers.attention import AttentionWorker
+from moeflow.workers.moe import MoEWorker
+from moeflow.workers.schedule import Interleaved, Lockstep
+from moeflow.workers.stages import AttentionStages
+from moeflow.workers.world import TPGroup
+
+ROLES: dict[str, Callable] = {}
+
+
+def role(name: str):
+    def deco(fn: Callable) -> Callable:
+        ROLES[name] = fn
+        return fn
+    return deco
+
+
+def build_worker(setup: WorkerSetup, transport, tp: TPGroup | None):
+    if setup.role not in ROLES:
+        raise ValueError(f"unknown worker role {setup.role!r}; roles: {sorted(ROLES)}")
+    return ROLES[setup.role](setup, transport, tp)
+
+
+@role("attention")
+def _asap_attention(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWorker:
+    """asap: one TP member of one attention DP group; routed experts live on the MoE workers."""
+    t = setup.layout.attn_tp
+    group, member = divmod(setup.index, t)
+    stages = AttentionStages(setup, transport, tp, group, member, t, LoadSpec(routed_experts=False))
+    return AttentionWorker(stages, Interleaved(stages), replies=member == 0)
+
+
+@role("moe")
+def _asap_moe(setup: WorkerSetup, transport, tp: TPGroup | None) -> MoEWorker:
+    return MoEWorker(setup, transport)
+
+
+@role("dep")
+def _dep_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWorker:
+    """dep: attention for its own DP batch, 1/N of every layer's experts, lockstep all-to-all."""
+    rank = setup.index
+    receiver = transport.dispatch_receiver(rank)  # our dispatch buffer, before anyone attaches to it
+    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.placement[rank]),
+                             all_to_all=True)
+    schedule = Lockstep(stages, receiver, transport.combine_sender(rank), len(setup.placement))
+    return AttentionWorker(stages, schedule, replies=True)

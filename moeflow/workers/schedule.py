@@ -1,0 +1,78 @@
+"""Layer schedules: how an attention-side worker walks the layers of one work item's batches with
+its ``AttentionStages``. Siblings, chosen once per role: ``Interleaved`` (asap's dual-batch walk)
+and ``Lockstep`` (dep's all-to-all barrier at every MoE layer).
+"""
+from __future__ import annotations
+
+import time
+
+from moeflow.workers.experts import ExpertCompute, send_replies
+from moeflow.workers.stages import AttentionStages, InFlight
+
+
+class LayerSchedule:
+    def __init__(self, stages: AttentionStages):
+        self.stages = stages
+
+    def run(self, flights: list[InFlight]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Interleaved(LayerSchedule):
+    """ASAP dual-batch interleaving: with two batches, one's attention runs while the MoE workers
+    compute the other's experts."""
+
+    def run(self, flights: list[InFlight]) -> None:
+        s, num_layers = self.stages, self.stages.cfg.num_layers
+        for f in flights:
+            s.attention_and_dispatch(0, f)
+        # NOTE: each batch goes on to its next layer right after its own combine, so while one
+        # batch's experts run the worker is busy with the other batch's attention; combining all
+        # batches before any next-layer attention would idle the worker on the last batch's experts.
+        for layer in range(num_layers):
+            for f in flights:
+                s.combine(layer, f)
+                if layer + 1 < num_layers:
+                    s.attention_and_dispatch(layer + 1, f)
+
+
+class Lockstep(LayerSchedule):
+    """The synchronous baseline's rank: per MoE layer it dispatches to every rank (0 rows
+    included), serves the N regions that arrive for its own experts, and only then sends the
+    results back. No rank gets a layer's results before every rank dispatched that layer: the
+    barrier of DP attention + expert parallelism."""
+
+    def __init__(self, stages: AttentionStages, receiver, sender, num_ranks: int):
+        super().__init__(stages)
+        self.receiver, self.sender, self.num_ranks = receiver, sender, num_ranks  # our expert-side endpoints
+        self.compute = ExpertCompute(stages.weights.experts, stages.tracer)
+
+    def run(self, flights: list[InFlight]) -> None:
+        (f,) = flights  # one batch per rank per step (possibly empty: a dummy step)
+        s = self.stages
+        for layer in range(s.cfg.num_layers):
+            s.attention_and_dispatch(layer, f)
+            if s.cfg.sparse_layers[layer]:
+                self._serve_experts(layer, f)
+            s.combine(layer, f)
+
+    def _serve_experts(self, layer: int, f: InFlight) -> None:
+        replies = []
+        tracer = self.stages.tracer
+        for _ in range(self.num_ranks):
+            w0 = time.monotonic()
+            msg = self.receiver.recv()
+            c0 = time.monotonic()
+            assert msg.rows[0].layer_id == layer, f"layer {msg.rows[0].layer_id} arrived during {layer}"
+            replies += self.compute.run(msg)
+            tracer.add("wait-dispatch", w0, c0, layer=layer)
+            f.wait_s += c0 - w0
+            f.compute_s += time.monotonic() - c0
+        send_replies(self.sender, replies, tracer)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()

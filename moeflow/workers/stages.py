@@ -1,0 +1,146 @@
+"""The attention side's model stages for one batch in flight: embed, attention + router +
+dispatch-send, combine-recv + weighted sum, sample. How a worker walks the layers with them is a
+``LayerSchedule`` (``workers/schedule.py``); these stages do not know which.
+
+Legend: n tokens of a batch, s = this TP member's share of them, K experts per token, H hidden.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moeflow.core import Batch
+from moeflow.messages import SeqOutput, WorkerSetup
+from moeflow.model.kv_cache import AttentionMetadata, KVCache
+from moeflow.model.sharding import shard_attention
+from moeflow.model.transformer import AttentionOut, MoETransformer
+from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
+from moeflow.workers.dispatch import ExpertRoutes, WorkerShare
+from moeflow.workers.runner import ModelRunner
+from moeflow.workers.tracer import Tracer
+from moeflow.workers.world import TPGroup
+
+
+@dataclass
+class InFlight:
+    """One batch moving through the layers."""
+
+    batch: Batch
+    meta: AttentionMetadata
+    hidden: torch.Tensor  # [n, H] input of the current layer
+    lo: int  # this member's share: rows [lo, hi)
+    hi: int
+    attn: AttentionOut | None = None
+    topk_w: torch.Tensor | None = None  # [s, K] of the share
+    shares: list[WorkerShare] = field(default_factory=list)
+    workers: list[int] = field(default_factory=list)
+    start_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+
+
+class AttentionStages:
+    """One attention-side process's model, KV cache, request state and dispatch/combine endpoints.
+
+    ``group``/``member``: this process's DP group and TP member (a dep rank is group r, member 0).
+    ``all_to_all``: dispatch to every expert-side worker, rows or not (the synchronous baseline's
+    collective), instead of only to those holding the batch's experts.
+    """
+
+    def __init__(self, setup: WorkerSetup, transport, tp: TPGroup | None, group: int, member: int, tp_size: int,
+                 load_spec: LoadSpec, all_to_all: bool = False):
+        self.setup, self.tp, self.group, self.member, self.tp_size = setup, tp, group, member, tp_size
+        dtype = TORCH_DTYPES[setup.engine.dtype]
+        cfg, weights = load_weights(setup.model_path, dtype, load_spec)
+        self.cfg, self.weights = cfg, weights
+        mcfg, mweights = shard_attention(cfg, weights, member, tp_size)
+        self.model = MoETransformer(mcfg, mweights, attn_reduce=tp.all_reduce if tp else None)
+        e = setup.engine
+        kv = KVCache(cfg.num_layers, e.num_kv_blocks, e.kv_block_size, mcfg.num_kv_heads, cfg.head_dim, dtype)
+        self.runner = ModelRunner(self.model, kv, seed=e.seed)
+        self.routes = ExpertRoutes(setup.placement, cfg.num_experts, group) if cfg.num_moe_layers else None
+        self.epw = setup.comm.spec.experts_per_worker
+        self.all_workers = list(range(len(setup.placement)))
+        self.all_to_all = all_to_all
+        self.tracer = Tracer(setup.role, setup.index, setup.engine.trace)
+        # NOTE: receivers own their buffers; build ours before attaching to the expert side's.
+        self.receiver = transport.combine_receiver(group, member)
+        self.sender = transport.dispatch_sender(group, member)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+    def begin(self, batches: tuple[Batch, ...], t0: float) -> list[InFlight]:
+        flights = []
+        for b in batches:
+            tokens, meta = self.runner.prepare(b)
+            n, t = tokens.shape[0], self.tp_size
+            flights.append(InFlight(b, meta, self.model.embed(tokens), self.member * n // t,
+                                    (self.member + 1) * n // t, start_s=t0))
+        return flights
+
+    def attention_and_dispatch(self, layer: int, f: InFlight) -> None:
+        c0 = time.monotonic()
+        m = self.model
+        f.attn = m.attention(layer, f.hidden, f.meta, self.runner.kv_cache)
+        c1 = time.monotonic()
+        self.tracer.add("attention", c0, c1, layer=layer, batch=f.batch.batch_id)
+        if not self.cfg.sparse_layers[layer]:
+            f.hidden = m.dense_mlp(layer, f.attn)
+            f.compute_s += time.monotonic() - c0
+            return
+        ids, wts = m.route(layer, f.attn.moe_input)  # [n, K] each, identical on every TP member
+        # the whole batch's set: every member sends to it
+        f.workers = self.all_workers if self.all_to_all else self.routes.workers_for(ids)
+        ids, f.topk_w = ids[f.lo:f.hi], wts[f.lo:f.hi]
+        x = f.attn.moe_input[f.lo:f.hi]  # [s, H]
+        f.shares = self.routes.split(ids, f.workers)
+        c2 = time.monotonic()
+        k = ids.shape[1]
+        for sh in f.shares:
+            tpe = sh.counts + [0] * (self.epw - len(sh.counts))
+            self.sender.send(sh.worker, x[sh.pair_index // k], layer, f.batch.batch_id, tpe)
+        c3 = time.monotonic()
+        self.tracer.add("router", c1, c2, layer=layer, batch=f.batch.batch_id)
+        self.tracer.add("dispatch", c2, c3, layer=layer, batch=f.batch.batch_id, workers=len(f.workers))
+        f.compute_s += c3 - c0
+
+    def combine(self, layer: int, f: InFlight) -> None:
+        if not self.cfg.sparse_layers[layer]:
+            return
+        w0 = time.monotonic()
+        msg = self.receiver.recv(f.workers)
+        c0 = time.monotonic()
+        self.tracer.add("wait-combine", w0, c0, layer=layer, batch=f.batch.batch_id)
+        k = f.topk_w.shape[1]
+        flat_w = f.topk_w.reshape(-1)
+        routed = torch.zeros(f.hi - f.lo, self.cfg.hidden_size, dtype=f.hidden.dtype)  # [s, H]
+        for sh in f.shares:
+            y = msg.segments[sh.worker].payload  # [m, H], valid until the next recv: used at once
+            routed.index_add_(0, sh.pair_index // k, y * flat_w[sh.pair_index].to(y.dtype).unsqueeze(1))
+        a = f.attn
+        share = self.model.combine(layer, AttentionOut(a.residual[f.lo:f.hi], a.moe_input[f.lo:f.hi]), routed)
+        if self.tp is not None:
+            n, t = f.hidden.shape[0], self.tp.size
+            share = self.tp.all_gather_rows(share, [(i + 1) * n // t - i * n // t for i in range(t)])
+        f.hidden = share
+        c1 = time.monotonic()
+        self.tracer.add("combine", c0, c1, layer=layer, batch=f.batch.batch_id)
+        f.wait_s += c0 - w0
+        f.compute_s += c1 - c0
+
+    def sample(self, f: InFlight) -> dict[str, SeqOutput]:
+        if self.tp is None:
+            return self.runner.sample(f.batch, f.hidden)
+        # NOTE: member 0 samples and broadcasts, so seeded and unseeded sampling stay identical
+        # across members without relying on bitwise-equal logits.
+        last = [s for s in f.batch.seqs if s.is_last_chunk]
+        out = self.runner.sample(f.batch, f.hidden) if self.member == 0 else {}
+        tokens = torch.tensor([out[s.request_id].token_id if out else 0 for s in last], dtype=torch.int64)
+        self.tp.broadcast(tokens)
+        if self.member != 0:
+            self.runner.append_tokens({s.request_id: int(t) for s, t in zip(last, tokens)})
+        return out
