@@ -10,18 +10,14 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
 
 from moeflow.config import ConfigError, ModelConfig
+from moeflow.model.checkpoint import CheckpointError, CheckpointReader
 from moeflow.model.family import Family, family_for, load_families
 from moeflow.model.moe import ExpertWeights
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # EngineConfig.dtype -> torch
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is incomplete or inconsistent with its config.json."""
 
 
 @dataclass(frozen=True)
@@ -78,47 +74,9 @@ def load_config(path: str) -> tuple[ModelConfig, Family]:
     return family.to_model_config(hf), family
 
 
-class _Reader:
-    """Key -> tensor over a single or sharded safetensors checkpoint, with precise errors."""
-
-    def __init__(self, path: str, dtype: torch.dtype):
-        self.path, self.dtype = path, dtype
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.key_file = {k: os.path.join(path, v) for k, v in weight_map.items()}
-        elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                self.key_file = {k: single for k in f.keys()}
-        else:
-            raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
-        self._open: dict[str, object] = {}
-
-    def has(self, key: str) -> bool:
-        return key in self.key_file
-
-    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        file = self.key_file.get(key)
-        if file is None:
-            raise CheckpointError(f"{self.path}: tensor {key!r} is missing from the checkpoint")
-        if file not in self._open:
-            if not os.path.isfile(file):
-                raise CheckpointError(f"{self.path}: shard {os.path.basename(file)} (holding {key!r}) not found")
-            self._open[file] = safe_open(file, framework="pt")
-        t = self._open[file].get_tensor(key)
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{self.path}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        return t.to(self.dtype)
-
-    def maybe(self, key: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:
-        return self.get(key, shape) if wanted else None
-
-
 def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec()) -> tuple[ModelConfig, ModelWeights]:
     cfg, fam = load_config(path)
-    r = _Reader(path, dtype)
+    r = CheckpointReader(path, dtype)
     layers = tuple(range(cfg.num_layers)) if spec.layers is None else spec.layers
     for lid in layers:
         if not 0 <= lid < cfg.num_layers:
@@ -139,7 +97,7 @@ def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec()) -> 
     return cfg, w
 
 
-def _load_attention_side(r: _Reader, fam: Family, cfg: ModelConfig, lid: int, w: ModelWeights) -> None:
+def _load_attention_side(r: CheckpointReader, fam: Family, cfg: ModelConfig, lid: int, w: ModelWeights) -> None:
     h, d, q, kv = cfg.hidden_size, cfg.head_dim, cfg.q_size, cfg.kv_size
     p = fam.layer(lid)
     a = f"{p}self_attn."
@@ -175,7 +133,7 @@ def _load_attention_side(r: _Reader, fam: Family, cfg: ModelConfig, lid: int, w:
             down=r.get(fam.dense_key(lid, "down_proj"), (h, f)))
 
 
-def _load_experts(r: _Reader, fam: Family, cfg: ModelConfig, moe_layers: list[int],
+def _load_experts(r: CheckpointReader, fam: Family, cfg: ModelConfig, moe_layers: list[int],
                   experts: tuple[int, ...] | None) -> ExpertWeights:
     expert_ids = tuple(range(cfg.num_experts)) if experts is None else tuple(experts)
     for e in expert_ids:
