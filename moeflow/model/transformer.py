@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moeflow.config import ModelConfig
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
 from moeflow.model.layers import Rotary, attention_core, rms_norm, swiglu
-from moeflow.model.moe import experts_grouped, experts_loop, plan_pairs, route, weighted_sum
+from moeflow.model.moe import experts_grouped, experts_loop, plan_pairs, router_for, weighted_sum
 from moeflow.model.weights import ModelWeights
 
 
@@ -33,6 +33,7 @@ class MoETransformer:
         self.cfg, self.w = cfg, weights
         self.attn_reduce = attn_reduce
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.router = router_for(cfg)
         self._experts_op = experts_grouped if use_grouped_experts else experts_loop
 
     # -- stages -------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ class MoETransformer:
 
     def route(self, layer: int, moe_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (top-k expert ids [T, K] int64, weights [T, K] float32)."""
-        return route(moe_input, self.w.routers[layer], self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        return self.router(moe_input, self.w.routers[layer])
 
     def experts(self, layer: int, moe_input: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
