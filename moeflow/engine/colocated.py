@@ -27,7 +27,7 @@ class ColocatedEngine(Engine):
         self.model_config, weights = load_weights(model_path, dtype)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        kv = KVCache(mc.num_layers, config.num_kv_blocks, config.kv_block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype)
         self.runner = ModelRunner(MoETransformer(mc, weights), kv, seed=config.seed)
         allocator = BlockAllocator(config.num_kv_blocks, config.kv_block_size)
         self.scheduler = ContinuousBatching(allocator, config.max_num_batched_tokens, config.max_num_seqs,

@@ -1,7 +1,8 @@
 """Hugging Face safetensors checkpoint -> moeflow's layout, loading only the requested subset.
 
-Layout: q/k/v fused per layer as one ``[(Hq + 2 Hkv) D, H]`` matrix; gate/up fused as ``[2F, H]``;
+Layout: attention as its kind lays it out (``model/attention/``); gate/up fused as ``[2F, H]``;
 routed experts of all held MoE layers stacked as ``[Lm, El, 2F, H]`` and ``[Lm, El, H, F]``.
+The family names every key.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeflow.config import ConfigError, ModelConfig
+from moeflow.model.attention import AttentionKind, AttentionWeights, attention_for
 from moeflow.model.checkpoint import CheckpointError, CheckpointReader
 from moeflow.model.family import Family, family_for, load_families
 from moeflow.model.moe import ExpertWeights
@@ -31,18 +33,6 @@ class LoadSpec:
 
 
 @dataclass
-class AttentionWeights:
-    input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
-    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
-    o: torch.Tensor  # [H, Hq D]
-    o_bias: torch.Tensor | None  # [H]
-    q_norm: torch.Tensor | None  # [D]
-    k_norm: torch.Tensor | None  # [D]
-    post_norm: torch.Tensor  # [H]
-
-
-@dataclass
 class MLPWeights:
     """A dense SwiGLU MLP, also the shape of a shared expert."""
 
@@ -56,7 +46,7 @@ class ModelWeights:
     embed: torch.Tensor | None = None  # [V, H]
     final_norm: torch.Tensor | None = None  # [H]
     lm_head: torch.Tensor | None = None  # [V, H] (the embedding itself when tied)
-    attention: dict[int, AttentionWeights] = field(default_factory=dict)
+    attention: dict[int, AttentionWeights] = field(default_factory=dict)  # layer -> the attention kind's weights
     routers: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E, H]
     dense: dict[int, MLPWeights] = field(default_factory=dict)
     shared: dict[int, MLPWeights] = field(default_factory=dict)
@@ -84,38 +74,25 @@ def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec()) -> 
     w = ModelWeights()
     h = cfg.hidden_size
     if spec.attention:
-        w.embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
-        w.final_norm = r.get("model.norm.weight", (h,))
-        if cfg.tie_word_embeddings and not r.has("lm_head.weight"):
+        w.embed = r.get(fam.embed_key, (cfg.vocab_size, h))
+        w.final_norm = r.get(fam.final_norm_key, (h,))
+        if cfg.tie_word_embeddings and not r.has(fam.lm_head_key):
             w.lm_head = w.embed
         else:
-            w.lm_head = r.get("lm_head.weight", (cfg.vocab_size, h))
+            w.lm_head = r.get(fam.lm_head_key, (cfg.vocab_size, h))
+        kind = attention_for(cfg)
         for lid in layers:
-            _load_attention_side(r, fam, cfg, lid, w)
+            _load_attention_side(r, fam, cfg, kind, lid, w)
     if spec.routed_experts and cfg.num_moe_layers:
         w.experts = _load_experts(r, fam, cfg, [l for l in layers if cfg.sparse_layers[l]], spec.experts)
     return cfg, w
 
 
-def _load_attention_side(r: CheckpointReader, fam: Family, cfg: ModelConfig, lid: int, w: ModelWeights) -> None:
-    h, d, q, kv = cfg.hidden_size, cfg.head_dim, cfg.q_size, cfg.kv_size
-    p = fam.layer(lid)
-    a = f"{p}self_attn."
-    qkv = torch.cat([r.get(f"{a}q_proj.weight", (q, h)), r.get(f"{a}k_proj.weight", (kv, h)),
-                     r.get(f"{a}v_proj.weight", (kv, h))])
-    qkv_bias = None
-    if cfg.qkv_bias:
-        qkv_bias = torch.cat([r.get(f"{a}q_proj.bias", (q,)), r.get(f"{a}k_proj.bias", (kv,)),
-                              r.get(f"{a}v_proj.bias", (kv,))])
-    w.attention[lid] = AttentionWeights(
-        input_norm=r.get(f"{p}input_layernorm.weight", (h,)),
-        qkv=qkv, qkv_bias=qkv_bias,
-        o=r.get(f"{a}o_proj.weight", (h, q)),
-        o_bias=r.maybe(f"{a}o_proj.bias", (h,), cfg.o_bias),
-        q_norm=r.maybe(f"{a}q_norm.weight", (d,), cfg.qk_norm),
-        k_norm=r.maybe(f"{a}k_norm.weight", (d,), cfg.qk_norm),
-        post_norm=r.get(f"{p}post_attention_layernorm.weight", (h,)),
-    )
+def _load_attention_side(r: CheckpointReader, fam: Family, cfg: ModelConfig, kind: AttentionKind, lid: int,
+                         w: ModelWeights) -> None:
+    h = cfg.hidden_size
+    w.attention[lid] = kind.load(r, fam.attention_prefix(lid), input_norm=r.get(fam.input_norm_key(lid), (h,)),
+                                 post_norm=r.get(fam.post_norm_key(lid), (h,)))
     if cfg.sparse_layers[lid]:
         w.routers[lid] = r.get(fam.router_key(lid), (cfg.num_experts, h))
         fs = cfg.shared_expert_intermediate_size
