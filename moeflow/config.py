@@ -46,6 +46,10 @@ class ModelConfig:
     moe_intermediate_size: int  # F of one routed expert
     norm_topk_prob: bool  # renormalize the top-k softmax weights to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
+    # the model's attention and router kinds (keys of model.attention.ATTENTION_KINDS and model.moe.ROUTERS;
+    # names, not classes, so this file stays torch-free); the family sets them
+    attention_kind: str = "gqa"
+    router_kind: str = "softmax_topk"
     intermediate_size: int = 0  # F of a dense MLP layer (0 when every layer is MoE)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(x @ gate) scales the shared expert

@@ -70,8 +70,7 @@ def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) 
     g = torch.Generator().manual_seed(0)
     block = 16
     shapes = ATTN_SHAPES[:8] if quick else ATTN_SHAPES
-    cache = KVCache(cfg.num_layers, max(sum(q) + sum(c) for q, c in shapes) // block + 8, block,
-                    cfg.num_kv_heads, cfg.head_dim, dtype)
+    cache = KVCache.for_model(cfg, max(sum(q) + sum(c) for q, c in shapes) // block + 8, block, dtype)
     attn = []
     for q_lens, ctx_lens in shapes:
         tables, nxt = [], 0

@@ -24,7 +24,7 @@ class ColocatedEngine(Engine):
         self.model_config, weights = load_weights(model_path, dtype)
         mc = self.model_config
         self.max_model_len = context_len(config, mc)
-        kv = KVCache(mc.num_layers, config.num_kv_blocks, config.kv_block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype)
         self.runner = ModelRunner(MoETransformer(mc, weights), kv, seed=config.seed)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs, config.max_num_batched_tokens)

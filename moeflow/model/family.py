@@ -1,6 +1,8 @@
-"""Architecture registry: what differs between MoE families is a config translation and key names.
+"""Architecture registry: what differs between MoE families is a config translation (which also
+names the attention and router kinds) and checkpoint key names.
 
-Adding an architecture = one small file that builds a ``Family`` and calls ``register``.
+Adding an architecture = one small file that builds a ``Family`` and calls ``register``. This file
+and the family files import no torch: the simulator reads models through them too.
 """
 from __future__ import annotations
 
@@ -16,9 +18,23 @@ class Family:
     to_model_config: Callable[[dict], ModelConfig]
     moe_prefix: str  # module of the MoE block inside a layer: "mlp" or "block_sparse_moe"
     expert_proj: tuple[str, str, str]  # names of the (gate, up, down) projections of one expert
+    # module of the attention inside a layer; the attention kind names the tensors inside it
+    attention_module: str = "self_attn"
+    embed_key: str = "model.embed_tokens.weight"
+    final_norm_key: str = "model.norm.weight"
+    lm_head_key: str = "lm_head.weight"
 
     def layer(self, i: int) -> str:
         return f"model.layers.{i}."
+
+    def attention_prefix(self, layer: int) -> str:
+        return f"{self.layer(layer)}{self.attention_module}."
+
+    def input_norm_key(self, layer: int) -> str:
+        return f"{self.layer(layer)}input_layernorm.weight"
+
+    def post_norm_key(self, layer: int) -> str:
+        return f"{self.layer(layer)}post_attention_layernorm.weight"
 
     def expert_key(self, layer: int, expert: int, which: int) -> str:
         return f"{self.layer(layer)}{self.moe_prefix}.experts.{expert}.{self.expert_proj[which]}.weight"

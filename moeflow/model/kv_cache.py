@@ -1,33 +1,50 @@
 """Paged KV cache (block pool tensors) and the per-batch metadata attention reads.
 
 Block allocation is bookkeeping on ints and lives in ``moeflow.scheduler.block_allocator``; this
-module only owns the tensors. Shape legend: L layers, N slots (= blocks * block_size),
-Hkv key-value heads, D head_dim, T new tokens in the batch.
+module only owns the tensors. What a token stores is the attention kind's ``KVLayout`` (GQA: k and
+v of [Hkv, D]). Shape legend: L layers, N slots (= blocks * block_size), T new tokens in the batch,
+``*e`` the per-token shape of an entry.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from moeflow.config import ModelConfig
+from moeflow.model.attention import KVLayout, attention_for
+
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype):
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)  # [L, N, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype)  # [L, N, Hkv, D]
+    def __init__(self, layout: KVLayout, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype):
+        self.layout = dict(layout)
+        self.num_layers, self.block_size, self.num_blocks, self.dtype = num_layers, block_size, num_blocks, dtype
+        self.entries = {name: torch.zeros((num_layers, num_blocks * block_size, *shape), dtype=dtype)  # [L, N, *e]
+                        for name, shape in self.layout.items()}
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots: [T] int64; k, v: [T, Hkv, D]."""
-        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> "KVCache":
+        """The cache of ``cfg``'s attention kind (a TP member passes its own, sharded config)."""
+        return cls(attention_for(cfg).kv_layout(), cfg.num_layers, num_blocks, block_size, dtype)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots: [S] int64 -> (k, v), each [S, Hkv, D]."""
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+    @property
+    def bytes_per_token(self) -> int:
+        """What one cached token costs over all layers and entries."""
+        return self.num_layers * self.dtype.itemsize * sum(math.prod(shape) for shape in self.layout.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.entries.values())
+
+    def write(self, layer: int, slots: torch.Tensor, *values: torch.Tensor) -> None:
+        """slots: [T] int64; values: one [T, *e] per entry, in layout order (GQA: k, v)."""
+        for cache, x in zip(self.entries.values(), values, strict=True):
+            cache[layer].index_copy_(0, slots, x.to(cache.dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """slots: [S] int64 -> one [S, *e] per entry, in layout order (GQA: k, v)."""
+        return tuple(cache[layer].index_select(0, slots) for cache in self.entries.values())
 
 
 def slots_for(block_ids: tuple[int, ...] | list[int], start: int, stop: int, block_size: int) -> torch.Tensor:

@@ -5,10 +5,13 @@ Hq / Hkv query / key-value heads, D head_dim, F intermediate size.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from moeflow.model.kv_cache import AttentionMetadata, KVCache
+if TYPE_CHECKING:  # NOTE: kv_cache imports the attention kinds, which import this file
+    from moeflow.model.kv_cache import AttentionMetadata, KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

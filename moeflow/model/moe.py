@@ -1,4 +1,4 @@
-"""Router, the layer-oblivious experts op, and its loop-over-experts oracle.
+"""Routers, the layer-oblivious experts op, and its loop-over-experts oracle.
 
 Expert weights of all MoE layers sit in two stacked tensors, so "the experts of layer l" is an
 index, not a Python object: a MoE worker runs whatever layer arrives with the same code path.
@@ -8,10 +8,44 @@ F expert intermediate size, Lm MoE layers held, El experts held locally.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from moeflow.config import ConfigError, ModelConfig
+
+
+class Router(abc.ABC):
+    """Picks each token's top-k experts and their weights."""
+
+    name: ClassVar[str]  # the value of ModelConfig.router_kind
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    @abc.abstractmethod
+    def __call__(self, x: torch.Tensor, gate_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H]; gate_w: [E, H] -> (ids [T, K] int64, weights [T, K] float32)."""
+
+
+class SoftmaxTopK(Router):
+    name = "softmax_topk"
+
+    def __call__(self, x: torch.Tensor, gate_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(x, gate_w, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+
+
+ROUTERS: dict[str, type[Router]] = {SoftmaxTopK.name: SoftmaxTopK}
+
+
+def router_for(cfg: ModelConfig) -> Router:
+    router = ROUTERS.get(cfg.router_kind)
+    if router is None:
+        raise ConfigError(f"unknown router kind {cfg.router_kind!r}; known: {sorted(ROUTERS)}")
+    return router(cfg)
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk_prob: bool

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.config import ModelConfig
+from moeflow.model.attention import attention_for
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
-from moeflow.model.layers import Rotary, attention_core, rms_norm, swiglu
-from moeflow.model.moe import experts_grouped, experts_loop, plan_pairs, route, weighted_sum
+from moeflow.model.layers import rms_norm, swiglu
+from moeflow.model.moe import experts_grouped, experts_loop, plan_pairs, router_for, weighted_sum
 from moeflow.model.weights import ModelWeights
 
 
@@ -32,7 +33,8 @@ class MoETransformer:
         caller supplies the collective); None when this process holds every head."""
         self.cfg, self.w = cfg, weights
         self.attn_reduce = attn_reduce
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.attn_kind = attention_for(cfg)
+        self.router = router_for(cfg)
         self._experts_op = experts_grouped if use_grouped_experts else experts_loop
 
     # -- stages -------------------------------------------------------------------------------
@@ -43,31 +45,15 @@ class MoETransformer:
 
     def attention(self, layer: int, hidden: torch.Tensor, meta: AttentionMetadata,
                   kv_cache: KVCache | None) -> AttentionOut:
-        """Input norm, attention, residual add, then the post-attention norm. hidden: [T, H]."""
-        c, a = self.cfg, self.w.attention[layer]
-        x = rms_norm(hidden, a.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, a.qkv, a.qkv_bias)  # [T, (Hq + 2 Hkv) D]
-        t = qkv.shape[0]
-        q = qkv[:, :c.q_size].view(t, c.num_heads, c.head_dim)
-        k = qkv[:, c.q_size:c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
-        v = qkv[:, c.q_size + c.kv_size:].view(t, c.num_kv_heads, c.head_dim)
-        if a.q_norm is not None:
-            q = rms_norm(q, a.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, a.k_norm, c.rms_norm_eps)
-        q = self.rotary(q, meta.positions)
-        k = self.rotary(k, meta.positions)
-        o = attention_core(q, k, v.contiguous(), meta, kv_cache, layer)  # [T, Hq, D]
-        out = F.linear(o.reshape(t, c.q_size), a.o)  # [T, H] (a partial sum under TP)
-        if self.attn_reduce is not None:
-            out = self.attn_reduce(out)
-        if a.o_bias is not None:
-            out = out + a.o_bias
-        residual = hidden + out
-        return AttentionOut(residual, rms_norm(residual, a.post_norm, c.rms_norm_eps))
+        """Input norm, the model's attention kind, residual add, then the post-attention norm. hidden: [T, H]."""
+        eps, a = self.cfg.rms_norm_eps, self.w.attention[layer]
+        x = rms_norm(hidden, a.input_norm, eps)
+        residual = hidden + self.attn_kind.forward(a, x, meta, kv_cache, layer, self.attn_reduce)
+        return AttentionOut(residual, rms_norm(residual, a.post_norm, eps))
 
     def route(self, layer: int, moe_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (top-k expert ids [T, K] int64, weights [T, K] float32)."""
-        return route(moe_input, self.w.routers[layer], self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        return self.router(moe_input, self.w.routers[layer])
 
     def experts(self, layer: int, moe_input: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:

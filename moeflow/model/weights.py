@@ -1,7 +1,8 @@
 """Hugging Face safetensors checkpoint -> moeflow's layout, loading only the requested subset.
 
-Layout: q/k/v fused per layer as one ``[(Hq + 2 Hkv) D, H]`` matrix; gate/up fused as ``[2F, H]``;
+Layout: attention as its kind lays it out (``model/attention/``); gate/up fused as ``[2F, H]``;
 routed experts of all held MoE layers stacked as ``[Lm, El, 2F, H]`` and ``[Lm, El, H, F]``.
+The family names every key.
 """
 from __future__ import annotations
 
@@ -10,18 +11,15 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
 
 from moeflow.config import ConfigError, ModelConfig
+from moeflow.model.attention import AttentionKind, AttentionWeights, attention_for
+from moeflow.model.checkpoint import CheckpointError, CheckpointReader
 from moeflow.model.family import Family, family_for, load_families
 from moeflow.model.moe import ExpertWeights
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # EngineConfig.dtype -> torch
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is incomplete or inconsistent with its config.json."""
 
 
 @dataclass(frozen=True)
@@ -32,18 +30,6 @@ class LoadSpec:
     experts: tuple[int, ...] | None = None  # routed experts held; None: all
     attention: bool = True  # embeddings, attention, norms, router, dense MLPs, shared experts, LM head
     routed_experts: bool = True
-
-
-@dataclass
-class AttentionWeights:
-    input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
-    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
-    o: torch.Tensor  # [H, Hq D]
-    o_bias: torch.Tensor | None  # [H]
-    q_norm: torch.Tensor | None  # [D]
-    k_norm: torch.Tensor | None  # [D]
-    post_norm: torch.Tensor  # [H]
 
 
 @dataclass
@@ -60,7 +46,7 @@ class ModelWeights:
     embed: torch.Tensor | None = None  # [V, H]
     final_norm: torch.Tensor | None = None  # [H]
     lm_head: torch.Tensor | None = None  # [V, H] (the embedding itself when tied)
-    attention: dict[int, AttentionWeights] = field(default_factory=dict)
+    attention: dict[int, AttentionWeights] = field(default_factory=dict)  # layer -> the attention kind's weights
     routers: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E, H]
     dense: dict[int, MLPWeights] = field(default_factory=dict)
     shared: dict[int, MLPWeights] = field(default_factory=dict)
@@ -78,47 +64,9 @@ def load_config(path: str) -> tuple[ModelConfig, Family]:
     return family.to_model_config(hf), family
 
 
-class _Reader:
-    """Key -> tensor over a single or sharded safetensors checkpoint, with precise errors."""
-
-    def __init__(self, path: str, dtype: torch.dtype):
-        self.path, self.dtype = path, dtype
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.key_file = {k: os.path.join(path, v) for k, v in weight_map.items()}
-        elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                self.key_file = {k: single for k in f.keys()}
-        else:
-            raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
-        self._open: dict[str, object] = {}
-
-    def has(self, key: str) -> bool:
-        return key in self.key_file
-
-    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        file = self.key_file.get(key)
-        if file is None:
-            raise CheckpointError(f"{self.path}: tensor {key!r} is missing from the checkpoint")
-        if file not in self._open:
-            if not os.path.isfile(file):
-                raise CheckpointError(f"{self.path}: shard {os.path.basename(file)} (holding {key!r}) not found")
-            self._open[file] = safe_open(file, framework="pt")
-        t = self._open[file].get_tensor(key)
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{self.path}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        return t.to(self.dtype)
-
-    def maybe(self, key: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:
-        return self.get(key, shape) if wanted else None
-
-
 def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec()) -> tuple[ModelConfig, ModelWeights]:
     cfg, fam = load_config(path)
-    r = _Reader(path, dtype)
+    r = CheckpointReader(path, dtype)
     layers = tuple(range(cfg.num_layers)) if spec.layers is None else spec.layers
     for lid in layers:
         if not 0 <= lid < cfg.num_layers:
@@ -126,38 +74,25 @@ def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec()) -> 
     w = ModelWeights()
     h = cfg.hidden_size
     if spec.attention:
-        w.embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
-        w.final_norm = r.get("model.norm.weight", (h,))
-        if cfg.tie_word_embeddings and not r.has("lm_head.weight"):
+        w.embed = r.get(fam.embed_key, (cfg.vocab_size, h))
+        w.final_norm = r.get(fam.final_norm_key, (h,))
+        if cfg.tie_word_embeddings and not r.has(fam.lm_head_key):
             w.lm_head = w.embed
         else:
-            w.lm_head = r.get("lm_head.weight", (cfg.vocab_size, h))
+            w.lm_head = r.get(fam.lm_head_key, (cfg.vocab_size, h))
+        kind = attention_for(cfg)
         for lid in layers:
-            _load_attention_side(r, fam, cfg, lid, w)
+            _load_attention_side(r, fam, cfg, kind, lid, w)
     if spec.routed_experts and cfg.num_moe_layers:
         w.experts = _load_experts(r, fam, cfg, [l for l in layers if cfg.sparse_layers[l]], spec.experts)
     return cfg, w
 
 
-def _load_attention_side(r: _Reader, fam: Family, cfg: ModelConfig, lid: int, w: ModelWeights) -> None:
-    h, d, q, kv = cfg.hidden_size, cfg.head_dim, cfg.q_size, cfg.kv_size
-    p = fam.layer(lid)
-    a = f"{p}self_attn."
-    qkv = torch.cat([r.get(f"{a}q_proj.weight", (q, h)), r.get(f"{a}k_proj.weight", (kv, h)),
-                     r.get(f"{a}v_proj.weight", (kv, h))])
-    qkv_bias = None
-    if cfg.qkv_bias:
-        qkv_bias = torch.cat([r.get(f"{a}q_proj.bias", (q,)), r.get(f"{a}k_proj.bias", (kv,)),
-                              r.get(f"{a}v_proj.bias", (kv,))])
-    w.attention[lid] = AttentionWeights(
-        input_norm=r.get(f"{p}input_layernorm.weight", (h,)),
-        qkv=qkv, qkv_bias=qkv_bias,
-        o=r.get(f"{a}o_proj.weight", (h, q)),
-        o_bias=r.maybe(f"{a}o_proj.bias", (h,), cfg.o_bias),
-        q_norm=r.maybe(f"{a}q_norm.weight", (d,), cfg.qk_norm),
-        k_norm=r.maybe(f"{a}k_norm.weight", (d,), cfg.qk_norm),
-        post_norm=r.get(f"{p}post_attention_layernorm.weight", (h,)),
-    )
+def _load_attention_side(r: CheckpointReader, fam: Family, cfg: ModelConfig, kind: AttentionKind, lid: int,
+                         w: ModelWeights) -> None:
+    h = cfg.hidden_size
+    w.attention[lid] = kind.load(r, fam.attention_prefix(lid), input_norm=r.get(fam.input_norm_key(lid), (h,)),
+                                 post_norm=r.get(fam.post_norm_key(lid), (h,)))
     if cfg.sparse_layers[lid]:
         w.routers[lid] = r.get(fam.router_key(lid), (cfg.num_experts, h))
         fs = cfg.shared_expert_intermediate_size
@@ -175,7 +110,7 @@ def _load_attention_side(r: _Reader, fam: Family, cfg: ModelConfig, lid: int, w:
             down=r.get(fam.dense_key(lid, "down_proj"), (h, f)))
 
 
-def _load_experts(r: _Reader, fam: Family, cfg: ModelConfig, moe_layers: list[int],
+def _load_experts(r: CheckpointReader, fam: Family, cfg: ModelConfig, moe_layers: list[int],
                   experts: tuple[int, ...] | None) -> ExpertWeights:
     expert_ids = tuple(range(cfg.num_experts)) if experts is None else tuple(experts)
     for e in expert_ids:

@@ -58,7 +58,7 @@ class AttentionStages:
         mcfg, mweights = shard_attention(cfg, weights, member, tp_size)
         self.model = MoETransformer(mcfg, mweights, attn_reduce=tp.all_reduce if tp else None)
         e = setup.engine
-        kv = KVCache(cfg.num_layers, e.num_kv_blocks, e.kv_block_size, mcfg.num_kv_heads, cfg.head_dim, dtype)
+        kv = KVCache.for_model(mcfg, e.num_kv_blocks, e.kv_block_size, dtype)
         self.runner = ModelRunner(self.model, kv, seed=e.seed)
         self.routes = ExpertRoutes(setup.placement, cfg.num_experts, group) if cfg.num_moe_layers else None
         self.epw = setup.comm.spec.experts_per_worker

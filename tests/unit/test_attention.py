@@ -11,6 +11,7 @@ torch.set_num_threads(1)
 
 HQ, HKV, D = 4, 2, 8  # grouped-query attention: 2 query heads per kv head
 BLOCK = 4
+LAYOUT = {"k": (HKV, D), "v": (HKV, D)}  # what GQA caches per token and layer
 ATOL = 1e-5
 
 
@@ -71,20 +72,18 @@ def _step(cache: KVCache, layer: int, seqs: list[_Seq], q_lens: list[int], seed:
 
 @pytest.mark.parametrize("layer", [0, 1])
 def test_prefill_then_decode_through_paged_cache(layer):
-    cache = KVCache(num_layers=2, num_blocks=16, block_size=BLOCK, num_kv_heads=HKV, head_dim=D,
-                    dtype=torch.float32)
+    cache = KVCache(LAYOUT, num_layers=2, num_blocks=16, block_size=BLOCK, dtype=torch.float32)
     blocks = torch.randperm(16, generator=torch.Generator().manual_seed(2)).tolist()
     seqs = [_Seq(tuple(blocks[0:4])), _Seq(tuple(blocks[4:7])), _Seq(tuple(blocks[7:9]))]  # shuffled ids
     _step(cache, layer, seqs, [7, 5, 1], seed=10)  # prefill, ragged
     for i in range(6):  # decode steps; crosses block boundaries
         _step(cache, layer, seqs, [1, 1, 1], seed=20 + i)
     other = 1 - layer  # writes went to the requested layer only
-    assert not cache.k[other].any() and not cache.v[other].any()
+    assert not cache.entries["k"][other].any() and not cache.entries["v"][other].any()
 
 
 def test_chunks_with_context_mixed_with_decode_and_prefill():
-    cache = KVCache(num_layers=1, num_blocks=12, block_size=BLOCK, num_kv_heads=HKV, head_dim=D,
-                    dtype=torch.float32)
+    cache = KVCache(LAYOUT, num_layers=1, num_blocks=12, block_size=BLOCK, dtype=torch.float32)
     long, short, fresh = _Seq((11, 3, 8, 0)), _Seq((5, 9)), _Seq((1, 7, 2))
     _step(cache, 0, [long, short], [6, 3], seed=30)
     # long continues its prompt (q_len 5 over ctx 6), short decodes, fresh starts a prefill
@@ -94,7 +93,7 @@ def test_chunks_with_context_mixed_with_decode_and_prefill():
 
 
 def test_bf16_cache_close_to_reference():
-    cache = KVCache(1, 8, BLOCK, HKV, D, torch.bfloat16)
+    cache = KVCache(LAYOUT, 1, 8, BLOCK, torch.bfloat16)
     q, k, v = (t.bfloat16() for t in _qkv(9, 40))
     meta = AttentionMetadata.build([6], [0], [(4, 1)], BLOCK)
     attention_core(q[:6], k[:6], v[:6], meta, cache, 0)
