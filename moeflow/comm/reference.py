@@ -92,6 +92,10 @@ class RefCombineReceiver(CombineReceiver):
 @register
 class ReferenceTransport(Transport):
     name = "reference"
+    dispatch_sender_cls = RefDispatchSender
+    dispatch_receiver_cls = RefDispatchReceiver
+    combine_sender_cls = RefCombineSender
+    combine_receiver_cls = RefCombineReceiver
 
     def __init__(self, config):
         super().__init__(config)
@@ -105,14 +109,5 @@ class ReferenceTransport(Transport):
     def pump(self, fn: Callable[[], bool] | None) -> None:
         self.hub.pump = fn
 
-    def dispatch_sender(self, region, lane):
-        return RefDispatchSender(self.config, region, lane, self.hub)
-
-    def dispatch_receiver(self, rank):
-        return RefDispatchReceiver(self.config, rank, self.hub)
-
-    def combine_sender(self, rank):
-        return RefCombineSender(self.config, rank, self.hub)
-
-    def combine_receiver(self, region, lane):
-        return RefCombineReceiver(self.config, region, lane, self.hub)
+    def endpoint(self, kind, *ids, **extra):
+        return super().endpoint(kind, *ids, hub=self.hub, **extra)

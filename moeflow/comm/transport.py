@@ -16,7 +16,12 @@ either buffer has ``num_slots`` *slots*. The modes map onto these nouns as follo
 Legend: n token rows, H hidden size, Epr experts per expert rank. Every payload is [n, H] of the
 spec's dtype, 0 <= n <= the slot capacity (``spec.dispatch_rows`` / ``spec.segment_rows``).
 
-Contract shared by every transport:
+Dispatch and combine are the four primitives every transport has today; they are not the only
+kinds of endpoint there may be. A transport may add more beside them: DWDP's one-sided *weight
+pull* (a rank copies a peer's resident expert weights out of the peer's shared memory without the
+peer doing anything) will be one. ``Transport`` builds every kind the same way.
+
+Contract shared by every transport (dispatch and combine):
 - A send returns once the payload is out of the caller's tensor: in the receiver's shared
   buffer (shm), in a staging slot handed to isend (dist), or taken by the receiver (the
   blocking baselines p2p and shm-handshake). The caller may reuse its tensor at once.
@@ -161,10 +166,12 @@ class CombineReceiver(ABC):
 
 
 class Transport:
-    """Makes the endpoints of one process. Receivers own their buffers: build them before the
-    senders that write into them (senders wait up to ``attach_timeout_s`` for them).
+    """Makes the endpoints of one process. Owners of buffers (the receivers) build them before the
+    endpoints that attach to them (senders wait up to ``attach_timeout_s`` for them).
 
-    A transport names its four endpoint classes; they take ``(config, ...ids)``."""
+    A transport names a class per endpoint kind as ``<kind>_cls``, built by ``endpoint(kind, *ids)``
+    as ``cls(config, *ids)``. The four below are dispatch/combine; a transport may name more kinds
+    (a weight pull), each with a factory method like these; a kind it lacks is NotImplementedError."""
 
     name: ClassVar[str]
     dispatch_sender_cls: ClassVar[type[DispatchSender]]
@@ -175,17 +182,24 @@ class Transport:
     def __init__(self, config):
         self.config = config
 
+    def endpoint(self, kind: str, *ids: int, **extra):
+        """``extra``: what a transport hands each of its endpoints besides the ids (the reference's hub)."""
+        cls = getattr(self, f"{kind}_cls", None)
+        if cls is None:
+            raise NotImplementedError(f"transport {self.name!r} has no {kind} endpoint")
+        return cls(self.config, *ids, **extra)
+
     def dispatch_sender(self, region: int, lane: int) -> DispatchSender:
-        return self.dispatch_sender_cls(self.config, region, lane)
+        return self.endpoint("dispatch_sender", region, lane)
 
     def dispatch_receiver(self, rank: int) -> DispatchReceiver:
-        return self.dispatch_receiver_cls(self.config, rank)
+        return self.endpoint("dispatch_receiver", rank)
 
     def combine_sender(self, rank: int) -> CombineSender:
-        return self.combine_sender_cls(self.config, rank)
+        return self.endpoint("combine_sender", rank)
 
     def combine_receiver(self, region: int, lane: int) -> CombineReceiver:
-        return self.combine_receiver_cls(self.config, region, lane)
+        return self.endpoint("combine_receiver", region, lane)
 
 
 TRANSPORTS: dict[str, type[Transport]] = {}

@@ -80,3 +80,18 @@ def test_config_validation():
     for bad in (dict(spin_s=-1), dict(block_timeout_s=0), dict(block_timeout_s=math.inf), dict(nap_s=math.nan)):
         with pytest.raises(ConfigError):
             WaitPolicy(**bad)
+
+
+def test_every_transport_builds_its_endpoint_kinds_by_name():
+    from moeflow.comm import TRANSPORTS
+    from moeflow.comm.transport import DispatchSender
+
+    kinds = ("dispatch_sender", "dispatch_receiver", "combine_sender", "combine_receiver")
+    for name, cls in TRANSPORTS.items():
+        assert all(isinstance(getattr(cls, f"{k}_cls", None), type) for k in kinds), name
+    spec = CommSpec(**{**ASAP, "hidden_size": 8, "max_batch_tokens": 8})
+    ref = TRANSPORTS["reference"](CommConfig(spec, transport="reference"))
+    tx = ref.dispatch_sender(1, 2)
+    assert isinstance(tx, DispatchSender) and (tx.region, tx.lane, tx.lane_id) == (1, 2, 6)
+    with pytest.raises(NotImplementedError, match="weight_puller"):  # a kind this transport does not name
+        ref.endpoint("weight_puller", 0)
