@@ -11,11 +11,12 @@ import time
 
 
 def bench_spec(hidden: int, max_tokens: int, num_receivers: int):
-    """One attention rank (D = T = 1) sending to ``num_receivers`` MoE workers, one expert each."""
+    """One attention rank (one region of one lane) sending to ``num_receivers`` MoE workers (expert
+    ranks), one expert each."""
     from moeflow.comm import CommSpec
 
-    return CommSpec(num_groups=1, tp_size=1, num_moe_workers=num_receivers, num_experts=num_receivers, top_k=1,
-                    hidden_size=hidden, max_batch_tokens=max_tokens)
+    return CommSpec(num_regions=1, lanes_per_region=1, num_expert_ranks=num_receivers, num_experts=num_receivers,
+                    top_k=1, hidden_size=hidden, max_batch_tokens=max_tokens)
 
 
 def bench_configs(deployment: str, hidden: int, max_tokens: int, num_receivers: int) -> dict:

@@ -1,7 +1,8 @@
-"""One-sided communication between attention and MoE workers (ASAP 3.2): buffers, slots, tensors.
+"""One-sided communication (ASAP 3.2): buffers of regions x lanes x slots, and tensors through them.
 
-Knows nothing of requests or models. Start with ``transport.py`` (the four primitives and their
-contract), then ``mailbox.py`` (the shared buffer and its slot protocol).
+Knows nothing of requests or models. Start with ``transport.py`` (the nouns, how each mode maps
+onto them, the dispatch/combine primitives and their contract), then ``mailbox.py`` (the shared
+buffer and its slot protocol).
 """
 from moeflow.comm import dist, handshake, p2p, reference, shm  # noqa: F401  (register the transports)
 from moeflow.comm.config import CommConfig

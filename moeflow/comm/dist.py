@@ -198,63 +198,63 @@ class LaneReceiver:
 
 
 class DistDispatchSender(DispatchSender):
-    def __init__(self, config, group, member):
-        super().__init__(config, group, member)
-        peers = [self.spec.moe_rank(e) for e in range(self.spec.num_moe_workers)]
+    def __init__(self, config, region, lane):
+        super().__init__(config, region, lane)
+        peers = [self.spec.expert_world_rank(e) for e in range(self.spec.num_expert_ranks)]
         self.lanes = LaneSender(config, peers, DISPATCH_TAG, self.spec.dispatch_header_words,
                                 self.spec.dispatch_rows, self.stats)
 
-    def send(self, worker, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
-        self.lanes.write(worker, self.header(payload, layer_id, batch_id, tokens_per_expert), payload)
+    def send(self, rank, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
+        self.lanes.write(rank, self.header(payload, layer_id, batch_id, tokens_per_expert), payload)
 
     def close(self) -> None:
         self.lanes.close()
 
 
 class DistDispatchReceiver(DispatchReceiver):
-    def __init__(self, config, worker):
-        super().__init__(config, worker)
+    def __init__(self, config, rank):
+        super().__init__(config, rank)
         self.bell = EventDoorbell()
-        peers = list(range(self.spec.num_attention_ranks))  # attention ranks come first
+        peers = list(range(self.spec.num_lanes))  # lane writers come first: world rank = lane_id
         self.lanes = LaneReceiver(config, peers, DISPATCH_TAG, self.spec.dispatch_header_words,
                                   self.spec.dispatch_rows, self.bell)
-        self._private = private_rows(self.spec, self.spec.tp_size, self.spec.dispatch_rows, config.device)
+        self._private = private_rows(self.spec, self.spec.lanes_per_region, self.spec.dispatch_rows, config.device)
 
     def poll(self) -> DispatchMessage | None:
-        return self._scan(self.lanes.ready, lambda lane, j: self.lanes.take(lane, self._private[j]))
+        return self._scan(self.lanes.ready, lambda lane_id, j: self.lanes.take(lane_id, self._private[j]))
 
     def close(self) -> None:
         self.lanes.close()
 
 
 class DistCombineSender(CombineSender):
-    def __init__(self, config, worker):
-        super().__init__(config, worker)
-        peers = list(range(self.spec.num_attention_ranks))
+    def __init__(self, config, rank):
+        super().__init__(config, rank)
+        peers = list(range(self.spec.num_lanes))
         self.lanes = LaneSender(config, peers, COMBINE_TAG, self.spec.combine_header_words,
                                 self.spec.segment_rows, self.stats)
 
-    def send(self, group, member, payload, layer_id, batch_id) -> None:
-        self.lanes.write(self.spec.attention_rank(group, member), self.header(payload, layer_id, batch_id), payload)
+    def send(self, region, lane, payload, layer_id, batch_id) -> None:
+        self.lanes.write(self.spec.lane_id(region, lane), self.header(payload, layer_id, batch_id), payload)
 
     def close(self) -> None:
         self.lanes.close()
 
 
 class DistCombineReceiver(CombineReceiver):
-    def __init__(self, config, group, member):
-        super().__init__(config, group, member)
+    def __init__(self, config, region, lane):
+        super().__init__(config, region, lane)
         self.bell = EventDoorbell()
-        peers = [self.spec.moe_rank(e) for e in range(self.spec.num_moe_workers)]
+        peers = [self.spec.expert_world_rank(e) for e in range(self.spec.num_expert_ranks)]
         self.lanes = LaneReceiver(config, peers, COMBINE_TAG, self.spec.combine_header_words,
                                   self.spec.segment_rows, self.bell)
-        self._private = private_rows(self.spec, self.spec.num_moe_workers, self.spec.segment_rows, config.device)
+        self._private = private_rows(self.spec, self.spec.num_expert_ranks, self.spec.segment_rows, config.device)
 
-    def poll(self, workers: Sequence[int]) -> CombineMessage | None:
-        if not all(self.lanes.ready(e) for e in workers):
+    def poll(self, ranks: Sequence[int]) -> CombineMessage | None:
+        if not all(self.lanes.ready(e) for e in ranks):
             return None
         out = {}
-        for e in workers:
+        for e in ranks:
             (layer_id, batch_id, _n), payload = self.lanes.take(e, self._private[e])
             out[e] = CombineSegment(e, self.lanes.consumed[e], layer_id, batch_id, payload)
         return CombineMessage(out)

@@ -23,15 +23,15 @@ def _await_clear(writer, mb, slot: int) -> None:
 
 
 class HandshakeDispatchSender(ShmDispatchSender):
-    def send(self, worker, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
-        mb, slot = self.writer.write(worker, self.header(payload, layer_id, batch_id, tokens_per_expert), payload)
+    def send(self, rank, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
+        mb, slot = self.writer.write(rank, self.header(payload, layer_id, batch_id, tokens_per_expert), payload)
         _await_clear(self.writer, mb, slot)
 
 
 class HandshakeCombineSender(ShmCombineSender):
-    def send(self, group, member, payload, layer_id, batch_id) -> None:
-        mb, slot = self.writer.write(self.spec.attention_rank(group, member),
-                                     self.header(payload, layer_id, batch_id), payload)
+    def send(self, region, lane, payload, layer_id, batch_id) -> None:
+        mb, slot = self.writer.write(self.spec.lane_id(region, lane), self.header(payload, layer_id, batch_id),
+                                     payload)
         _await_clear(self.writer, mb, slot)
 
 

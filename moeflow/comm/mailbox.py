@@ -1,7 +1,8 @@
 """Mailbox: a shared buffer of lanes x slots, each slot a ready flag, a header and a payload.
 
-One writer per lane (a dispatch row: TP member j of DP group i; a combine segment: MoE worker e),
-one reader per mailbox (its owner). Legend: L lanes, S slots, W header words, R rows, H hidden.
+One writer per lane (in a dispatch buffer: the writer of lane j of region i; in a combine buffer:
+expert rank e), one reader per mailbox (its owner). Legend: L lanes, S slots, W header words,
+R rows, H hidden (a mailbox knows nothing of regions: a dispatch buffer's L is ``spec.num_lanes``).
 
 Layout (bytes; every part aligned so that no two writers share a cache line):
 
@@ -18,8 +19,8 @@ message ``seq`` goes to slot ``seq % S``. The writer waits until the flag is 0, 
 and payload, then sets the flag to ``seq``. The reader sees flag == seq, copies header and
 payload out, then sets the flag to 0. Each flag word has one writer at a time (the writer owns it
 while 0, the reader while non-zero), so no atomic read-modify-write is ever needed; this is why
-the T-bit bitmap of ASAP Table 2 is stored as T words: Python cannot OR a bit into a shared word
-atomically, and a word per writer needs no atomics at all.
+the T-bit bitmap of ASAP Table 2 (a bit per lane of a region) is stored as a word per lane: Python
+cannot OR a bit into a shared word atomically, and a word per writer needs no atomics at all.
 
 Streaming, a refinement for large payloads: the writer writes the payload in chunks and after
 each one publishes how many rows are in place (the progress word); a reader with nothing

@@ -1,7 +1,7 @@
 """What the receive primitives return, and what a sender counts.
 
-Legend: T TP members per group, n token rows of one message, H hidden size, Epw experts per
-MoE worker. Payload tensors live in the receiver's private memory (never the shared buffer).
+Legend: W lanes per region, n token rows of one message, H hidden size, Epr experts per expert
+rank. Payload tensors live in the receiver's private memory (never the shared buffer).
 """
 from __future__ import annotations
 
@@ -16,20 +16,20 @@ class ProtocolError(RuntimeError):
 
 @dataclass
 class DispatchRow:
-    member: int  # TP member j of the group that wrote this row
-    layer_id: int  # model layer the tokens are for: the MoE worker runs whatever layer arrives
+    lane: int  # the lane of the region (0 .. W-1) whose writer wrote this row
+    layer_id: int  # model layer the tokens are for: the expert rank runs whatever layer arrives
     batch_id: int  # the sender's batch (two are in flight under dual-batch interleaving)
-    tokens_per_expert: list[int]  # [Epw] rows per local expert, in payload order; sums to n
+    tokens_per_expert: list[int]  # [Epr] rows per local expert, in payload order; sums to n
     payload: torch.Tensor  # [n, H] hidden states (n may be 0); NOTE: valid until the next recv
 
 
 @dataclass
 class DispatchMessage:
-    """One complete region: all T rows of one DP group, for one (batch, layer)."""
+    """One complete region: a row from each of its W lanes, for one (batch, layer)."""
 
-    group: int  # DP group i
-    seq: int  # this region's message number at this MoE worker, from 1
-    rows: list[DispatchRow]  # [T], by member
+    region: int  # 0 .. R-1: the buffer's lanes region * W .. region * W + W - 1
+    seq: int  # this region's message number at this expert rank, from 1
+    rows: list[DispatchRow]  # [W], by lane
 
     @property
     def layer_id(self) -> int:
@@ -42,8 +42,8 @@ class DispatchMessage:
 
 @dataclass
 class CombineSegment:
-    worker: int  # MoE worker e that wrote the segment
-    seq: int  # this segment's message number at this attention rank, from 1
+    rank: int  # expert rank e that wrote the segment
+    seq: int  # this segment's message number at this lane writer, from 1
     layer_id: int
     batch_id: int
     payload: torch.Tensor  # [n, H] expert results; NOTE: valid until the next recv
@@ -51,9 +51,9 @@ class CombineSegment:
 
 @dataclass
 class CombineMessage:
-    """Results of every MoE worker the attention rank asked for, for one batch."""
+    """Results of every expert rank the lane writer asked for, for one batch."""
 
-    segments: dict[int, CombineSegment]  # by MoE worker: exactly the workers passed to recv
+    segments: dict[int, CombineSegment]  # by expert rank: exactly the ranks passed to recv
 
 
 @dataclass

@@ -6,7 +6,7 @@ sender to n receivers therefore pays n handshakes in turn, and waits for every r
 busy computing. Receivers block in ``dist.recv`` from any source (``timeout_s`` is ignored).
 
 NOTE: blocking sends need a global order to be deadlock-free. Keep one batch in flight per
-attention rank (no dual-batch interleaving) and dispatch to workers in ascending order; this is
+lane writer (no dual-batch interleaving) and dispatch to expert ranks in ascending order; this is
 the synchronization the one-sided transports remove.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ class _Inbox:
 
     def __init__(self, spec, tag: int, header_words: int, num_lanes: int, rows: int, lane_of_rank):
         self.tag, self.lane_of_rank = tag, lane_of_rank
-        self.hdr = torch.empty(1 + header_words, dtype=torch.int64)  # [lane or worker, *words]
+        self.hdr = torch.empty(1 + header_words, dtype=torch.int64)  # [lane_id or expert rank, *words]
         self.private = private_rows(spec, num_lanes, rows)  # [lanes, rows, H]
         self.pending = [deque() for _ in range(num_lanes)]  # per lane: (words, payload [n, H])
         self.holds_private = [False] * num_lanes
@@ -64,23 +64,23 @@ class _Inbox:
 
 
 class P2PDispatchSender(DispatchSender):
-    def send(self, worker, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
+    def send(self, rank, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
         t0 = time.perf_counter()
-        words = [self.lane, *self.header(payload, layer_id, batch_id, tokens_per_expert)]
-        _send(self.spec.moe_rank(worker), DISPATCH_TAG, words, payload)
+        words = [self.lane_id, *self.header(payload, layer_id, batch_id, tokens_per_expert)]
+        _send(self.spec.expert_world_rank(rank), DISPATCH_TAG, words, payload)
         self.stats.num_sends += 1
         self.stats.blocked_s += time.perf_counter() - t0
 
 
 class P2PDispatchReceiver(DispatchReceiver):
-    def __init__(self, config, worker):
-        super().__init__(config, worker)
+    def __init__(self, config, rank):
+        super().__init__(config, rank)
         self._inbox = _Inbox(self.spec, DISPATCH_TAG, self.spec.dispatch_header_words,
-                             self.spec.num_attention_ranks, self.spec.dispatch_rows, lambda rank: rank)
+                             self.spec.num_lanes, self.spec.dispatch_rows, lambda src: src)
 
     def poll(self) -> DispatchMessage | None:
         """A region already received in full, else None (no network traffic)."""
-        return self._scan(lambda lane: self._inbox.pending[lane], lambda lane, j: self._inbox.pop(lane))
+        return self._scan(lambda lane_id: self._inbox.pending[lane_id], lambda lane_id, _: self._inbox.pop(lane_id))
 
     def recv(self, timeout_s=None) -> DispatchMessage:
         while (msg := self.poll()) is None:
@@ -89,37 +89,37 @@ class P2PDispatchReceiver(DispatchReceiver):
 
 
 class P2PCombineSender(CombineSender):
-    def send(self, group, member, payload, layer_id, batch_id) -> None:
+    def send(self, region, lane, payload, layer_id, batch_id) -> None:
         t0 = time.perf_counter()
-        words = [self.worker, *self.header(payload, layer_id, batch_id)]
-        _send(self.spec.attention_rank(group, member), COMBINE_TAG, words, payload)
+        words = [self.rank, *self.header(payload, layer_id, batch_id)]
+        _send(self.spec.lane_id(region, lane), COMBINE_TAG, words, payload)
         self.stats.num_sends += 1
         self.stats.blocked_s += time.perf_counter() - t0
 
 
 class P2PCombineReceiver(CombineReceiver):
-    def __init__(self, config, group, member):
-        super().__init__(config, group, member)
-        first = self.spec.num_attention_ranks
+    def __init__(self, config, region, lane):
+        super().__init__(config, region, lane)
+        first = self.spec.num_lanes
         self._inbox = _Inbox(self.spec, COMBINE_TAG, self.spec.combine_header_words,
-                             self.spec.num_moe_workers, self.spec.segment_rows, lambda rank: rank - first)
-        self._seq = [0] * self.spec.num_moe_workers
+                             self.spec.num_expert_ranks, self.spec.segment_rows, lambda src: src - first)
+        self._seq = [0] * self.spec.num_expert_ranks
 
-    def poll(self, workers: Sequence[int]) -> CombineMessage | None:
-        if not all(self._inbox.pending[e] for e in workers):
+    def poll(self, ranks: Sequence[int]) -> CombineMessage | None:
+        if not all(self._inbox.pending[e] for e in ranks):
             return None
         out = {}
-        for e in workers:
+        for e in ranks:
             (layer_id, batch_id, _n), payload = self._inbox.pop(e)
             self._seq[e] += 1
             out[e] = CombineSegment(e, self._seq[e], layer_id, batch_id, payload)
         return CombineMessage(out)
 
-    def recv(self, workers, timeout_s=None) -> CombineMessage:
-        workers = list(workers)
-        # Any source, in arrival order: waiting on the workers in a fixed order could deadlock
-        # against a worker that is blocked replying to another rank first.
-        while (msg := self.poll(workers)) is None:
+    def recv(self, ranks, timeout_s=None) -> CombineMessage:
+        ranks = list(ranks)
+        # Any source, in arrival order: waiting on the ranks in a fixed order could deadlock
+        # against an expert rank that is blocked replying to another lane writer first.
+        while (msg := self.poll(ranks)) is None:
             self._inbox.receive_one()
         return msg
 

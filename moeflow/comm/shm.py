@@ -1,8 +1,8 @@
 """ShmTransport: the one-sided primitives over shared memory on one host (ASAP 3.2).
 
-Every MoE worker owns a dispatch mailbox of D x T lanes (region i = lanes i*T .. i*T+T-1, one
-per TP member); every attention rank owns a combine mailbox of E lanes (one segment per MoE
-worker). See ``mailbox.py`` for the layout, the slot protocol and the memory-ordering argument.
+Every expert rank owns a dispatch mailbox of R x W lanes (region i = lanes i*W .. i*W+W-1, one
+per lane writer); every lane writer owns a combine mailbox of E lanes (one segment per expert
+rank). See ``mailbox.py`` for the layout, the slot protocol and the memory-ordering argument.
 """
 from __future__ import annotations
 
@@ -24,21 +24,23 @@ _OWNER_CHECK_S = 0.5  # a sender under backpressure checks this often that its r
 
 
 def dispatch_layout(spec) -> MailboxLayout:
-    return MailboxLayout(spec.num_attention_ranks, spec.num_slots, spec.dispatch_header_words,
+    return MailboxLayout(spec.num_lanes, spec.num_slots, spec.dispatch_header_words,
                          spec.dispatch_rows, spec.hidden_size, spec.dtype)
 
 
 def combine_layout(spec) -> MailboxLayout:
-    return MailboxLayout(spec.num_moe_workers, spec.num_slots, spec.combine_header_words,
+    return MailboxLayout(spec.num_expert_ranks, spec.num_slots, spec.combine_header_words,
                          spec.segment_rows, spec.hidden_size, spec.dtype)
 
 
-def dispatch_path(deployment_id: str, worker: int) -> str:
-    return segment_path(deployment_id, f"dispatch{worker}")
+def dispatch_path(deployment_id: str, rank: int) -> str:
+    """Expert rank ``rank``'s dispatch buffer."""
+    return segment_path(deployment_id, f"dispatch{rank}")
 
 
-def combine_path(deployment_id: str, rank: int) -> str:
-    return segment_path(deployment_id, f"combine{rank}")
+def combine_path(deployment_id: str, lane_id: int) -> str:
+    """The combine buffer of lane ``lane_id``'s writer."""
+    return segment_path(deployment_id, f"combine{lane_id}")
 
 
 class LaneWriter:
@@ -125,99 +127,98 @@ class LaneReader:
 
 
 class ShmDispatchSender(DispatchSender):
-    def __init__(self, config, group: int, member: int):
-        super().__init__(config, group, member)
+    def __init__(self, config, region: int, lane: int):
+        super().__init__(config, region, lane)
         layout = dispatch_layout(self.spec)
         boxes = [Mailbox.attach(dispatch_path(config.deployment_id, e), layout, config.attach_timeout_s)
-                 for e in range(self.spec.num_moe_workers)]
-        self.writer = LaneWriter(boxes, self.lane, config, self.stats)
+                 for e in range(self.spec.num_expert_ranks)]
+        self.writer = LaneWriter(boxes, self.lane_id, config, self.stats)
 
-    def send(self, worker, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
-        self.writer.write(worker, self.header(payload, layer_id, batch_id, tokens_per_expert), payload)
+    def send(self, rank, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
+        self.writer.write(rank, self.header(payload, layer_id, batch_id, tokens_per_expert), payload)
 
     def close(self) -> None:
         self.writer.close()
 
 
 class ShmDispatchReceiver(DispatchReceiver):
-    def __init__(self, config, worker: int):
-        super().__init__(config, worker)
-        self.mailbox = Mailbox.create(dispatch_path(config.deployment_id, worker), dispatch_layout(self.spec))
+    def __init__(self, config, rank: int):
+        super().__init__(config, rank)
+        self.mailbox = Mailbox.create(dispatch_path(config.deployment_id, rank), dispatch_layout(self.spec))
         self.bell = self.mailbox.bell
         self.reader = LaneReader(self.mailbox)
-        self._expect = [1] * self.spec.num_groups  # next seq of each region
-        self._private: list = [None] * self.spec.num_groups  # per region, on first use: [T, R, H]
+        self._expect = [1] * self.spec.num_regions  # next seq of each region
+        self._private: list = [None] * self.spec.num_regions  # per region, on first use: [W, rows, H]
 
     def poll(self) -> DispatchMessage | None:
-        d, t, mb = self.spec.num_groups, self.spec.tp_size, self.mailbox
-        for k in range(d):
-            i = (self._next_region + k) % d
+        r, w, mb = self.spec.num_regions, self.spec.lanes_per_region, self.mailbox
+        for k in range(r):
+            i = (self._next_region + k) % r
             seq = self._expect[i]
             slot = seq % self.spec.num_slots
-            if all(_ready(mb, i * t + j, slot, seq) for j in range(t)):
+            if all(_ready(mb, i * w + j, slot, seq) for j in range(w)):
                 self._expect[i] = seq + 1
-                self._next_region = (i + 1) % d
+                self._next_region = (i + 1) % r
                 return self._take(i, seq, slot)
-        for i in range(d):  # nothing complete: copy what is being written meanwhile
-            for j in range(t):
-                self.reader.stream(i * t + j, self._expect[i], self._region_private(i)[j])
+        for i in range(r):  # nothing complete: copy what is being written meanwhile
+            for j in range(w):
+                self.reader.stream(i * w + j, self._expect[i], self._region_private(i)[j])
         return None
 
-    def _region_private(self, group: int) -> torch.Tensor:
-        if self._private[group] is None:
-            self._private[group] = private_rows(self.spec, self.spec.tp_size, self.spec.dispatch_rows)
-        return self._private[group]
+    def _region_private(self, region: int) -> torch.Tensor:
+        if self._private[region] is None:
+            self._private[region] = private_rows(self.spec, self.spec.lanes_per_region, self.spec.dispatch_rows)
+        return self._private[region]
 
-    def _take(self, group: int, seq: int, slot: int) -> DispatchMessage:
-        t, mb, private = self.spec.tp_size, self.mailbox, self._region_private(group)
+    def _take(self, region: int, seq: int, slot: int) -> DispatchMessage:
+        w, mb, private = self.spec.lanes_per_region, self.mailbox, self._region_private(region)
         rows = []
-        for j in range(t):
-            (layer_id, batch_id, _n, *tpe), payload = self.reader.take(group * t + j, seq, private[j])
+        for j in range(w):
+            (layer_id, batch_id, _n, *tpe), payload = self.reader.take(region * w + j, seq, private[j])
             rows.append(DispatchRow(j, layer_id, batch_id, tpe, payload))
-        for j in range(t):
-            mb.clear_flag(group * t + j, slot)  # after every copy: the senders may write again
+        for j in range(w):
+            mb.clear_flag(region * w + j, slot)  # after every copy: the senders may write again
         if any((r.layer_id, r.batch_id) != (rows[0].layer_id, rows[0].batch_id) for r in rows):
-            raise ProtocolError(f"region {group} seq {seq}: rows disagree on (layer, batch): "
+            raise ProtocolError(f"region {region} seq {seq}: rows disagree on (layer, batch): "
                                 f"{[(r.layer_id, r.batch_id) for r in rows]}")
-        return DispatchMessage(group, seq, rows)
+        return DispatchMessage(region, seq, rows)
 
     def close(self) -> None:
         self.mailbox.close()
 
 
 class ShmCombineSender(CombineSender):
-    def __init__(self, config, worker: int):
-        super().__init__(config, worker)
+    def __init__(self, config, rank: int):
+        super().__init__(config, rank)
         layout = combine_layout(self.spec)
-        boxes = [Mailbox.attach(combine_path(config.deployment_id, r), layout, config.attach_timeout_s)
-                 for r in range(self.spec.num_attention_ranks)]
-        self.writer = LaneWriter(boxes, worker, config, self.stats)
+        boxes = [Mailbox.attach(combine_path(config.deployment_id, i), layout, config.attach_timeout_s)
+                 for i in range(self.spec.num_lanes)]
+        self.writer = LaneWriter(boxes, rank, config, self.stats)
 
-    def send(self, group, member, payload, layer_id, batch_id) -> None:
-        self.writer.write(self.spec.attention_rank(group, member), self.header(payload, layer_id, batch_id), payload)
+    def send(self, region, lane, payload, layer_id, batch_id) -> None:
+        self.writer.write(self.spec.lane_id(region, lane), self.header(payload, layer_id, batch_id), payload)
 
     def close(self) -> None:
         self.writer.close()
 
 
 class ShmCombineReceiver(CombineReceiver):
-    def __init__(self, config, group: int, member: int):
-        super().__init__(config, group, member)
-        rank = self.spec.attention_rank(group, member)
-        self.mailbox = Mailbox.create(combine_path(config.deployment_id, rank), combine_layout(self.spec))
+    def __init__(self, config, region: int, lane: int):
+        super().__init__(config, region, lane)
+        self.mailbox = Mailbox.create(combine_path(config.deployment_id, self.lane_id), combine_layout(self.spec))
         self.bell = self.mailbox.bell
         self.reader = LaneReader(self.mailbox)
-        self._expect = [1] * self.spec.num_moe_workers  # next seq of each segment
-        self._private = private_rows(self.spec, self.spec.num_moe_workers, self.spec.segment_rows)  # [E, R, H]
+        self._expect = [1] * self.spec.num_expert_ranks  # next seq of each segment
+        self._private = private_rows(self.spec, self.spec.num_expert_ranks, self.spec.segment_rows)  # [E, rows, H]
 
-    def poll(self, workers: Sequence[int]) -> CombineMessage | None:
+    def poll(self, ranks: Sequence[int]) -> CombineMessage | None:
         mb, s = self.mailbox, self.spec.num_slots
-        if not all(_ready(mb, e, self._expect[e] % s, self._expect[e]) for e in workers):
-            for e in workers:  # copy what is being written meanwhile
+        if not all(_ready(mb, e, self._expect[e] % s, self._expect[e]) for e in ranks):
+            for e in ranks:  # copy what is being written meanwhile
                 self.reader.stream(e, self._expect[e], self._private[e])
             return None
         segments = {}
-        for e in workers:
+        for e in ranks:
             seq = self._expect[e]
             (layer_id, batch_id, _n), payload = self.reader.take(e, seq, self._private[e])
             mb.clear_flag(e, seq % s)

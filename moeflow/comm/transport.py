@@ -1,20 +1,34 @@
-"""The four primitives as base classes, and the registry of transports that implement them.
+"""The endpoint kinds as base classes, and the registry of transports that implement them.
 
-    attention rank (group i, member j)                       MoE worker e
+Nouns. An *expert rank* owns a dispatch buffer of R *regions* x W *lanes*; each lane has one
+writer, and a region is complete when all W of its lanes hold a message. Each lane writer owns a
+combine buffer with one lane per expert rank (a *segment*: that rank's results). Every lane of
+either buffer has ``num_slots`` *slots*. The modes map onto these nouns as follows:
+
+    mode   region                 lane (writer)          expert rank
+    asap   attention DP group     TP member of it        MoE worker
+    dep    rank                   the rank (W = 1)       the same rank
+
+    lane writer (region r, lane l)                       expert rank e
     DispatchSender.send(e, x, layer, batch, tpe)  ------->   DispatchReceiver.recv() -> DispatchMessage
-    CombineReceiver.recv([e, ...]) -> CombineMessage  <---   CombineSender.send(i, j, y, layer, batch)
+    CombineReceiver.recv([e, ...]) -> CombineMessage  <---   CombineSender.send(r, l, y, layer, batch)
 
-Legend: n token rows, H hidden size, Epw experts per MoE worker. Every payload is [n, H] of the
+Legend: n token rows, H hidden size, Epr experts per expert rank. Every payload is [n, H] of the
 spec's dtype, 0 <= n <= the slot capacity (``spec.dispatch_rows`` / ``spec.segment_rows``).
 
-Contract shared by every transport:
+Dispatch and combine are the four primitives every transport has today; they are not the only
+kinds of endpoint there may be. A transport may add more beside them: DWDP's one-sided *weight
+pull* (a rank copies a peer's resident expert weights out of the peer's shared memory without the
+peer doing anything) will be one. ``Transport`` builds every kind the same way.
+
+Contract shared by every transport (dispatch and combine):
 - A send returns once the payload is out of the caller's tensor: in the receiver's shared
   buffer (shm), in a staging slot handed to isend (dist), or taken by the receiver (the
   blocking baselines p2p and shm-handshake). The caller may reuse its tensor at once.
 - Messages of one lane (one sender to one receiver) arrive in order, each exactly once.
 - A one-sided send waits only when its slot still holds an unread message (backpressure, in
-  ``stats``). An attention rank keeps at most ``num_slots`` batches in flight, which makes
-  the dispatch/combine cycle deadlock-free: a reply always finds its slot free.
+  ``stats``). A lane writer keeps at most ``num_slots`` batches in flight, which makes the
+  dispatch/combine cycle deadlock-free: a reply always finds its slot free.
 - Returned payloads are views of the receiver's private staging memory, valid until that
   receiver's next recv; clone them to keep them longer.
 """
@@ -31,67 +45,67 @@ from moeflow.comm.wait import wait_for
 
 
 class DispatchSender(ABC):
-    """async-dispatch-send, for TP member ``member`` of DP group ``group`` (its lane in every
-    MoE worker's buffer is ``group * T + member``)."""
+    """async-dispatch-send, for lane ``lane`` of region ``region`` (the lane ``lane_id`` =
+    ``region * W + lane`` in every expert rank's dispatch buffer)."""
 
-    def __init__(self, config, group: int, member: int):
+    def __init__(self, config, region: int, lane: int):
         self.config, self.spec = config, config.spec
-        self.group, self.member = group, member
-        self.lane = config.spec.attention_rank(group, member)
+        self.region, self.lane = region, lane
+        self.lane_id = config.spec.lane_id(region, lane)
         self.stats = SendStats()
 
     @abstractmethod
-    def send(self, worker: int, payload: torch.Tensor, layer_id: int, batch_id: int,
+    def send(self, rank: int, payload: torch.Tensor, layer_id: int, batch_id: int,
              tokens_per_expert: Sequence[int] | None = None) -> None:
-        """Write ``payload`` [n, H] (rows grouped by local expert) into MoE worker ``worker``'s
-        buffer. ``tokens_per_expert`` [Epw]: rows per local expert, summing to n (may be None
-        when Epw == 1). All T members of a group send to the same workers in the same order,
-        n = 0 included: the receiver waits for all T rows of a region."""
+        """Write ``payload`` [n, H] (rows grouped by local expert) into expert rank ``rank``'s
+        buffer. ``tokens_per_expert`` [Epr]: rows per local expert, summing to n (may be None
+        when Epr == 1). All W lanes of a region send to the same ranks in the same order,
+        n = 0 included: the receiver waits for all W lanes of a region."""
 
     def close(self) -> None:
         pass
 
     def header(self, payload: torch.Tensor, layer_id: int, batch_id: int,
                tokens_per_expert: Sequence[int] | None) -> list[int]:
-        """Validated header words: layer id, batch id, n, tokens per local expert [Epw]."""
+        """Validated header words: layer id, batch id, n, tokens per local expert [Epr]."""
         n = check_payload(payload, self.spec, self.spec.dispatch_rows)
-        epw = self.spec.experts_per_worker
+        epr = self.spec.experts_per_rank
         if tokens_per_expert is None:
-            if epw != 1:
-                raise ValueError(f"tokens_per_expert is required with {epw} experts per worker")
+            if epr != 1:
+                raise ValueError(f"tokens_per_expert is required with {epr} experts per rank")
             tpe = [n]
         else:
             tpe = [int(c) for c in tokens_per_expert]
-            if len(tpe) != epw or sum(tpe) != n or min(tpe) < 0:
-                raise ValueError(f"tokens_per_expert {tpe} must be {epw} counts >= 0 summing to {n}")
+            if len(tpe) != epr or sum(tpe) != n or min(tpe) < 0:
+                raise ValueError(f"tokens_per_expert {tpe} must be {epr} counts >= 0 summing to {n}")
         return [int(layer_id), int(batch_id), n, *tpe]
 
 
 class DispatchReceiver(ABC):
-    """async-dispatch-recv, for MoE worker ``worker``: polls all D regions fairly (round robin
+    """async-dispatch-recv, for expert rank ``rank``: polls all R regions fairly (round robin
     from the region after the last one served), returns one complete region at a time."""
 
     bell: Doorbell = NapDoorbell(100e-6)
 
-    def __init__(self, config, worker: int):
-        self.config, self.spec, self.worker = config, config.spec, worker
+    def __init__(self, config, rank: int):
+        self.config, self.spec, self.rank = config, config.spec, rank
         self.policy = config.wait  # NOTE: mutable on purpose: the benchmark compares policies
         self._next_region = 0  # fairness: the scan starts after the region served last
-        self._seq = [0] * self.spec.num_groups  # messages delivered per region
+        self._seq = [0] * self.spec.num_regions  # messages delivered per region
 
     def _scan(self, ready: Callable[[int], bool],
               take: Callable[[int, int], tuple[list[int], torch.Tensor]]) -> DispatchMessage | None:
-        """The first region (round robin) whose T lanes are all ``ready``; ``take(lane, member)``
-        returns a lane's header words and its payload in private memory."""
-        d, t = self.spec.num_groups, self.spec.tp_size
-        for k in range(d):
-            i = (self._next_region + k) % d
-            if all(ready(i * t + j) for j in range(t)):
-                self._next_region = (i + 1) % d
+        """The first region (round robin) whose W lanes are all ``ready(lane_id)``;
+        ``take(lane_id, lane)`` returns a lane's header words and its payload in private memory."""
+        r, w = self.spec.num_regions, self.spec.lanes_per_region
+        for k in range(r):
+            i = (self._next_region + k) % r
+            if all(ready(i * w + j) for j in range(w)):
+                self._next_region = (i + 1) % r
                 self._seq[i] += 1
                 rows = []
-                for j in range(t):
-                    (layer_id, batch_id, _n, *tpe), payload = take(i * t + j, j)
+                for j in range(w):
+                    (layer_id, batch_id, _n, *tpe), payload = take(i * w + j, j)
                     rows.append(DispatchRow(j, layer_id, batch_id, tpe, payload))
                 return DispatchMessage(i, self._seq[i], rows)
         return None
@@ -109,15 +123,15 @@ class DispatchReceiver(ABC):
 
 
 class CombineSender(ABC):
-    """async-combine-send, for MoE worker ``worker`` (its segment in every attention buffer)."""
+    """async-combine-send, for expert rank ``rank`` (its lane in every lane writer's combine buffer)."""
 
-    def __init__(self, config, worker: int):
-        self.config, self.spec, self.worker = config, config.spec, worker
+    def __init__(self, config, rank: int):
+        self.config, self.spec, self.rank = config, config.spec, rank
         self.stats = SendStats()
 
     @abstractmethod
-    def send(self, group: int, member: int, payload: torch.Tensor, layer_id: int, batch_id: int) -> None:
-        """Write expert results ``payload`` [n, H] into attention rank (group, member)'s buffer."""
+    def send(self, region: int, lane: int, payload: torch.Tensor, layer_id: int, batch_id: int) -> None:
+        """Write expert results ``payload`` [n, H] into the combine buffer of lane (region, lane)'s writer."""
 
     def close(self) -> None:
         pass
@@ -128,33 +142,36 @@ class CombineSender(ABC):
 
 
 class CombineReceiver(ABC):
-    """async-combine-recv, for attention rank (group, member): waits for exactly the MoE workers
-    it dispatched to (the E-bit bitmap restricted to them), then copies all their segments out."""
+    """async-combine-recv, for the writer of lane (region, lane): waits for exactly the expert
+    ranks it dispatched to (the E-bit bitmap restricted to them), then copies all their segments out."""
 
     bell: Doorbell = NapDoorbell(100e-6)
 
-    def __init__(self, config, group: int, member: int):
+    def __init__(self, config, region: int, lane: int):
         self.config, self.spec = config, config.spec
-        self.group, self.member = group, member
+        self.region, self.lane = region, lane
+        self.lane_id = config.spec.lane_id(region, lane)
         self.policy = config.wait
 
     @abstractmethod
-    def poll(self, workers: Sequence[int]) -> CombineMessage | None:
-        """Every listed worker's next segment, copied out and cleared; or None at once."""
+    def poll(self, ranks: Sequence[int]) -> CombineMessage | None:
+        """Every listed expert rank's next segment, copied out and cleared; or None at once."""
 
-    def recv(self, workers: Sequence[int], timeout_s: float | None = None) -> CombineMessage | None:
-        workers = list(workers)
-        return wait_for(lambda: self.poll(workers), self.bell, self.policy, timeout_s)
+    def recv(self, ranks: Sequence[int], timeout_s: float | None = None) -> CombineMessage | None:
+        ranks = list(ranks)
+        return wait_for(lambda: self.poll(ranks), self.bell, self.policy, timeout_s)
 
     def close(self) -> None:
         pass
 
 
 class Transport:
-    """Makes the endpoints of one process. Receivers own their buffers: build them before the
-    senders that write into them (senders wait up to ``attach_timeout_s`` for them).
+    """Makes the endpoints of one process. Owners of buffers (the receivers) build them before the
+    endpoints that attach to them (senders wait up to ``attach_timeout_s`` for them).
 
-    A transport names its four endpoint classes; they take ``(config, ...ids)``."""
+    A transport names a class per endpoint kind as ``<kind>_cls``, built by ``endpoint(kind, *ids)``
+    as ``cls(config, *ids)``. The four below are dispatch/combine; a transport may name more kinds
+    (a weight pull), each with a factory method like these; a kind it lacks is NotImplementedError."""
 
     name: ClassVar[str]
     dispatch_sender_cls: ClassVar[type[DispatchSender]]
@@ -165,17 +182,24 @@ class Transport:
     def __init__(self, config):
         self.config = config
 
-    def dispatch_sender(self, group: int, member: int) -> DispatchSender:
-        return self.dispatch_sender_cls(self.config, group, member)
+    def endpoint(self, kind: str, *ids: int, **extra):
+        """``extra``: what a transport hands each of its endpoints besides the ids (the reference's hub)."""
+        cls = getattr(self, f"{kind}_cls", None)
+        if cls is None:
+            raise NotImplementedError(f"transport {self.name!r} has no {kind} endpoint")
+        return cls(self.config, *ids, **extra)
 
-    def dispatch_receiver(self, worker: int) -> DispatchReceiver:
-        return self.dispatch_receiver_cls(self.config, worker)
+    def dispatch_sender(self, region: int, lane: int) -> DispatchSender:
+        return self.endpoint("dispatch_sender", region, lane)
 
-    def combine_sender(self, worker: int) -> CombineSender:
-        return self.combine_sender_cls(self.config, worker)
+    def dispatch_receiver(self, rank: int) -> DispatchReceiver:
+        return self.endpoint("dispatch_receiver", rank)
 
-    def combine_receiver(self, group: int, member: int) -> CombineReceiver:
-        return self.combine_receiver_cls(self.config, group, member)
+    def combine_sender(self, rank: int) -> CombineSender:
+        return self.endpoint("combine_sender", rank)
+
+    def combine_receiver(self, region: int, lane: int) -> CombineReceiver:
+        return self.endpoint("combine_receiver", region, lane)
 
 
 TRANSPORTS: dict[str, type[Transport]] = {}

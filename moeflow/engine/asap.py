@@ -36,8 +36,10 @@ class AsapEngine(ProcessEngine):
         d, t, e = layout.attn_dp, layout.attn_tp, layout.moe_workers
         check_tp(mc, t)
         self.max_model_len = context_len(config, mc)
-        spec = CommSpec(d, t, e, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
-                        layout.scheduler.max_batch_tokens, config.dtype,
+        # a region per DP group, a lane per TP member, an expert rank per MoE worker
+        spec = CommSpec(num_regions=d, lanes_per_region=t, num_expert_ranks=e, num_experts=mc.num_experts,
+                        top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
+                        max_batch_tokens=layout.scheduler.max_batch_tokens, dtype=config.dtype,
                         max_local_experts=max(len(ids) for ids in placement))
         comm = CommConfig(spec, config.transport, self.deployment_id, WaitPolicy())
         n = layout.num_attention_workers  # world ranks: attention g*T + m first, then MoE workers

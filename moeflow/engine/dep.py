@@ -37,8 +37,11 @@ class DepEngine(ProcessEngine):
         dp = layout.dp
         experts = expert_placement(None, dp, mc.num_experts)  # rank r holds the r-th 1/N of every layer
         self.max_model_len = context_len(config, mc)
-        spec = CommSpec(dp, 1, dp, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size, layout.max_batch_tokens,
-                        config.dtype, max_local_experts=max(len(ids) for ids in experts))
+        # each rank writes the one lane of its own region in every rank's buffer, and owns one (an expert rank)
+        spec = CommSpec(num_regions=dp, lanes_per_region=1, num_expert_ranks=dp, num_experts=mc.num_experts,
+                        top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
+                        max_batch_tokens=layout.max_batch_tokens, dtype=config.dtype,
+                        max_local_experts=max(len(ids) for ids in experts))
         comm = CommConfig(spec, "shm", self.deployment_id, WaitPolicy())
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)

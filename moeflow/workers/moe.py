@@ -39,7 +39,7 @@ class MoEWorker:
         msg = self.receiver.recv(timeout_s=timeout_s)
         if msg is not None:
             # waiting for a complete region + migrating it to private memory
-            self.tracer.add("recv", t0, time.monotonic(), thread, group=msg.group, layer=msg.rows[0].layer_id)
+            self.tracer.add("recv", t0, time.monotonic(), thread, group=msg.region, layer=msg.rows[0].layer_id)
         return msg
 
     def step(self) -> bool:

@@ -61,13 +61,14 @@ class AttentionStages:
         kv = KVCache.for_model(mcfg, e.num_kv_blocks, e.kv_block_size, dtype)
         self.runner = ModelRunner(self.model, kv, seed=e.seed)
         self.routes = ExpertRoutes(setup.placement, cfg.num_experts, group) if cfg.num_moe_layers else None
-        self.epw = setup.comm.spec.experts_per_worker
+        self.epw = setup.comm.spec.experts_per_rank
         self.all_workers = list(range(len(setup.placement)))
         self.all_to_all = all_to_all
         self.tracer = Tracer(setup.role, setup.index, setup.engine.trace)
         # NOTE: receivers own their buffers; build ours before attaching to the expert side's.
-        self.receiver = transport.combine_receiver(group, member)
-        self.sender = transport.dispatch_sender(group, member)
+        # Our group is a region of every expert-side buffer, our member a lane of it.
+        self.receiver = transport.combine_receiver(region=group, lane=member)
+        self.sender = transport.dispatch_sender(region=group, lane=member)
 
     def close(self) -> None:
         self.sender.close()

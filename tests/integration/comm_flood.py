@@ -1,4 +1,4 @@
-"""Processes for the lifecycle tests: a sender that floods one MoE worker's dispatch buffer, and
+"""Processes for the lifecycle tests: a sender that floods one expert rank's dispatch buffer, and
 a receiver that may be slow. Message i carries a payload derived from i, so the receiver checks
 each one exactly (a slot overwritten before it was read shows up as a mismatch)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ def flood_payload(spec, i: int) -> torch.Tensor:
 
 
 def flood_sender(config, num_messages: int, out_path: str) -> None:
-    """Send ``num_messages`` (0 = forever) to MoE worker 0 as member (0, 0); write stats."""
+    """Send ``num_messages`` (0 = forever) to expert rank 0 as lane (0, 0); write stats."""
     torch.set_num_threads(1)
     from moeflow.comm import make_transport
 

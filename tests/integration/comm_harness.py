@@ -2,7 +2,7 @@
 network namespace (``python comm_harness.py <role> ...``, see test_comm_netns.py).
 
 Every message is derived from a seeded plan, so a receiver regenerates what it should have got
-and any process can recompute the whole traffic. Each worker logs what it received
+and any process can recompute the whole traffic. Each process logs what it received
 (lane, seq, layer, batch, rows, rows per expert, crc32 of the payload bytes); the test runs the
 same plan through the in-process ReferenceTransport and compares the logs lane by lane.
 """
@@ -24,32 +24,32 @@ import torch
 @dataclass(frozen=True)
 class Plan:
     seed: int
-    num_batches: int  # per DP group
-    inflight: int  # batches an attention rank keeps in flight (<= num_slots: deadlock-free)
+    num_batches: int  # per region
+    inflight: int  # batches a lane writer keeps in flight (<= num_slots: deadlock-free)
     delay_prob: float = 0.1  # chance of a random pause around any send or receive
     max_delay_s: float = 2e-3
     num_layers: int = 4
 
 
-def batch_plan(spec, plan: Plan, group: int, batch: int):
-    """(layer, workers activated in ascending order, rows[member][worker], tpe[member][worker])."""
-    rng = random.Random(f"{plan.seed}/{group}/{batch}")
-    workers = sorted(rng.sample(range(spec.num_moe_workers), rng.randint(1, spec.num_moe_workers)))
+def batch_plan(spec, plan: Plan, region: int, batch: int):
+    """(layer, ranks activated in ascending order, rows[lane][rank], tpe[lane][rank])."""
+    rng = random.Random(f"{plan.seed}/{region}/{batch}")
+    ranks = sorted(rng.sample(range(spec.num_expert_ranks), rng.randint(1, spec.num_expert_ranks)))
     rows, tpe = [], []
-    for _j in range(spec.tp_size):
+    for _j in range(spec.lanes_per_region):
         r, s = {}, {}
-        for e in workers:
+        for e in ranks:
             n = 0 if rng.random() < 0.2 else rng.randint(1, spec.dispatch_rows)  # 0 tokens is common
-            cuts = sorted(rng.randint(0, n) for _ in range(spec.experts_per_worker - 1))
+            cuts = sorted(rng.randint(0, n) for _ in range(spec.experts_per_rank - 1))
             s[e] = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
             r[e] = n
         rows.append(r)
         tpe.append(s)
-    return batch % plan.num_layers, workers, rows, tpe
+    return batch % plan.num_layers, ranks, rows, tpe
 
 
-def payload(spec, plan: Plan, group: int, member: int, worker: int, batch: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(zlib.crc32(f"{plan.seed}/{group}/{member}/{worker}/{batch}".encode()))
+def payload(spec, plan: Plan, region: int, lane: int, rank: int, batch: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{plan.seed}/{region}/{lane}/{rank}/{batch}".encode()))
     return torch.randn(n, spec.hidden_size, generator=g).to(getattr(torch, spec.dtype))  # [n, H]
 
 
@@ -62,31 +62,32 @@ def _maybe_pause(rng: random.Random, plan: Plan) -> None:
         time.sleep(rng.uniform(0, plan.max_delay_s))
 
 
-def attention_loop(transport, spec, plan: Plan, group: int, member: int, timeout_s: float = 60.0) -> dict:
-    rx = transport.combine_receiver(group, member)  # receivers first: senders attach to them
-    tx = transport.dispatch_sender(group, member)
-    rng = random.Random(f"pause/a/{plan.seed}/{group}/{member}")
+def writer_loop(transport, spec, plan: Plan, region: int, lane: int, timeout_s: float = 60.0) -> dict:
+    rx = transport.combine_receiver(region, lane)  # receivers first: senders attach to them
+    tx = transport.dispatch_sender(region, lane)
+    rng = random.Random(f"pause/a/{plan.seed}/{region}/{lane}")
     log, errors, inflight = [], [], deque()
-    rank = spec.attention_rank(group, member)
+    lane_id = spec.lane_id(region, lane)
 
     def collect() -> None:
-        batch, layer, workers = inflight.popleft()
-        msg = rx.recv(workers, timeout_s=timeout_s)
+        batch, layer, ranks = inflight.popleft()
+        msg = rx.recv(ranks, timeout_s=timeout_s)
         if msg is None:
-            raise TimeoutError(f"attention {rank}: no combine for batch {batch} from {workers}")
+            raise TimeoutError(f"lane writer {lane_id}: no combine for batch {batch} from {ranks}")
         for e, seg in sorted(msg.segments.items()):
-            want = payload(spec, plan, group, member, e, batch, batch_plan(spec, plan, group, batch)[2][member][e]) * 2
+            want = payload(spec, plan, region, lane, e, batch, batch_plan(spec, plan, region, batch)[2][lane][e]) * 2
             if (seg.layer_id, seg.batch_id) != (layer, batch) or not torch.equal(seg.payload, want):
-                errors.append(f"combine rank {rank} from {e} batch {batch}: wrong header or payload")
-            log.append(("combine", rank, e, seg.seq, seg.layer_id, seg.batch_id, seg.payload.shape[0], crc(seg.payload)))
+                errors.append(f"combine lane {lane_id} from {e} batch {batch}: wrong header or payload")
+            log.append(("combine", lane_id, e, seg.seq, seg.layer_id, seg.batch_id, seg.payload.shape[0],
+                        crc(seg.payload)))
         _maybe_pause(rng, plan)
 
     for batch in range(plan.num_batches):
-        layer, workers, rows, tpe = batch_plan(spec, plan, group, batch)
-        for e in workers:
+        layer, ranks, rows, tpe = batch_plan(spec, plan, region, batch)
+        for e in ranks:
             _maybe_pause(rng, plan)
-            tx.send(e, payload(spec, plan, group, member, e, batch, rows[member][e]), layer, batch, tpe[member][e])
-        inflight.append((batch, layer, workers))
+            tx.send(e, payload(spec, plan, region, lane, e, batch, rows[lane][e]), layer, batch, tpe[lane][e])
+        inflight.append((batch, layer, ranks))
         if len(inflight) == plan.inflight:
             collect()
     while inflight:
@@ -97,29 +98,29 @@ def attention_loop(transport, spec, plan: Plan, group: int, member: int, timeout
     return {"log": log, "errors": errors, "stats": stats}
 
 
-def moe_loop(transport, spec, plan: Plan, worker: int, timeout_s: float = 60.0) -> dict:
-    rx = transport.dispatch_receiver(worker)
-    tx = transport.combine_sender(worker)
-    rng = random.Random(f"pause/m/{plan.seed}/{worker}")
-    expected = sum(worker in batch_plan(spec, plan, i, b)[1]
-                   for i in range(spec.num_groups) for b in range(plan.num_batches))
+def expert_loop(transport, spec, plan: Plan, rank: int, timeout_s: float = 60.0) -> dict:
+    rx = transport.dispatch_receiver(rank)
+    tx = transport.combine_sender(rank)
+    rng = random.Random(f"pause/m/{plan.seed}/{rank}")
+    expected = sum(rank in batch_plan(spec, plan, i, b)[1]
+                   for i in range(spec.num_regions) for b in range(plan.num_batches))
     log, errors = [], []
     for _ in range(expected):
         msg = rx.recv(timeout_s=timeout_s)
         if msg is None:
-            raise TimeoutError(f"MoE worker {worker}: {len(log)} regions of {expected}, then silence")
+            raise TimeoutError(f"expert rank {rank}: {len(log)} regions of {expected}, then silence")
         for row in msg.rows:
             b = row.batch_id
-            layer, workers, rows, tpe = batch_plan(spec, plan, msg.group, b)
-            want = payload(spec, plan, msg.group, row.member, worker, b, rows[row.member].get(worker, 0))
-            if (row.layer_id != layer or worker not in workers or row.tokens_per_expert != tpe[row.member][worker]
+            layer, ranks, rows, tpe = batch_plan(spec, plan, msg.region, b)
+            want = payload(spec, plan, msg.region, row.lane, rank, b, rows[row.lane].get(rank, 0))
+            if (row.layer_id != layer or rank not in ranks or row.tokens_per_expert != tpe[row.lane][rank]
                     or not torch.equal(row.payload, want)):
-                errors.append(f"dispatch worker {worker} group {msg.group} member {row.member} batch {b}: torn or wrong")
-            log.append(("dispatch", worker, spec.attention_rank(msg.group, row.member), msg.seq, row.layer_id, b,
+                errors.append(f"dispatch rank {rank} region {msg.region} lane {row.lane} batch {b}: torn or wrong")
+            log.append(("dispatch", rank, spec.lane_id(msg.region, row.lane), msg.seq, row.layer_id, b,
                         row.payload.shape[0], tuple(row.tokens_per_expert), crc(row.payload)))
         _maybe_pause(rng, plan)  # simulated compute of random length
         for row in msg.rows:
-            tx.send(msg.group, row.member, row.payload * 2, row.layer_id, row.batch_id)
+            tx.send(msg.region, row.lane, row.payload * 2, row.layer_id, row.batch_id)
     stats = asdict(tx.stats)
     stats["streamed_rows"] = rx.reader.num_streamed_rows if hasattr(rx, "reader") else 0
     tx.close()
@@ -128,30 +129,30 @@ def moe_loop(transport, spec, plan: Plan, worker: int, timeout_s: float = 60.0) 
 
 
 def reference_logs(config, plan: Plan) -> list:
-    """The whole plan through the in-process oracle: one batch of every group at a time."""
+    """The whole plan through the in-process oracle: one batch of every region at a time."""
     from moeflow.comm import CommConfig, make_transport
 
     spec = config.spec
     ref = make_transport(CommConfig(spec, transport="reference"))
     att = {(i, j): (ref.dispatch_sender(i, j), ref.combine_receiver(i, j))
-           for i in range(spec.num_groups) for j in range(spec.tp_size)}
-    moe = [(ref.dispatch_receiver(e), ref.combine_sender(e)) for e in range(spec.num_moe_workers)]
+           for i in range(spec.num_regions) for j in range(spec.lanes_per_region)}
+    moe = [(ref.dispatch_receiver(e), ref.combine_sender(e)) for e in range(spec.num_expert_ranks)]
     log = []
     for b in range(plan.num_batches):
         for (i, j), (tx, _) in att.items():
-            layer, workers, rows, tpe = batch_plan(spec, plan, i, b)
-            for e in workers:
+            layer, ranks, rows, tpe = batch_plan(spec, plan, i, b)
+            for e in ranks:
                 tx.send(e, payload(spec, plan, i, j, e, b, rows[j][e]), layer, b, tpe[j][e])
         for e, (rx, tx) in enumerate(moe):
             while (msg := rx.poll()) is not None:
                 for row in msg.rows:
-                    log.append(("dispatch", e, spec.attention_rank(msg.group, row.member), msg.seq, row.layer_id,
+                    log.append(("dispatch", e, spec.lane_id(msg.region, row.lane), msg.seq, row.layer_id,
                                 row.batch_id, row.payload.shape[0], tuple(row.tokens_per_expert), crc(row.payload)))
-                    tx.send(msg.group, row.member, row.payload * 2, row.layer_id, row.batch_id)
+                    tx.send(msg.region, row.lane, row.payload * 2, row.layer_id, row.batch_id)
         for (i, j), (_, rx) in att.items():
             msg = rx.poll(batch_plan(spec, plan, i, b)[1])
             for e, seg in sorted(msg.segments.items()):
-                log.append(("combine", spec.attention_rank(i, j), e, seg.seq, seg.layer_id, seg.batch_id,
+                log.append(("combine", spec.lane_id(i, j), e, seg.seq, seg.layer_id, seg.batch_id,
                             seg.payload.shape[0], crc(seg.payload)))
     return log
 
@@ -165,7 +166,7 @@ def by_lane(log: list) -> dict:
 
 
 def assert_matches_reference(config, plan: Plan, logs: list) -> int:
-    """Every lane of ``logs`` (all workers' logs together) equals the reference; returns the count."""
+    """Every lane of ``logs`` (all processes' logs together) equals the reference; returns the count."""
     got, want = by_lane(logs), by_lane(reference_logs(config, plan))
     assert got.keys() == want.keys(), f"lanes differ: {sorted(set(got) ^ set(want))[:5]}"
     for lane in want:
@@ -174,7 +175,7 @@ def assert_matches_reference(config, plan: Plan, logs: list) -> int:
 
 
 def run_worker(role: str, index: int, config, plan: Plan, out_path: str, init_method: str | None = None) -> None:
-    """Process entry: one attention rank (role "attention", index = rank) or MoE worker."""
+    """Process entry: one lane writer (role "attention", index = lane id) or expert rank (role "moe")."""
     torch.set_num_threads(1)
     result: dict = {}
     try:
@@ -182,15 +183,15 @@ def run_worker(role: str, index: int, config, plan: Plan, out_path: str, init_me
         if init_method is not None:
             import torch.distributed as dist
 
-            rank = index if role == "attention" else spec.moe_rank(index)
+            rank = index if role == "attention" else spec.expert_world_rank(index)
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=spec.world_size)
         from moeflow.comm import make_transport
 
         transport = make_transport(config)
         if role == "attention":
-            result = attention_loop(transport, spec, plan, index // spec.tp_size, index % spec.tp_size)
+            result = writer_loop(transport, spec, plan, index // spec.lanes_per_region, index % spec.lanes_per_region)
         else:
-            result = moe_loop(transport, spec, plan, index)
+            result = expert_loop(transport, spec, plan, index)
         if init_method is not None:
             dist.barrier()
             dist.destroy_process_group()
@@ -221,7 +222,7 @@ NETNS_PLAN = Plan(seed=7, num_batches=150, inflight=1, delay_prob=0.05, max_dela
 def netns_spec():
     from moeflow.comm import CommSpec
 
-    return CommSpec(num_groups=1, tp_size=1, num_moe_workers=1, num_experts=2, top_k=2, hidden_size=256,
+    return CommSpec(num_regions=1, lanes_per_region=1, num_expert_ranks=1, num_experts=2, top_k=2, hidden_size=256,
                     max_batch_tokens=32)
 
 

@@ -18,7 +18,7 @@ _CTX = mp.get_context("spawn")
 
 
 def _config(deployment_id: str | None = None) -> CommConfig:
-    spec = CommSpec(num_groups=1, tp_size=1, num_moe_workers=1, num_experts=1, top_k=1, hidden_size=128,
+    spec = CommSpec(num_regions=1, lanes_per_region=1, num_expert_ranks=1, num_experts=1, top_k=1, hidden_size=128,
                     max_batch_tokens=24)
     return CommConfig(spec, deployment_id=deployment_id or f"t{uuid.uuid4().hex[:12]}", attach_timeout_s=20.0)
 

@@ -33,8 +33,8 @@ def run_deployment(config: CommConfig, plan: Plan, tmp_path, timeout_s: float = 
     every process is stopped and the deployment's segments removed, whatever happens."""
     spec = config.spec
     init = f"tcp://127.0.0.1:{free_port()}" if config.transport in ("dist", "p2p") else None
-    roles = ([("attention", r) for r in range(spec.num_attention_ranks)]
-             + [("moe", e) for e in range(spec.num_moe_workers)])
+    roles = ([("attention", r) for r in range(spec.num_lanes)]
+             + [("moe", e) for e in range(spec.num_expert_ranks)])
     procs = {}
     try:
         for role, i in roles:
@@ -89,8 +89,8 @@ def _config(transport: str, **spec) -> CommConfig:
 
 
 def test_shm_stress_matches_reference(tmp_path):
-    config = _config("shm", num_groups=2, tp_size=2, num_moe_workers=3, num_experts=6, top_k=2, hidden_size=64,
-                     max_batch_tokens=16)
+    config = _config("shm", num_regions=2, lanes_per_region=2, num_expert_ranks=3, num_experts=6, top_k=2,
+                     hidden_size=64, max_batch_tokens=16)
     plan = Plan(seed=1, num_batches=400, inflight=2)
     results = run_deployment(config, plan, tmp_path)
     n = check_against_reference(config, plan, results)
@@ -104,10 +104,10 @@ def test_shm_stress_matches_reference(tmp_path):
 
 
 @pytest.mark.parametrize("transport,layout,plan,min_messages", [
-    ("dist", dict(num_groups=2, tp_size=1, num_moe_workers=2, num_experts=4, top_k=2, max_batch_tokens=16),
+    ("dist", dict(num_regions=2, lanes_per_region=1, num_expert_ranks=2, num_experts=4, top_k=2, max_batch_tokens=16),
      Plan(seed=2, num_batches=400, inflight=2, max_delay_s=1e-3), 2000),
     # Blocking p2p: one batch in flight, one DP group (see p2p.py on deadlock freedom).
-    ("p2p", dict(num_groups=1, tp_size=2, num_moe_workers=2, num_experts=2, top_k=1, max_batch_tokens=32),
+    ("p2p", dict(num_regions=1, lanes_per_region=2, num_expert_ranks=2, num_experts=2, top_k=1, max_batch_tokens=32),
      Plan(seed=3, num_batches=250, inflight=1, max_delay_s=1e-3), 1000),
 ])
 def test_dist_transports_match_reference(tmp_path, transport, layout, plan, min_messages):

@@ -16,7 +16,7 @@ import torch
 from moeflow.comm import CommConfig, CommSpec, ProtocolError, cleanup, list_segments, make_transport
 from moeflow.comm.shm import dispatch_path
 
-SPEC = CommSpec(num_groups=2, tp_size=2, num_moe_workers=2, num_experts=4, top_k=2, hidden_size=16,
+SPEC = CommSpec(num_regions=2, lanes_per_region=2, num_expert_ranks=2, num_experts=4, top_k=2, hidden_size=16,
                 max_batch_tokens=6)
 
 
@@ -30,10 +30,10 @@ def dep():
 def _endpoints(config):
     tr = make_transport(config)
     s = config.spec
-    d_rx = [tr.dispatch_receiver(e) for e in range(s.num_moe_workers)]  # receivers first: they own buffers
-    c_rx = {(i, j): tr.combine_receiver(i, j) for i in range(s.num_groups) for j in range(s.tp_size)}
-    d_tx = {(i, j): tr.dispatch_sender(i, j) for i in range(s.num_groups) for j in range(s.tp_size)}
-    c_tx = [tr.combine_sender(e) for e in range(s.num_moe_workers)]
+    d_rx = [tr.dispatch_receiver(e) for e in range(s.num_expert_ranks)]  # receivers first: they own buffers
+    c_rx = {(i, j): tr.combine_receiver(i, j) for i in range(s.num_regions) for j in range(s.lanes_per_region)}
+    d_tx = {(i, j): tr.dispatch_sender(i, j) for i in range(s.num_regions) for j in range(s.lanes_per_region)}
+    c_tx = [tr.combine_sender(e) for e in range(s.num_expert_ranks)]
     return d_tx, d_rx, c_tx, c_rx
 
 
@@ -47,7 +47,7 @@ def _summary(msg):
     if msg is None:
         return None
     if hasattr(msg, "rows"):
-        return (msg.group, msg.seq, [(r.member, r.layer_id, r.batch_id, r.tokens_per_expert, r.payload.clone())
+        return (msg.region, msg.seq, [(r.lane, r.layer_id, r.batch_id, r.tokens_per_expert, r.payload.clone())
                                      for r in msg.rows])
     return {e: (s.seq, s.layer_id, s.batch_id, s.payload.clone()) for e, s in msg.segments.items()}
 
@@ -70,11 +70,11 @@ def test_shm_matches_reference_on_random_traffic(dep, chunk_bytes):
     ref = _endpoints(CommConfig(SPEC, transport="reference"))
     rng = random.Random(0)
     unread = {}  # (receiver kind, receiver, lane) -> messages in flight: a full lane would block
-    sent = {}  # (worker, group, member) -> dispatch rows sent
+    sent = {}  # (expert rank, region, lane) -> dispatch rows sent
     try:
         for step in range(3000):
             op = rng.random()
-            if op < 0.45:  # a dispatch row from a random member to a random worker
+            if op < 0.45:  # a dispatch row from a random lane to a random expert rank
                 i, j, e = rng.randrange(2), rng.randrange(2), rng.randrange(2)
                 if unread.get(("d", e, i, j), 0) == SPEC.num_slots:
                     continue
@@ -86,7 +86,7 @@ def test_shm_matches_reference_on_random_traffic(dep, chunk_bytes):
                     d_tx[i, j].send(e, x, (k + i) % 5, k, [cut, n - cut])
                 sent[(e, i, j)] = k + 1
                 unread[("d", e, i, j)] = unread.get(("d", e, i, j), 0) + 1
-            elif op < 0.7:  # a MoE worker polls
+            elif op < 0.7:  # an expert rank polls
                 e = rng.randrange(2)
                 got = [_summary(d_rx[e].poll()) for _, d_rx, _, _ in (shm, ref)]
                 assert _same(got[0], got[1]), f"step {step}: dispatch poll differs"
@@ -101,13 +101,13 @@ def test_shm_matches_reference_on_random_traffic(dep, chunk_bytes):
                 for *_, c_tx, _ in (shm, ref):
                     c_tx[e].send(i, j, x, 1, step)
                 unread[("c", i, j, e)] = unread.get(("c", i, j, e), 0) + 1
-            else:  # an attention rank polls a random subset of workers
+            else:  # a lane writer polls a random subset of expert ranks
                 i, j = rng.randrange(2), rng.randrange(2)
-                workers = rng.choice([[0], [1], [0, 1]])
-                got = [_summary(c_rx[i, j].poll(workers)) for *_, c_rx in (shm, ref)]
+                ranks = rng.choice([[0], [1], [0, 1]])
+                got = [_summary(c_rx[i, j].poll(ranks)) for *_, c_rx in (shm, ref)]
                 assert _same(got[0], got[1]), f"step {step}: combine poll differs"
                 if got[0] is not None:
-                    for e in workers:
+                    for e in ranks:
                         unread[("c", i, j, e)] -= 1
     finally:
         _close(*shm)
@@ -115,7 +115,7 @@ def test_shm_matches_reference_on_random_traffic(dep, chunk_bytes):
 
 
 def test_regions_are_served_round_robin(dep):
-    spec = CommSpec(num_groups=3, tp_size=1, num_moe_workers=1, num_experts=1, top_k=1, hidden_size=8,
+    spec = CommSpec(num_regions=3, lanes_per_region=1, num_expert_ranks=1, num_experts=1, top_k=1, hidden_size=8,
                     max_batch_tokens=4)
     d_tx, d_rx, c_tx, c_rx = _endpoints(CommConfig(spec, deployment_id=dep))
     try:
@@ -124,14 +124,14 @@ def test_regions_are_served_round_robin(dep):
             for i in range(3):  # every region always has two messages waiting
                 while d_rx[0].mailbox.occupied(i) < 2:
                     d_tx[i, 0].send(0, torch.zeros(1, 8).bfloat16(), 0, 0)
-            order += [d_rx[0].poll().group for _ in range(3)]
+            order += [d_rx[0].poll().region for _ in range(3)]
         assert order == [0, 1, 2] * 4
     finally:
         _close(d_tx, d_rx, c_tx, c_rx)
 
 
 def test_full_slot_blocks_the_sender_and_is_not_overwritten(dep):
-    spec = CommSpec(num_groups=1, tp_size=1, num_moe_workers=1, num_experts=1, top_k=1, hidden_size=8,
+    spec = CommSpec(num_regions=1, lanes_per_region=1, num_expert_ranks=1, num_experts=1, top_k=1, hidden_size=8,
                     max_batch_tokens=4)
     d_tx, d_rx, c_tx, c_rx = _endpoints(CommConfig(spec, deployment_id=dep))
     tx, rx = d_tx[0, 0], d_rx[0]
@@ -182,12 +182,12 @@ def test_stale_segment_is_refused_then_replaced(dep):
     stale.close()
     assert dispatch_path(dep, 0) in list_segments(dep)
     with pytest.raises(TimeoutError):
-        tr.dispatch_sender(0, 0)  # worker 0's buffer is there, but its owner is dead
+        tr.dispatch_sender(0, 0)  # expert rank 0's buffer is there, but its owner is dead
     rx0 = tr.dispatch_receiver(0)  # a restart with the same id replaces it
     tx0, tx1 = tr.dispatch_sender(0, 0), tr.dispatch_sender(0, 1)
     try:
         tx0.send(0, torch.ones(1, 16).bfloat16(), 0, 0, [1, 0])
-        assert rx0.recv(timeout_s=0.05) is None  # the region needs member (0, 1) too
+        assert rx0.recv(timeout_s=0.05) is None  # the region needs lane (0, 1) too
         tx1.send(0, torch.ones(0, 16).bfloat16(), 0, 0, [0, 0])
         assert rx0.recv(timeout_s=1).seq == 1
     finally:
@@ -198,7 +198,7 @@ def test_stale_segment_is_refused_then_replaced(dep):
 
 def test_sender_refuses_a_buffer_of_another_layout(dep):
     rx = make_transport(CommConfig(SPEC, deployment_id=dep)).dispatch_receiver(0)
-    other = CommSpec(**{**SPEC.__dict__, "hidden_size": 32, "num_moe_workers": 1, "num_experts": 2})
+    other = CommSpec(**{**SPEC.__dict__, "hidden_size": 32, "num_expert_ranks": 1, "num_experts": 2})
     try:
         with pytest.raises(TimeoutError):
             make_transport(CommConfig(other, deployment_id=dep, attach_timeout_s=0.2)).dispatch_sender(0, 0)
@@ -235,7 +235,7 @@ def test_send_validates_its_arguments(dep):
 
 
 def test_receiver_streams_published_rows_before_the_flag(dep):
-    spec = CommSpec(num_groups=1, tp_size=1, num_moe_workers=1, num_experts=1, top_k=1, hidden_size=8,
+    spec = CommSpec(num_regions=1, lanes_per_region=1, num_expert_ranks=1, num_experts=1, top_k=1, hidden_size=8,
                     max_batch_tokens=6, dtype="float32")
     d_tx, d_rx, c_tx, c_rx = _endpoints(CommConfig(spec, deployment_id=dep))
     rx, mb = d_rx[0], d_rx[0].mailbox

@@ -10,7 +10,7 @@ from moeflow.comm.shm import combine_layout, dispatch_layout
 from moeflow.config import ConfigError
 
 # ASAP Table 1's representative deployment.
-ASAP = dict(num_groups=4, tp_size=4, num_moe_workers=16, num_experts=256, top_k=8, hidden_size=7168,
+ASAP = dict(num_regions=4, lanes_per_region=4, num_expert_ranks=16, num_experts=256, top_k=8, hidden_size=7168,
             max_batch_tokens=32 * 1024)
 
 
@@ -34,36 +34,36 @@ def test_dispatch_buffer_is_table2_per_slot():
 
 def test_combine_segments_are_sized_for_their_worst_case():
     spec = CommSpec(**ASAP)
-    assert spec.segment_rows == spec.dispatch_rows  # min(K, Epw) x S / T: independent segments
+    assert spec.segment_rows == spec.dispatch_rows  # min(K, Epr) x S / W: independent segments
     assert CommSpec(**{**ASAP, "combine_rows": 1000}).segment_rows == 1000
     layout = combine_layout(spec)
     assert layout.num_lanes == 16 and layout.header_words == 3
 
 
 def test_layout_alignment():
-    spec = CommSpec(num_groups=3, tp_size=2, num_moe_workers=2, num_experts=4, top_k=2, hidden_size=100,
+    spec = CommSpec(num_regions=3, lanes_per_region=2, num_expert_ranks=2, num_experts=4, top_k=2, hidden_size=100,
                     max_batch_tokens=7, dtype="float32", num_slots=3)
     layout = dispatch_layout(spec)
     assert layout.flags_offset % 64 == 0 and layout.headers_offset % 64 == 0
     assert layout.header_stride % 64 == 0 and layout.header_stride >= 8 * layout.header_words
     assert layout.payload_offset % 4096 == 0 and layout.slot_bytes % 4096 == 0
     assert layout.slot_bytes >= spec.dispatch_rows * 100 * 4
-    assert spec.tokens_per_member == math.ceil(7 / 2) and spec.dispatch_rows == 2 * 4
+    assert spec.tokens_per_lane == math.ceil(7 / 2) and spec.dispatch_rows == 2 * 4
     assert layout.key != dispatch_layout(CommSpec(**{**spec.__dict__, "hidden_size": 101})).key
 
 
 def test_ranks():
-    spec = CommSpec(num_groups=2, tp_size=3, num_moe_workers=2, num_experts=2, top_k=1, hidden_size=8,
+    spec = CommSpec(num_regions=2, lanes_per_region=3, num_expert_ranks=2, num_experts=2, top_k=1, hidden_size=8,
                     max_batch_tokens=8)
-    assert [spec.attention_rank(1, j) for j in range(3)] == [3, 4, 5]
-    assert spec.moe_rank(0) == 6 and spec.world_size == 8
+    assert [spec.lane_id(1, j) for j in range(3)] == [3, 4, 5]
+    assert spec.expert_world_rank(0) == 6 and spec.world_size == 8
     with pytest.raises(ConfigError):
-        spec.attention_rank(2, 0)
+        spec.lane_id(2, 0)
 
 
 @pytest.mark.parametrize("bad", [
-    dict(num_groups=0), dict(tp_size=-1), dict(hidden_size=1.5), dict(dtype="int8"), dict(num_slots=1),
-    dict(num_slots=9), dict(num_experts=250), dict(top_k=300), dict(combine_rows=-1), dict(num_groups=True),
+    dict(num_regions=0), dict(lanes_per_region=-1), dict(hidden_size=1.5), dict(dtype="int8"), dict(num_slots=1),
+    dict(num_slots=9), dict(num_experts=250), dict(top_k=300), dict(combine_rows=-1), dict(num_regions=True),
 ])
 def test_spec_validation(bad):
     with pytest.raises(ConfigError):
@@ -80,3 +80,18 @@ def test_config_validation():
     for bad in (dict(spin_s=-1), dict(block_timeout_s=0), dict(block_timeout_s=math.inf), dict(nap_s=math.nan)):
         with pytest.raises(ConfigError):
             WaitPolicy(**bad)
+
+
+def test_every_transport_builds_its_endpoint_kinds_by_name():
+    from moeflow.comm import TRANSPORTS
+    from moeflow.comm.transport import DispatchSender
+
+    kinds = ("dispatch_sender", "dispatch_receiver", "combine_sender", "combine_receiver")
+    for name, cls in TRANSPORTS.items():
+        assert all(isinstance(getattr(cls, f"{k}_cls", None), type) for k in kinds), name
+    spec = CommSpec(**{**ASAP, "hidden_size": 8, "max_batch_tokens": 8})
+    ref = TRANSPORTS["reference"](CommConfig(spec, transport="reference"))
+    tx = ref.dispatch_sender(1, 2)
+    assert isinstance(tx, DispatchSender) and (tx.region, tx.lane, tx.lane_id) == (1, 2, 6)
+    with pytest.raises(NotImplementedError, match="weight_puller"):  # a kind this transport does not name
+        ref.endpoint("weight_puller", 0)

@@ -25,8 +25,10 @@ def _run_in_process(path: str, moe_workers: int) -> dict[str, tuple[list, list[i
     config = EngineConfig(model=path, dtype="float32", num_kv_blocks=64)
     mc, _ = load_config(path)
     placement = layout.placement(mc.num_experts)
-    spec = CommSpec(1, 1, moe_workers, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
-                    layout.scheduler.max_batch_tokens, "float32", max_local_experts=max(map(len, placement)))
+    spec = CommSpec(num_regions=1, lanes_per_region=1, num_expert_ranks=moe_workers, num_experts=mc.num_experts,
+                    top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
+                    max_batch_tokens=layout.scheduler.max_batch_tokens, dtype="float32",
+                    max_local_experts=max(map(len, placement)))
     comm = CommConfig(spec, "reference")
     transport = make_transport(comm)
 
