@@ -53,9 +53,11 @@ class Snapshot:
 
 @dataclass
 class _Tracked:
+    """What the server adds to a request the engine's pool owns: its client stream and when its
+    last token was delivered (for inter-token latency); the request itself is the stream's."""
+
     stream: RequestStream
-    num_tokens: int = 0
-    last_token_s: float = 0.0
+    last_token_s: float | None = None  # None until the first token
 
 
 class AsyncEngine:
@@ -203,11 +205,10 @@ class AsyncEngine:
             t = self._tracked.get(rid)
             if t is None or out.token_id is None:
                 continue
-            if t.num_tokens == 0:
+            if t.last_token_s is None:
                 self.metrics.ttft.observe(now - t.stream.request.arrival_s)
             else:
                 self.metrics.itl.observe(now - t.last_token_s)
-            t.num_tokens += 1
             t.last_token_s = now
             tokens.setdefault(rid, []).append(out.token_id)
         self.metrics.generation_tokens.inc(sum(map(len, tokens.values())))

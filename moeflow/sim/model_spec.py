@@ -1,9 +1,17 @@
 """What the cost model needs to know about a model: parameter counts and FLOPs per token and per
-(query, key) pair, layer by layer. Presets are read off each model's Hugging Face config.json.
+(query, key) pair, layer by layer.
+
+A spec is derived from the engine's own ``ModelConfig``: a Hugging Face config.json goes through
+the same family translation the engine's loader uses (``moeflow.model.family``, torch-free), so a
+preset is a config.json, and ``model:`` in an experiment may also name a local checkpoint directory.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+
+from moeflow.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -28,7 +36,7 @@ class ModelSpec:
     num_experts: int = 1
     top_k: int = 1
     moe_intermediate_size: int = 0
-    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0  # F of the shared expert(s) of an MoE layer, all together
     dense_intermediate_size: int = 0
     weight_bytes: float = 2.0  # bytes per weight as served (2: bf16, 1: int8/fp8)
     act_bytes: float = 2.0  # bytes per activation element sent to the experts (dispatch)
@@ -54,6 +62,27 @@ class ModelSpec:
         need(self.num_dense_layers == 0 or self.dense_intermediate_size > 0,
              "dense layers need dense_intermediate_size > 0")
         need((self.index_heads > 0) == (self.index_head_dim > 0), "index_heads and index_head_dim go together")
+
+    @classmethod
+    def from_model_config(cls, name: str, mc: ModelConfig, weight_bytes: float = 2.0,
+                          act_bytes: float = 2.0) -> "ModelSpec":
+        if mc.attention_kind != "gqa":
+            raise ValueError(f"ModelSpec {name!r}: attention kind {mc.attention_kind!r} has no cost model yet")
+        f = mc.moe_intermediate_size
+        return cls(name, num_layers=mc.num_layers, num_dense_layers=mc.num_layers - mc.num_moe_layers,
+                   hidden_size=mc.hidden_size, vocab_size=mc.vocab_size, num_heads=mc.num_heads, attention="gqa",
+                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, num_experts=max(1, mc.num_experts),
+                   top_k=max(1, mc.num_experts_per_tok), moe_intermediate_size=f,
+                   shared_intermediate_size=mc.shared_expert_intermediate_size,
+                   dense_intermediate_size=mc.intermediate_size,
+                   weight_bytes=weight_bytes, act_bytes=act_bytes)
+
+    @classmethod
+    def from_hf_config(cls, name: str, hf: dict, **kw) -> "ModelSpec":
+        from moeflow.model.family import family_for, load_families
+
+        load_families()
+        return cls.from_model_config(name, family_for(hf).to_model_config(hf), **kw)
 
     @property
     def num_moe_layers(self) -> int:
@@ -98,11 +127,29 @@ class ModelSpec:
 
     @property
     def shared_params(self) -> int:
-        return self.num_shared_experts * self.expert_params
+        return 3 * self.hidden_size * self.shared_intermediate_size
 
     @property
     def dense_mlp_params(self) -> int:
         return 3 * self.hidden_size * self.dense_intermediate_size
+
+
+# Qwen/Qwen3-235B-A22B config.json on the Hugging Face Hub (bf16), the fields the spec reads.
+QWEN3_235B_A22B_HF = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+    "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
+}
+
+
+def _derived() -> dict[str, ModelSpec]:
+    from moeflow.model.tiny_config import TINY_HF_CONFIG
+
+    return {"qwen3-235b-a22b": ModelSpec.from_hf_config("qwen3-235b-a22b", QWEN3_235B_A22B_HF),
+            # moeflow's embedded model (moeflow/model/tiny_config.py)
+            "tiny": ModelSpec.from_hf_config("tiny", TINY_HF_CONFIG)}
 
 
 # Sources: each model's config.json on the Hugging Face Hub (fields named in the comments);
@@ -114,20 +161,18 @@ PRESETS: dict[str, ModelSpec] = {
         "deepseek-v3.2", num_layers=61, num_dense_layers=3, hidden_size=7168, vocab_size=129280,
         num_heads=128, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128, index_heads=64, index_head_dim=128, index_topk=2048,
-        num_experts=256, top_k=8, moe_intermediate_size=2048, num_shared_experts=1,
+        num_experts=256, top_k=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
         dense_intermediate_size=18432, weight_bytes=1.0, act_bytes=1.0),
-    # Qwen/Qwen3-235B-A22B config.json (bf16).
-    "qwen3-235b-a22b": ModelSpec(
-        "qwen3-235b-a22b", num_layers=94, num_dense_layers=0, hidden_size=4096, vocab_size=151936,
-        num_heads=64, num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=1536),
-    # moeflow's embedded model (moeflow/model/tiny.py, TINY_VERSION 3; a unit test compares them).
-    "tiny": ModelSpec(
-        "tiny", num_layers=8, num_dense_layers=0, hidden_size=1024, vocab_size=258, num_heads=16,
-        num_kv_heads=4, head_dim=64, num_experts=16, top_k=4, moe_intermediate_size=640),
+    **_derived(),
 }
 
 
 def model_preset(name: str) -> ModelSpec:
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
-    return PRESETS[name]
+    """A preset by name, or the spec of a local Hugging Face checkpoint directory's config.json."""
+    if name in PRESETS:
+        return PRESETS[name]
+    cfg = os.path.join(name, "config.json")
+    if os.path.isfile(cfg):
+        with open(cfg) as f:
+            return ModelSpec.from_hf_config(os.path.basename(os.path.normpath(name)), json.load(f))
+    raise ValueError(f"unknown model preset {name!r} (and no config.json there); known: {', '.join(sorted(PRESETS))}")

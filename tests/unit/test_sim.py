@@ -227,3 +227,18 @@ def test_profiled_cost_interpolates_tables_and_recovers_transport():
         cost.experts_s(512, 2)
     with pytest.raises(ValueError, match="does not match"):
         ProfiledCost(model_preset("qwen3-235b-a22b"), {**prof, "engine": engine})
+
+
+def test_the_model_spec_comes_from_the_engines_model_config(checkpoints):
+    from moeflow.model.weights import load_config
+    from moeflow.sim.model_spec import ModelSpec
+
+    path = checkpoints("qwen2_moe").path  # a dense layer and a shared expert
+    mc, _ = load_config(path)
+    spec = model_preset(path)  # a local checkpoint directory: its config.json, through the family
+    assert spec == ModelSpec.from_model_config(spec.name, mc)
+    assert (spec.num_layers, spec.num_dense_layers, spec.num_experts, spec.top_k) == (3, 1, 8, 2)
+    assert spec.shared_intermediate_size == mc.shared_expert_intermediate_size == 48
+    q = model_preset("qwen3-235b-a22b")  # the preset is Qwen3-235B-A22B's config.json
+    assert (q.num_layers, q.hidden_size, q.num_heads, q.num_kv_heads, q.head_dim, q.num_experts, q.top_k,
+            q.moe_intermediate_size) == (94, 4096, 64, 4, 128, 128, 8, 1536)
