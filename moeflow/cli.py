@@ -48,7 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
 
-    from moeflow.bench import comm, demo, env, experts, plot, prefill, profile, serve, trace_summary
+    from moeflow.bench import (
+        comm,
+        compare,
+        demo,
+        env,
+        experts,
+        plot,
+        prefill,
+        profile,
+        serve,
+        trace_summary,
+    )
     from moeflow.server import serve as server
     from moeflow.sim import cli as sim_cli
 
@@ -60,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for m in (prefill, comm, experts, serve, plot, trace_summary):
+    for m in (prefill, comm, experts, serve, compare, plot, trace_summary):
         m.add_parser(bsub)
 
     args = parser.parse_args(argv)
+    from moeflow.bench.provenance import set_command
+
+    set_command(["moeflow", *(sys.argv[1:] if argv is None else argv)])
     try:
         return args.func(args)
     except ValueError as e:  # ConfigError, RequestError, CheckpointError: a clear message, no traceback

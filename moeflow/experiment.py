@@ -67,12 +67,28 @@ class Experiment:
     find_slo_rps: bool = False
     slo_probes: int = 6
     slo_rel_tol: float = 0.02
+    slo_metric: str = "mean"  # what meets the SLO (bench.slo.METRICS); every result reports all of them
+    # bench compare
+    title: str | None = None
+    repeats: int = 3  # the whole sweep, with seeds seed, seed+1, ...
+    min_requests: int = 100  # requests per point at least (the window grows to hold them)
+    saturation_rps: float | None = None  # an offered rate well above every SLO rate: throughput vs capacity
+    compare: tuple[tuple[str, str], ...] = ()  # (a, b) pairs reported as ratios; default: each vs the first
     # simulator only
     hardware: str | None = None  # hardware preset (sim/hardware.py)
     cost: str = "analytic"
     profile: str | None = None  # profiled cost: the JSON ``moeflow profile`` wrote
     machine: str | None = None  # hardware cpu-here: the `moeflow env --json` report of that machine
     hardware_overrides: tuple[tuple[str, float], ...] = ()
+
+    def point_workload(self, rate: float, seed: int, num_requests: int | None = None) -> WorkloadConfig:
+        """The workload of one point at ``rate`` with ``seed``, for the engine and the simulator alike:
+        the configured window, grown to hold ``min_requests`` where the rate is too low for it."""
+        w = dataclasses.replace(self.workload, rate_rps=rate, seed=seed)
+        n = num_requests or w.num_requests
+        if n is None and w.duration_s is not None and rate * w.duration_s < self.min_requests:
+            n = self.min_requests
+        return dataclasses.replace(w, num_requests=n, duration_s=None) if n else w
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -85,6 +101,13 @@ class Experiment:
         need(bool(self.systems), "systems: give at least one")
         need(all(r > 0 for r in self.rps), f"rps must all be > 0, got {list(self.rps)}")
         need(not self.find_slo_rps or (self.slo_ttft_s or 0) > 0, "find_slo_rps needs slo_ttft_s > 0")
+        from moeflow.bench.slo import SloMetric
+
+        SloMetric.parse(self.slo_metric)
+        need(isinstance(self.repeats, int) and self.repeats >= 1, f"repeats must be >= 1, got {self.repeats!r}")
+        need(self.saturation_rps is None or self.saturation_rps > 0, "saturation_rps must be > 0")
+        for a, b in self.compare:
+            need(a in self.systems and b in self.systems, f"compare: {a!r} vs {b!r}: both must be systems")
 
 
 def _pick(cls, d: dict, where: str, exclude: tuple[str, ...] = ()) -> dict:
@@ -129,6 +152,7 @@ def parse_experiment(d: dict) -> Experiment:
     d["hardware_overrides"] = tuple(sorted((k, _number(v, f"hardware_overrides.{k}"))
                                            for k, v in (d.get("hardware_overrides") or {}).items()))
     d["rps"] = tuple(float(r) for r in (d.get("rps") or (1.0,)))
+    d["compare"] = tuple(tuple(pair) for pair in (d.get("compare") or ()))
     return Experiment(**d)
 
 

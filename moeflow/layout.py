@@ -11,7 +11,7 @@ Pure Python, no torch: the simulator imports it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from moeflow.config import ConfigError, SchedulerConfig, opt

@@ -6,7 +6,6 @@ over pipes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from moeflow.config import EngineConfig

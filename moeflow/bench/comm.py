@@ -18,7 +18,6 @@ private buffers, repeated (so as warm in cache as a copy can be).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -26,6 +25,8 @@ import random
 import socket
 import statistics
 import time
+
+from moeflow.bench.provenance import write_json
 
 METHODS = ("async", "handshake", "p2p")
 
@@ -199,8 +200,7 @@ def run(args: argparse.Namespace) -> int:
               "torch": torch.__version__, "loadavg_at_start": load, "rows": rows, "policies": policies}
     _print_policies(policies)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 

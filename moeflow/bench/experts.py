@@ -8,10 +8,10 @@ length-aware batching. Tokens are routed uniformly at random (top-k of E), as un
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
+from moeflow.bench.provenance import write_json
 from moeflow.config import DTYPES
 
 TOKENS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -51,11 +51,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from moeflow.engine.llm import resolve_model
-    from moeflow.model.moe import experts_grouped, plan_pairs
-    from moeflow.model.weights import LoadSpec, load_weights
-
     from moeflow.hardware import resolve_dtype
-    from moeflow.model.weights import load_config
+    from moeflow.model.moe import experts_grouped, plan_pairs
+    from moeflow.model.weights import LoadSpec, load_config, load_weights
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -86,9 +84,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"roofline crossover (plateau meets the compute-bound line): ~{cross:.0f} tokens")
     print(f"inflection (per-token time within {KNEE_FACTOR}x of compute-bound): {knee} tokens")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "dtype": args.dtype, "threads": args.threads,
-                       "points": [{"tokens": n, "seconds": s} for n, s in points], "inflection_tokens": knee,
-                       "crossover_tokens": cross}, f,
-                      indent=2)
+        write_json(args.json, {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+                               "points": [{"tokens": n, "seconds": s} for n, s in points],
+                               "inflection_tokens": knee, "crossover_tokens": cross})
     return 0

@@ -10,16 +10,26 @@ workload and the per-request samples.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
 from dataclasses import replace
 
-from moeflow.bench.http_client import HttpClientConfig, HttpRun, run_requests, token_prompts
-from moeflow.bench.http_metrics import (compute_metrics, format_table, parse_goodput, parse_percentile_metrics,
-                                        parse_percentiles)
+from moeflow.bench.http_client import (
+    HttpClientConfig,
+    HttpRun,
+    run_requests,
+    token_prompts,
+)
+from moeflow.bench.http_metrics import (
+    compute_metrics,
+    format_table,
+    parse_goodput,
+    parse_percentile_metrics,
+    parse_percentiles,
+)
+from moeflow.bench.provenance import write_json
 from moeflow.bench.workload import WorkloadRequest, generate_requests
 
 _UNUSED_OVER_HTTP = (("rps", "--rps (give one --request-rate per run)"), ("plot", "--plot (use bench plot)"),
@@ -71,8 +81,7 @@ def run_http(args: argparse.Namespace) -> int:
         paths.append(os.path.join(args.result_dir, args.result_filename or _default_filename(args, rate)))
     for path in paths:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(path, result)
     return 0 if m["completed"] else 1
 
 

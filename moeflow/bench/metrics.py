@@ -77,16 +77,21 @@ def summarize(rps: float, records: list[RequestRecord], start_s: float, length_s
     """One point of the TTFT-vs-rate curve (the ``points`` entries of ``bench serve``'s JSON).
 
     prefill_tok_s: prompt tokens of completed requests / time from the replay's start to the
-    last completion.
+    last completion. ``ttft_p*`` are interpolated percentiles over completed requests (vLLM's
+    convention for reporting); the SLO metrics use nearest ranks over all requests (``bench.slo``).
     """
     ttft = [r.ttft_s for r in records]
     pct = {q: float(np.percentile(ttft, q)) if ttft else None for q in (50, 90, 99)}
+    num_requests = len(records) + num_rejected + num_failed + num_aborted
     wall = max((r.finished_s for r in records), default=start_s) - start_s
     tokens = sum(r.prompt_len for r in records)
     return {"rps": rps, "completed": len(records), "rejected": num_rejected, "failed": num_failed,
             "aborted": num_aborted, "ttft_mean_s": _mean(ttft), "ttft_p50_s": pct[50], "ttft_p90_s": pct[90],
             "ttft_p99_s": pct[99], "prefill_tok_s": tokens / wall if wall > 0 else None,
-            "prompt_tokens": tokens, "duration_s": wall, "buckets": buckets(records, bucket_edges(length_scale))}
+            "prompt_tokens": tokens, "duration_s": wall, "buckets": buckets(records, bucket_edges(length_scale)),
+            # every request's TTFT (a request that never got a first token counts in num_requests
+            # only): the SLO metrics' quantiles and attainment come from these
+            "num_requests": num_requests, "ttfts_s": sorted(round(t, 6) for t in ttft)}
 
 
 def mean_ttft_lower_bound(ttft_done_s: list[float], waiting_since_s: list[float], num_total: int,

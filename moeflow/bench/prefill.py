@@ -8,11 +8,11 @@ relative to what this machine delivered at that moment for the dtype actually ru
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 
+from moeflow.bench.provenance import write_json
 from moeflow.engine.args import add_engine_args, engine_kwargs
 
 SINGLE_LEN = 2048
@@ -123,8 +123,7 @@ def run_vs_transformers(args: argparse.Namespace) -> int:
               "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "rows": rows}
     _print(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 
@@ -186,8 +185,7 @@ def run_stream(args: argparse.Namespace) -> int:
     for proc, frac in sorted(busy.items()):
         print(f"  steady-state busy {proc:<16} {frac:6.1%}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 

@@ -10,13 +10,13 @@ simulator charges as latency and bandwidth. Writes JSON that ``sim/profiled.py``
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 
 import numpy as np
 
+from moeflow.bench.provenance import write_json
 from moeflow.config import DTYPES
 from moeflow.sim.profiled import fit_nonneg
 
@@ -157,8 +157,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.quick:
         for name, (mode, kw) in ENGINES.items():
             prof["engine"][name] = {"layout": kw, "samples": profile_engine(args.model, dtype, mode, kw, args.repeats)}
-    with open(args.json, "w") as f:
-        json.dump(prof, f, indent=2)
+    write_json(args.json, prof)
     a = prof["attention"]["fit"]
     print(f"attention block per layer: {a['c0'] * 1e3:.2f} ms + {a['per_token'] * 1e6:.2f} us/token "
           f"+ {a['per_pair'] * 1e9:.3f} ns/pair + {a['per_seq'] * 1e3:.3f} ms/seq")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeflow.bench.metrics import RequestRecord, mean_ttft_lower_bound
+from moeflow.bench.slo import StopRule
 from moeflow.bench.workload import WorkloadRequest
 from moeflow.core import RequestError, SamplingParams
 from moeflow.engine.base import clock
@@ -56,12 +57,12 @@ def random_prompts(requests: list[WorkloadRequest], vocab_size: int, seed: int) 
 
 
 def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label: str = "r",
-           stop_above_mean_ttft_s: float | None = None, progress: bool = True) -> ReplayResult:
+           stop: StopRule | None = None, progress: bool = True) -> ReplayResult:
     """Run ``requests`` through ``llm.engine`` at their arrival times; blocks until all are done.
 
-    With ``stop_above_mean_ttft_s``, the replay stops (aborting what is pending) as soon as the
-    mean TTFT is certain to exceed it (``mean_ttft_lower_bound``): an overloaded probe would
-    otherwise take as long to drain its queue as it took to fill it.
+    With ``stop``, the replay stops as soon as the run has certainly missed the SLO: what is
+    pending is aborted, and work already on the workers is drained before this returns, so the
+    next probe starts on an idle deployment (the probes stay independent).
     """
     engine, n = llm.engine, len(requests)
     bar = _Progress(n, label, progress)
@@ -86,13 +87,15 @@ def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label
                 bar.update()
                 continue
             tracked[r.request_id] = _Tracked(OutputTracker(r, llm.tokenizer))
-        if stop_above_mean_ttft_s is not None and now >= next_bound_s:
+        if stop is not None and now >= next_bound_s:
             next_bound_s = now + _BOUND_EVERY_S
-            bound = _bound(records, tracked, n - num_rejected, now)
-            if bound > stop_above_mean_ttft_s:
+            done, waiting = _progress(records, tracked)
+            if stop.fails(done, waiting, n - num_rejected, now):
                 for rid in tracked:
                     engine.abort(rid)
+                engine.drain()
                 bar.close()
+                bound = mean_ttft_lower_bound(done, waiting, n - num_rejected, now)
                 return ReplayResult(records, start_s, num_rejected, num_failed, len(tracked) + n - i, True, bound)
         if engine.has_unfinished():
             result = engine.step()
@@ -121,7 +124,8 @@ def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label
     return ReplayResult(records, start_s, num_rejected, num_failed, 0, False, None)
 
 
-def _bound(records: list[RequestRecord], tracked: dict[str, _Tracked], num_total: int, now: float) -> float:
+def _progress(records: list[RequestRecord], tracked: dict[str, _Tracked]) -> tuple[list[float], list[float]]:
+    """TTFTs known so far, and the arrival times of requests still waiting for their first token."""
     done = [r.ttft_s for r in records]
     waiting = []
     for t in tracked.values():
@@ -130,7 +134,7 @@ def _bound(records: list[RequestRecord], tracked: dict[str, _Tracked], num_total
             done.append(m.first_token_s - m.arrival_s)
         else:
             waiting.append(m.arrival_s)
-    return mean_ttft_lower_bound(done, waiting, num_total, now)
+    return done, waiting
 
 
 class _Progress:

@@ -13,13 +13,12 @@ OpenAI-compatible server) instead, with ``vllm bench serve``'s flags and metric 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
-from moeflow.bench.metrics import format_point, summarize
-from moeflow.bench.replay import random_prompts, replay
-from moeflow.bench.slo import SloSearch, find_slo_rps, probe_ttft_s
-from moeflow.bench.workload import KINDS, WorkloadConfig, generate_requests
+from moeflow.bench.metrics import format_point
+from moeflow.bench.provenance import write_json
+from moeflow.bench.slo import METRICS, SloMetric, SloSearch
+from moeflow.bench.workload import KINDS, WorkloadConfig
 from moeflow.engine.args import add_engine_args, engine_kwargs
 
 _DEFAULT_DURATION_S = 60.0
@@ -43,7 +42,10 @@ def add_parser(sub) -> None:
                    help=f"arrivals per rate (default {_DEFAULT_DURATION_S:g} s; trace: all of it)")
     w.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (1 = prefill only)")
     s = p.add_argument_group("SLO")
-    s.add_argument("--slo-ttft-s", type=float, default=None, help="mean-TTFT SLO (drawn on the plot)")
+    s.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT SLO in seconds (drawn on the plot)")
+    s.add_argument("--slo-metric", default="mean", metavar="|".join(METRICS),
+                   help="what meets the SLO: mean TTFT, a nearest-rank percentile over all requests, or "
+                        "attainment:F = at least a fraction F of requests within it (vLLM's goodput)")
     s.add_argument("--find-slo-rps", action="store_true", help="bisect for the highest rate within the SLO")
     s.add_argument("--slo-probes", type=int, default=5, help="bisection probes after bracketing")
     s.add_argument("--slo-rel-tol", type=float, default=0.05, help="stop bisecting once hi/lo <= 1 + this")
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_http(args)
     from moeflow import LLM
+    from moeflow.bench.probe import Prober, slo_table
 
     if args.request_rate is not None and args.rps is None:
         args.rps = f"{args.request_rate!r}"
@@ -106,54 +109,39 @@ def run(args: argparse.Namespace) -> int:
     workload_config(args, rates[0])  # invalid workload flags fail before the deployment starts
     if args.find_slo_rps and args.slo_ttft_s is None:
         raise ValueError("--find-slo-rps needs --slo-ttft-s")
-    search = SloSearch(args.slo_ttft_s, args.slo_probes, args.slo_rel_tol) if args.find_slo_rps else None
+    metric = SloMetric.parse(args.slo_metric)
+    search = SloSearch(args.slo_ttft_s, args.slo_probes, args.slo_rel_tol, metric=metric) if args.find_slo_rps else None
     kw = engine_kwargs(args)
     with LLM(**kw) as llm:
-        vocab = llm.engine.model_config.vocab_size
-        _warm_up(llm, vocab, args.seed)
+        prober = Prober(llm, lambda rate: workload_config(args, rate), args.seed, progress=not args.no_progress)
+        prober.warm_up()
         if args.trace:
             llm.engine.collect_spans()  # drop the warm-up's spans (and fail now if the mode records none)
-        points: dict[float, dict] = {}
-
-        def measure(rate: float | None, stop_above: float | None = None) -> float:
-            cfg = workload_config(args, rate)
-            reqs = generate_requests(cfg)
-            prompts = random_prompts(reqs, vocab, args.seed)
-            rps = rate if rate is not None else _recorded_rate(reqs)
-            res = replay(llm, reqs, prompts, label=f"{rps:g}rps", stop_above_mean_ttft_s=stop_above,
-                         progress=not args.no_progress)
-            p = summarize(rps, res.records, res.start_s, args.length_scale, res.num_rejected, res.num_failed,
-                          res.num_aborted)
-            if res.stopped_early:  # only the bound is known: the completed ones are the quick ones
-                p.update(stopped_early=True, ttft_mean_s=res.mean_ttft_bound_s, ttft_p50_s=None, ttft_p90_s=None,
-                         ttft_p99_s=None)
-            points[rps] = p
-            print(format_point(p), flush=True)
-            return probe_ttft_s(p)
-
         for rate in rates:
-            measure(rate)
+            print(format_point(prober.measure(rate)), flush=True)
         slo = None
         if search is not None:
-            # NOTE: with --trace every probe runs to the end: stopping aborts work in flight, and
-            # collecting spans needs an idle deployment.
-            stop = None if args.trace else search.slo_ttft_s
-            measured = {r: probe_ttft_s(p) for r, p in points.items()}
-            slo = find_slo_rps(lambda r: measure(r, stop), search, measured)
-            print(f"SLO throughput (mean TTFT <= {search.slo_ttft_s:g} s): "
+            # NOTE: with --trace every probe runs to the end: collecting spans needs the whole run
+            slo = prober.find_slo(search, early_stop=not args.trace)
+            for r in sorted(prober.points):
+                if r not in rates:
+                    print(format_point(prober.points[r]), flush=True)
+            print(f"SLO throughput ({metric.name} TTFT <= {search.slo_ttft_s:g} s): "
                   + (f"{slo.rps:g} rps" if slo.rps is not None else "none of the probed rates meets it")
                   + (f" (misses at {slo.upper_rps:g} rps)" if slo.upper_rps is not None else " (no failing rate found)")
                   + f", {slo.num_probes} probes")
         spans = llm.engine.collect_spans() if args.trace else None
-    result = {"mode": args.mode, "config": kw,
+        config = {**kw, "dtype": llm.config.dtype}
+    points = [prober.points[r] for r in sorted(prober.points)]
+    result = {"mode": args.mode, "config": config,
               "workload": {k: v for k, v in workload_config(args, None if args.workload == "trace" else 1.0)
                            .to_dict().items() if k != "rate_rps"},
-              "slo_ttft_s": args.slo_ttft_s, "slo_rps": slo.rps if slo is not None else None,
+              "slo_ttft_s": args.slo_ttft_s, "slo_metric": metric.name, "slo_rps": slo.rps if slo is not None else None,
               "slo_upper_rps": slo.upper_rps if slo is not None else None,
-              "points": [points[r] for r in sorted(points)]}
+              "slo_rps_by_metric": slo_table(points, args.slo_ttft_s),
+              "points": points}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     if args.plot:
         from moeflow.bench.plot import plot_results
 
@@ -163,19 +151,3 @@ def run(args: argparse.Namespace) -> int:
 
         write_chrome_trace(spans, args.trace)
     return 0
-
-
-def _warm_up(llm, vocab: int, seed: int) -> None:
-    """A few short prompts first: the first batches pay one-time costs (allocation, lazy init)."""
-    from moeflow import SamplingParams
-    from moeflow.bench.workload import WorkloadRequest
-
-    reqs = [WorkloadRequest(0.0, 16, 1)] * 4
-    llm.generate(random_prompts(reqs, vocab, seed + 1), SamplingParams(max_tokens=1, temperature=0.0))
-
-
-def _recorded_rate(reqs) -> float:
-    """Mean arrival rate of a trace replayed as recorded."""
-    if len(reqs) < 2 or reqs[-1].arrival_s <= reqs[0].arrival_s:
-        return float(len(reqs))
-    return (len(reqs) - 1) / (reqs[-1].arrival_s - reqs[0].arrival_s)

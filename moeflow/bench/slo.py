@@ -1,4 +1,11 @@
-"""SLO throughput: the highest request rate whose mean TTFT stays within the SLO, by bisection.
+"""SLO throughput: the highest request rate that stays within a TTFT SLO, by bisection.
+
+What "within the SLO" means is a ``SloMetric``: ``mean`` (mean TTFT <= SLO, the default and what
+these results used before the metric was explicit), ``p50``/``p90``/``p99`` or ``attainment:F``.
+A quantile metric counts every request of the run, completed or not (one that never got a first
+token has an infinite TTFT), and takes the nearest rank: p90 <= SLO exactly when at least 90% of
+the requests had TTFT <= SLO, which is vLLM's goodput notion; so ``p90`` and ``attainment:0.9``
+decide alike.
 
 Each probe is a full replay at one rate, so probes are few and expensive; the search reuses the
 rates already measured by the sweep to bracket the threshold before probing anything.
@@ -20,6 +27,67 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from moeflow.bench.metrics import mean_ttft_lower_bound
+
+METRICS = ("mean", "p50", "p90", "p99", "attainment:F")
+
+
+@dataclass(frozen=True)
+class SloMetric:
+    name: str  # as given: "mean", "p90", "attainment:0.95"
+    quantile: float | None  # None: the mean; q: the nearest-rank q-quantile over all requests
+
+    @classmethod
+    def parse(cls, text: str) -> "SloMetric":
+        if text == "mean":
+            return cls("mean", None)
+        if text in ("p50", "p90", "p99"):
+            return cls(text, int(text[1:]) / 100)
+        if text.startswith("attainment:"):
+            try:
+                q = float(text.split(":", 1)[1])
+            except ValueError:
+                q = math.nan
+            if 0 < q <= 1:
+                return cls(text, q)
+        raise ValueError(f"SLO metric must be one of {METRICS} (F in (0, 1]), got {text!r}")
+
+    def score(self, point: dict) -> float:
+        """The run's TTFT under this metric (inf when it cannot be met); the run meets an SLO of
+        s seconds exactly when score <= s."""
+        if self.quantile is None:
+            return point["ttft_mean_s"] if point["ttft_mean_s"] is not None else math.inf
+        ttfts = point.get("ttfts_s")
+        if ttfts is None:  # a point without per-request TTFTs (older result files): not decidable
+            return math.nan
+        n = point.get("num_requests", len(ttfts))
+        k = math.ceil(self.quantile * n)
+        return ttfts[k - 1] if 0 < k <= len(ttfts) else (0.0 if k == 0 else math.inf)
+
+    def certainly_fails(self, ttft_done_s: list[float], waiting_since_s: list[float], num_total: int,
+                        now_s: float, slo_s: float) -> bool:
+        """Whether a run still in progress has already missed the SLO whatever happens next."""
+        if self.quantile is None:
+            return mean_ttft_lower_bound(ttft_done_s, waiting_since_s, num_total, now_s) > slo_s
+        misses = sum(t > slo_s for t in ttft_done_s) + sum(now_s - a > slo_s for a in waiting_since_s)
+        return misses > num_total - math.ceil(self.quantile * num_total)
+
+
+MEAN = SloMetric("mean", None)
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Stop a probe as soon as it has certainly missed the SLO: an overloaded probe would
+    otherwise take as long to drain its queue as it took to fill it."""
+
+    metric: SloMetric
+    slo_s: float
+
+    def fails(self, ttft_done_s: list[float], waiting_since_s: list[float], num_total: int, now_s: float) -> bool:
+        return self.metric.certainly_fails(ttft_done_s, waiting_since_s, num_total, now_s, self.slo_s)
+ALL_METRICS = tuple(SloMetric.parse(m) for m in ("mean", "p50", "p90", "p99")) + (SloMetric.parse("attainment:0.95"),)
+
 
 @dataclass(frozen=True)
 class SloSearch:
@@ -27,6 +95,7 @@ class SloSearch:
     max_probes: int = 5  # bisection probes after the bracket is found
     rel_tol: float = 0.05  # stop once hi / lo <= 1 + rel_tol
     max_expand: int = 4  # probes spent looking for a bracket on either side
+    metric: SloMetric = MEAN
 
     def __post_init__(self) -> None:
         if not self.slo_ttft_s > 0:
@@ -44,14 +113,30 @@ class SloResult:
     num_probes: int  # replays the search ran (the sweep's rates not counted)
 
 
-def probe_ttft_s(point: dict) -> float:
-    """A ``bench serve`` point's mean TTFT for the search: inf when nothing completed."""
-    return point["ttft_mean_s"] if point["ttft_mean_s"] is not None else math.inf
+def probe_ttft_s(point: dict, metric: SloMetric = MEAN) -> float:
+    """A ``bench serve`` point's score for the search (``SloMetric.score``; the mean TTFT by default)."""
+    return metric.score(point)
+
+
+def slo_rps_from_points(points: list[dict], metric: SloMetric, slo_s: float) -> SloResult:
+    """The SLO throughput the measured points show under ``metric``: the highest rate that meets
+    the SLO below the lowest rate that misses it (no probing). Points the metric cannot decide
+    (a stopped-early probe for a quantile metric it did not stop on) are left out."""
+    # a probe stopped early decides only the metric that stopped it (it failed that one)
+    scores = {p["rps"]: metric.score(p) for p in points
+              if not p.get("stopped_early") or p.get("stopped_by", "mean") == metric.name}
+    scores = {r: s for r, s in scores.items() if not math.isnan(s)}
+    fails = [r for r, s in scores.items() if not s <= slo_s]
+    first_fail = min(fails, default=math.inf)
+    lo = max((r for r, s in scores.items() if s <= slo_s and r < first_fail), default=None)
+    hi = min((r for r in fails if lo is None or r > lo), default=None)
+    return SloResult(lo, hi, 0)
 
 
 def find_slo_rps(probe: Callable[[float], float], search: SloSearch, measured: dict[float, float]) -> SloResult:
-    """``probe(rate)`` runs one replay and returns its mean TTFT (inf when nothing completed);
-    ``measured`` holds the sweep's rate -> mean TTFT. Every probe is added to ``measured``."""
+    """``probe(rate)`` runs one replay and returns its score under the search's metric (the mean
+    TTFT by default; inf when nothing completed); ``measured`` holds the sweep's rate -> score.
+    Every probe is added to ``measured``."""
     if not measured:
         raise ValueError("find_slo_rps needs at least one measured rate to start from")
     slo = search.slo_ttft_s

@@ -56,6 +56,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def abort(self, request_id: str) -> None: ...
 
+    def drain(self, timeout_s: float = 120.0) -> None:
+        """Return once no work is in flight on any worker (results of aborted requests are
+        dropped). Modes whose ``step`` returns with nothing in flight have nothing to do."""
+
     def shutdown(self) -> None:
         """Release processes and shared memory (nothing to do for in-process engines)."""
 

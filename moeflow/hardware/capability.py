@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 from dataclasses import dataclass
 
 import torch
+
+from moeflow.hardware.cpuinfo import cpu_flags, cpu_model
 
 # /proc/cpuinfo flags that make a dtype native on x86 (Linux spells AVX512_BF16 "avx512_bf16")
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -50,28 +51,6 @@ class Capability:
         return f"the CPU ({self.isa}) has no {need}"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def detect(device: str = "cpu") -> Capability:
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -81,12 +60,12 @@ def detect(device: str = "cpu") -> Capability:
                           torch.__version__, native)
     if device != "cpu":
         raise ValueError(f"unknown device {device!r}; moeflow runs on 'cpu' or 'cuda'")
-    flags = _cpu_flags()
+    flags = cpu_flags()
     native = ["float32"]
     if flags & _BF16_FLAGS:
         native.append("bfloat16")
     if flags & _FP16_FLAGS:
         native.append("float16")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return Capability("cpu", _cpu_model(), torch.backends.cpu.get_cpu_capability(),
+    return Capability("cpu", cpu_model(), torch.backends.cpu.get_cpu_capability(),
                       tuple(f for f in _REPORTED_FLAGS if f in flags), cores, torch.__version__, tuple(native))

@@ -10,6 +10,8 @@ import argparse
 import json
 import time
 
+from moeflow.bench.provenance import write_json
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="discrete-event simulation of a deployment (configs/*.yaml)")
@@ -25,6 +27,10 @@ def add_parser(sub) -> None:
     p.add_argument("--trace-window-s", type=float, default=10.0, help="simulated seconds the trace covers")
     p.add_argument("--compare", action="append", default=[], metavar="SYSTEM=MEASURED.json",
                    help="print the mean-TTFT and SLO-throughput error against a `bench serve` result (repeatable)")
+    p.add_argument("--compare-with", default=None, metavar="RESULT.json",
+                   help="a `bench compare` result of this same experiment: simulate its rates and seeds, and "
+                        "report the error per point and system against its measured means and intervals")
+    p.add_argument("--repeats", type=int, default=1, help="seeds seed, seed+1, ... (as bench compare runs them)")
     p.set_defaults(func=run)
 
 
@@ -39,6 +45,16 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--system {unknown}: the config has {list(cfg.systems)}")
     rates = tuple(float(r) for r in args.rps.split(",")) if args.rps else cfg.rps
+    measured = None
+    if args.compare_with:
+        with open(args.compare_with) as f:
+            measured = json.load(f)
+        names = [n for n in names if n in measured["systems"]]
+        if not names:
+            raise ValueError(f"--compare-with {args.compare_with}: none of its systems "
+                             f"{sorted(measured['systems'])} is in the config")
+        rates = tuple(sorted({p["rps"] for n in names for p in measured["systems"][n]["points"]}))
+        args.repeats = measured.get("repeats", args.repeats)
     find_slo = args.find_slo_rps or cfg.find_slo_rps
     if find_slo and not cfg.slo_ttft_s:
         raise ValueError("--find-slo-rps needs slo_ttft_s in the config")
@@ -48,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     spans = []
     for name in names:
         t0 = time.perf_counter()
-        res = run_system(name, cfg, cost, rates, find_slo, trace_rate, args.trace_window_s)
+        res = run_system(name, cfg, cost, rates, find_slo, trace_rate, args.trace_window_s, args.repeats)
         wall = time.perf_counter() - t0
         res.result["sim_speed"] = {"events": res.num_events, "wall_s": wall, "events_per_s": res.num_events / wall}
         out[name] = res.result
@@ -61,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                   + ", ".join(f"{role} {frac:.0%}" for role, frac in p["sim_busy"].items()))
         print(f"simulated {res.num_events:,} events in {wall:.1f} s ({res.num_events / wall:,.0f} events/s)")
     if find_slo:
-        print(f"\nSLO throughput (mean TTFT <= {cfg.slo_ttft_s:g} s):")
+        print(f"\nSLO throughput ({cfg.slo_metric} TTFT <= {cfg.slo_ttft_s:g} s):")
         for name in names:
             r = out[name]["slo_rps"]
             print(f"  {name:>24}: " + (f"{r:g} rps" if r is not None else "none of the probed rates"))
@@ -71,6 +87,12 @@ def run(args: argparse.Namespace) -> int:
                 if a != b and ra and rb and ra > rb:
                     print(f"  {a} / {b} = {ra / rb:.2f}")
     comparisons = {}
+    if measured is not None:
+        from moeflow.sim.compare import compare, format_comparison
+
+        for name in names:
+            comparisons[name] = compare(out[name], measured["systems"][name])
+            print(format_comparison(name, comparisons[name], comparisons[name]["measured_slo_rps"]))
     for spec in args.compare:
         from moeflow.sim.compare import compare, format_comparison
 
@@ -84,8 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if comparisons:
         data = {**data, "comparison": comparisons} if "systems" in data else {"systems": out, "comparison": comparisons}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=2)
+        write_json(args.json, data)
     if args.plot:
         from moeflow.bench.plot import plot_results
 

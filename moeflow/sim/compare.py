@@ -1,4 +1,6 @@
-"""Simulated against measured: mean TTFT error per rate and SLO-throughput error."""
+"""Simulated against measured: mean TTFT error per rate and SLO-throughput error. A measured
+result of ``bench compare`` carries 95% intervals: each point then says whether the simulated
+mean falls inside the measured interval (an error smaller than the measurement can resolve)."""
 from __future__ import annotations
 
 import math
@@ -13,8 +15,13 @@ def compare(simulated: dict, measured: dict) -> dict:
         s = sim.get(p["rps"])
         if s is None or p.get("stopped_early") or s.get("stopped_early") or p["ttft_mean_s"] is None:
             continue
-        rows.append({"rps": p["rps"], "measured_ttft_s": p["ttft_mean_s"], "simulated_ttft_s": s["ttft_mean_s"],
-                     "error": s["ttft_mean_s"] / p["ttft_mean_s"] - 1})
+        row = {"rps": p["rps"], "measured_ttft_s": p["ttft_mean_s"], "simulated_ttft_s": s["ttft_mean_s"],
+               "error": s["ttft_mean_s"] / p["ttft_mean_s"] - 1}
+        ci = p.get("ttft_mean_s_ci")
+        if ci and ci[0] != ci[1]:
+            row.update(measured_ci=ci, within_ci=ci[0] <= s["ttft_mean_s"] <= ci[1],
+                       ci_half_width_rel=(ci[1] - ci[0]) / 2 / p["ttft_mean_s"])
+        rows.append(row)
     ms, ss = measured.get("slo_rps"), simulated.get("slo_rps")
     return {"points": rows, "measured_slo_rps": ms, "simulated_slo_rps": ss,
             "slo_error": (ss / ms - 1) if ms and ss else None}
@@ -24,8 +31,10 @@ def format_comparison(name: str, c: dict, below_rps: float | None = None) -> str
     lines = [f"{name}: {'rate':>7} {'measured':>9} {'simulated':>9} {'error':>7}"]
     for r in c["points"]:
         mark = "" if below_rps is None or r["rps"] < below_rps else "  (at/above saturation)"
+        ci = (f"  (measured ±{r['ci_half_width_rel']:.0%}: {'inside' if r['within_ci'] else 'outside'})"
+              if "within_ci" in r else "")
         lines.append(f"{'':>{len(name) + 1}} {r['rps']:>7g} {r['measured_ttft_s']:>8.2f}s {r['simulated_ttft_s']:>8.2f}s "
-                     f"{r['error'] * 100:>+6.1f}%{mark}")
+                     f"{r['error'] * 100:>+6.1f}%{mark}{ci}")
     if c["slo_error"] is not None:
         lines.append(f"{'':>{len(name) + 1}} SLO throughput: measured {c['measured_slo_rps']:g} rps, simulated "
                      f"{c['simulated_slo_rps']:g} rps ({c['slo_error'] * 100:+.1f}%)")

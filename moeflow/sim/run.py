@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass
 
 from moeflow.bench.metrics import summarize
-from moeflow.bench.slo import SloSearch, find_slo_rps, probe_ttft_s
+from moeflow.bench import compare_report as report
+from moeflow.bench.slo import ALL_METRICS, SloMetric, SloSearch, StopRule, find_slo_rps, slo_rps_from_points
 from moeflow.bench.workload import generate_requests
 from moeflow.experiment import Experiment, SystemSpec, system_to_dict
 from moeflow.sim.asap import AsapSystem
@@ -51,49 +52,66 @@ class SystemRun:
     spans: list
 
 
-def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float,
-              stop_above_mean_ttft_s: float | None = None, trace_until_s: float = 0.0) -> tuple[dict, RunResult]:
-    workload = dataclasses.replace(cfg.workload, rate_rps=rate)
+def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float, seed: int | None = None,
+              stop: StopRule | None = None, trace_until_s: float = 0.0) -> tuple[dict, RunResult]:
+    workload = cfg.point_workload(rate, cfg.workload.seed if seed is None else seed)
     sim = make_system(system, cost, trace_until_s)
-    res = sim.run(generate_requests(workload), stop_above_mean_ttft_s)
-    p = summarize(rate, res.records, 0.0, cfg.workload.length_scale)
+    res = sim.run(generate_requests(workload), stop)
+    p = summarize(rate, res.records, 0.0, cfg.workload.length_scale, num_aborted=res.num_pending)
     p["sim_events"] = res.num_events
     p["sim_busy"] = res.busy  # per role: fraction of the run its devices computed (not waited)
     if res.stopped_early:
-        p.update(stopped_early=True, ttft_mean_s=res.mean_ttft_bound_s, ttft_p50_s=None, ttft_p90_s=None,
-                 ttft_p99_s=None)
+        p.update(stopped_early=True, stopped_by=stop.metric.name, ttft_mean_s=res.mean_ttft_bound_s,
+                 ttft_p50_s=None, ttft_p90_s=None, ttft_p99_s=None)
     return p, res
 
 
 def run_system(name: str, cfg: Experiment, cost: CostModel, rates: tuple[float, ...], find_slo: bool,
-               trace_rate: float | None = None, trace_window_s: float = 0.0) -> SystemRun:
+               trace_rate: float | None = None, trace_window_s: float = 0.0, repeats: int = 1) -> SystemRun:
+    """The sweep (and SLO search) once per seed (seed, seed+1, ... as ``bench compare`` runs
+    them); points are averaged over the seeds, each seed's kept under ``repeats``."""
     system = cfg.systems[name]
-    points: dict[float, dict] = {}
+    metric = SloMetric.parse(cfg.slo_metric)
     events = 0
     spans: list = []
+    reps = []
+    for k in range(repeats):
+        seed = cfg.workload.seed + k
+        points: dict[float, dict] = {}
 
-    def measure(rate: float, stop: float | None = None) -> float:
-        nonlocal events, spans
-        tracing = trace_rate is not None and math.isclose(rate, trace_rate)
-        p, res = run_point(system, cost, cfg, rate, stop, trace_window_s if tracing else 0.0)
-        events += res.num_events
-        if tracing:
-            spans = res.spans
-        points[rate] = p
-        return probe_ttft_s(p)
+        def measure(rate: float, stop: StopRule | None = None) -> float:
+            nonlocal events, spans
+            tracing = k == 0 and trace_rate is not None and math.isclose(rate, trace_rate)
+            p, res = run_point(system, cost, cfg, rate, seed, stop, trace_window_s if tracing else 0.0)
+            events += res.num_events
+            if tracing:
+                spans = res.spans
+            points[rate] = p
+            return metric.score(p)
 
-    for r in rates:
-        measure(r)
-    slo = None
-    if find_slo:
-        search = SloSearch(cfg.slo_ttft_s, cfg.slo_probes, cfg.slo_rel_tol)
-        measured = {r: probe_ttft_s(p) for r, p in points.items()}
-        slo = find_slo_rps(lambda r: measure(r, search.slo_ttft_s), search, measured)
+        for r in rates:
+            measure(r)
+        slo = None
+        if find_slo:
+            search = SloSearch(cfg.slo_ttft_s, cfg.slo_probes, cfg.slo_rel_tol, metric=metric)
+            measured = {r: metric.score(p) for r, p in points.items()}
+            slo = find_slo_rps(lambda r: measure(r, StopRule(metric, search.slo_ttft_s)), search, measured)
+        all_points = [points[r] for r in sorted(points)]
+        reps.append({"seed": seed, "sweep": [points[r] for r in rates], "probes": [p for p in all_points
+                                                                                  if p["rps"] not in rates],
+                     "slo": {m.name: dataclasses.asdict(slo_rps_from_points(all_points, m, cfg.slo_ttft_s))
+                             for m in ALL_METRICS} if cfg.slo_ttft_s else {},
+                     "search": dataclasses.asdict(slo) if slo else None, "all_points": all_points})
+    by_metric = report.slo_by_metric(reps)
+    points = reps[0]["all_points"] if repeats == 1 else report.aggregate_points(reps)
     result = {"mode": system.layout.mode, "simulated": True,
               "config": {"name": system.name, **system_to_dict(system), "model": cfg.model, "hardware": cfg.hardware,
                          "cost": cfg.cost, "devices": system.layout.num_processes},
               "workload": {k: v for k, v in cfg.workload.to_dict().items() if k != "rate_rps"},
-              "slo_ttft_s": cfg.slo_ttft_s, "slo_rps": slo.rps if slo else None,
-              "slo_upper_rps": slo.upper_rps if slo else None,
-              "points": [points[r] for r in sorted(points)]}
+              "slo_ttft_s": cfg.slo_ttft_s, "slo_metric": metric.name,
+              "slo_rps": by_metric[metric.name]["median"] if find_slo else None,
+              "slo_upper_rps": reps[0]["search"]["upper_rps"] if find_slo and repeats == 1 else None,
+              "slo_rps_by_metric": by_metric, "points": points}
+    if repeats > 1:
+        result["repeats"] = [{k: v for k, v in r.items() if k != "all_points"} for r in reps]
     return SystemRun(result, events, spans)

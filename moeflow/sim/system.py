@@ -10,6 +10,7 @@ import abc
 from dataclasses import dataclass, field
 
 from moeflow.bench.metrics import RequestRecord, mean_ttft_lower_bound
+from moeflow.bench.slo import StopRule
 from moeflow.bench.workload import WorkloadRequest
 from moeflow.core import Batch, Request, SamplingParams
 from moeflow.experiment import SystemSpec
@@ -17,6 +18,7 @@ from moeflow.messages import Span
 from moeflow.scheduler import Scheduler, make_scheduler
 from moeflow.sim.cost import CostModel
 from moeflow.sim.events import EventLoop
+
 
 @dataclass
 class RunResult:
@@ -27,6 +29,7 @@ class RunResult:
     mean_ttft_bound_s: float | None = None  # set when stopped early
     spans: list[Span] = field(default_factory=list)
     busy: dict[str, float] = field(default_factory=dict)  # per role: mean fraction of the run spent computing
+    num_pending: int = 0  # requests without a result when the run stopped early
 
 
 @dataclass
@@ -71,28 +74,30 @@ class System(abc.ABC):
     def add(self, request: Request) -> None:
         """A request arrives now (``self.loop.now``)."""
 
-    def run(self, workload: list[WorkloadRequest], stop_above_mean_ttft_s: float | None = None) -> RunResult:
-        """Replay ``workload`` to the end (or until the mean TTFT can no longer stay below the bound)."""
+    def run(self, workload: list[WorkloadRequest], stop: StopRule | None = None) -> RunResult:
+        """Replay ``workload`` to the end (or until it has certainly missed ``stop``'s SLO)."""
         for i, w in enumerate(workload):
             # NOTE: a range stands in for the prompt's token ids: the scheduler only counts them.
             r = Request(f"r{i}", range(w.prompt_len), SamplingParams(max_tokens=w.output_len, ignore_eos=True),
                         arrival_s=w.arrival_s)
             self.loop.at(w.arrival_s, self._arrive, r)
         self._pending = len(workload)
-        stop = (lambda: False) if stop_above_mean_ttft_s is None else (
-            lambda: self.loop.num_events % 4096 == 0 and self._bound(len(workload)) > stop_above_mean_ttft_s)
-        self.loop.run(stop)
+        n = len(workload)
+        self.loop.run((lambda: False) if stop is None else
+                      (lambda: self.loop.num_events % 4096 == 0 and stop.fails(*self._progress(), n, self.loop.now)))
         stopped = self._pending > 0
         end = self.loop.now
         busy = {role: s / (self.num_entities[role] * end) if end > 0 else 0.0 for role, s in self.busy_s.items()}
-        return RunResult(self.records, self.loop.num_events, end, stopped,
-                         self._bound(len(workload)) if stopped else None, self.spans, busy)
+        bound = mean_ttft_lower_bound(*self._progress(), n, end) if stopped else None
+        return RunResult(self.records, self.loop.num_events, end, stopped, bound, self.spans, busy, self._pending)
 
-    def _bound(self, num_total: int) -> float:
+    def _progress(self) -> tuple[list[float], list[float]]:
+        """TTFTs so far, and the arrival times of requests still waiting for a first token."""
         now = self.loop.now
         done = [r.ttft_s for r in self.records]
-        waiting = [t.arrival_s for rid, t in self.track.items() if t.arrival_s <= now]
-        return mean_ttft_lower_bound(done, waiting, num_total, now)
+        done += [t.first_token_s - t.arrival_s for t in self.track.values() if t.first_token_s is not None]
+        waiting = [t.arrival_s for t in self.track.values() if t.arrival_s <= now and t.first_token_s is None]
+        return done, waiting
 
     def _arrive(self, r: Request) -> None:
         self.track[r.request_id] = _Track(r.arrival_s)

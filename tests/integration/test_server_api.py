@@ -10,7 +10,6 @@ import sys
 import httpx
 import openai
 import pytest
-
 from server_harness import ServerProcess
 
 NAME = "moe-test"

@@ -7,11 +7,13 @@ import math
 
 import pytest
 
+from moeflow.bench.slo import MEAN, StopRule
 from moeflow.bench.workload import WorkloadRequest
+from moeflow.experiment import parse_experiment as parse_config
+from moeflow.experiment import system_from_dict
 from moeflow.scheduler.asap import AsapScheduler
 from moeflow.scheduler.dep import DepScheduler
 from moeflow.sim.asap import AsapSystem
-from moeflow.experiment import parse_experiment as parse_config, system_from_dict
 from moeflow.sim.cost import AnalyticCost
 from moeflow.sim.dep import DepSystem
 from moeflow.sim.events import EventLoop
@@ -151,7 +153,7 @@ def test_tiny_preset_matches_the_embedded_model():
 def test_simulating_stops_early_once_the_slo_is_lost():
     cfg = _cfg()
     cost = build_cost(cfg)
-    res, _ = run_point(cfg.systems["dep"], cost, cfg, 200.0, stop_above_mean_ttft_s=1.0)
+    res, _ = run_point(cfg.systems["dep"], cost, cfg, 200.0, stop=StopRule(MEAN, 1.0))
     assert res.get("stopped_early") and res["completed"] < 4000 and res["ttft_mean_s"] > 0 and math.isfinite(res["ttft_mean_s"])
 
 

@@ -1,0 +1,76 @@
+"""The machine's limit, the anchor of every speed-up claim: prompt tokens/s the cores would sustain
+if each did only the colocated model's work, with no waiting, no transport and no imbalance.
+
+From a one-process ``moeflow profile`` (the colocated stage costs measured here), a request of n
+prompt tokens costs: its attention over its own causal pairs (the profile's fit), the LM head,
+and its routed experts at the best per-pair rate the profile measured (large batches, all experts
+local): a bound no real deployment beats, since batching can only approach that rate. Then
+
+    capacity = cores x sum(prompt tokens) / sum(per-request compute seconds)
+
+over the experiment's workload. Each system's saturation throughput is reported as a fraction of
+it, with the time split (from worker traces) that explains the rest. Pure Python.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+
+from moeflow.bench.workload import WorkloadConfig, generate_requests
+
+# trace span names by what the time was spent on (workers/stages.py, schedule.py, experts.py, moe.py)
+COMPUTE = {"attention", "router", "combine", "experts", "sample", "dense"}
+TRANSPORT = {"dispatch", "combine-send"}  # copying rows out; an inline MoE worker's "recv" is mostly waiting
+WAIT = {"wait-combine", "wait-dispatch"}  # a barrier (dep) or another stage's work (asap)
+
+
+def request_compute_s(profile: dict, prompt_len: int) -> float:
+    """Colocated compute of one lone request, experts at the profile's best per-pair rate."""
+    a, h = profile["attention"]["fit"], profile["head"]["fit"]
+    n = prompt_len
+    pairs = n * (n + 1) // 2
+    attn = a["c0"] + a["per_token"] * n + a["per_pair"] * pairs + a["per_seq"]
+    table = profile["experts"][str(profile["num_experts"])]  # all experts local, as colocated holds them
+    best_s_per_pair = min(s / r for r, s in table if r > 0)
+    experts = n * profile["top_k"] * best_s_per_pair
+    head = h["c0"] + h["per_token"] * n + h["per_sampled"]
+    return profile["num_layers"] * (attn + experts) + head
+
+
+def capacity_tok_s(profile: dict, workload: WorkloadConfig, cores: int, num_samples: int = 4000) -> dict:
+    """The machine's capacity for ``workload``'s prompt lengths (``num_samples`` of them, drawn
+    with its seed; the rate does not matter)."""
+    reqs = generate_requests(dataclasses.replace(workload, rate_rps=1.0, duration_s=None, num_requests=num_samples))
+    if not reqs:
+        raise ValueError("capacity: the workload has no requests")
+    tokens = sum(r.prompt_len for r in reqs)
+    compute = sum(request_compute_s(profile, r.prompt_len) for r in reqs)
+    return {"tok_s": cores * tokens / compute, "cores": cores, "mean_prompt_tokens": tokens / len(reqs),
+            "mean_request_compute_s": compute / len(reqs), "profile_dtype": profile.get("dtype")}
+
+
+def load_profile(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def time_split(spans: list, start_s: float, end_s: float) -> dict[str, dict[str, float]]:
+    """Per process: the fraction of [start_s, end_s] its main thread computed, transported, waited
+    on other stages (barrier or pipeline bubble), and was idle (no work item at all)."""
+    window = end_s - start_s
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"compute": 0.0, "transport": 0.0, "wait": 0.0})
+    for s in spans:
+        proc, _, thread = s.track.partition("/")
+        if thread != "main":
+            continue
+        a, b = max(s.start_s, start_s), min(s.end_s, end_s)
+        if b <= a:
+            continue
+        kind = "compute" if s.name in COMPUTE else "transport" if s.name in TRANSPORT else \
+            "wait" if s.name in WAIT else None
+        if kind is not None:
+            out[proc][kind] += (b - a) / window
+    for split in out.values():
+        split["idle"] = max(0.0, 1.0 - split["compute"] - split["transport"] - split["wait"])
+    return dict(out)

@@ -1,0 +1,153 @@
+"""``bench compare``'s aggregation and its Markdown: per point the mean and 95% interval over
+repeats, SLO throughput per repeat under every metric (median and range), paired ratios between
+systems with a verdict, and each system's saturation throughput as a fraction of the machine's
+capacity with the measured time split. Pure Python (no torch).
+"""
+from __future__ import annotations
+
+import statistics
+
+from moeflow.bench.slo import ALL_METRICS
+from moeflow.bench.stats import mean_ci, median_range, paired_ratio_ci, verdict
+
+POINT_FIELDS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "prefill_tok_s")
+
+
+def aggregate_points(repeats: list[dict]) -> list[dict]:
+    """One point per rate of the sweep: the mean over repeats of each field, with ``<field>_ci``."""
+    rates = sorted({p["rps"] for r in repeats for p in r["sweep"]})
+    out = []
+    for rate in rates:
+        per = [next((p for p in r["sweep"] if p["rps"] == rate), None) for r in repeats]
+        per = [p for p in per if p is not None]
+        point = {"rps": rate, "repeats": len(per), "completed": sum(p["completed"] for p in per),
+                 "completed_per_repeat": [p["completed"] for p in per],
+                 "failed": sum(p["failed"] for p in per), "rejected": sum(p["rejected"] for p in per)}
+        for f in POINT_FIELDS:
+            ci = mean_ci([p.get(f) for p in per])
+            point[f] = ci.mean if ci else None
+            point[f + "_ci"] = [ci.lo, ci.hi] if ci else None
+        out.append(point)
+    return out
+
+
+def slo_by_metric(repeats: list[dict]) -> dict[str, dict]:
+    """Per metric: the per-repeat SLO throughputs, their median and range."""
+    return {m.name: median_range([r["slo"][m.name]["rps"] if m.name in r.get("slo", {}) else None
+                                  for r in repeats]) for m in ALL_METRICS}
+
+
+def saturation_summary(repeats: list[dict], capacity_tok_s: float | None) -> dict | None:
+    sat = [r.get("saturation") for r in repeats if r.get("saturation")]
+    if not sat:
+        return None
+    tok = mean_ci([s["prefill_tok_s"] for s in sat])
+    out = {"rps": sat[0]["rps"], "tok_s": tok.to_dict() if tok else None}
+    if capacity_tok_s and tok:
+        frac = mean_ci([s["prefill_tok_s"] / capacity_tok_s for s in sat if s["prefill_tok_s"]])
+        out["capacity_fraction"] = frac.to_dict() if frac else None
+    splits = [s["time_split"] for s in sat if s.get("time_split")]
+    if splits:  # mean over repeats, per process and kind
+        procs = sorted({p for sp in splits for p in sp})
+        out["time_split"] = {p: {k: statistics.fmean(sp[p][k] for sp in splits if p in sp)
+                                 for k in ("compute", "transport", "wait", "idle")} for p in procs}
+    return out
+
+
+def comparison(name_a: str, a: dict, name_b: str, b: dict, metric: str) -> dict:
+    """a vs b: per rate the paired ratio of mean TTFT (b / a: > 1 means a is faster) and the
+    verdict; SLO throughput ratio a / b per repeat."""
+    rows = []
+    for pa in a["points"]:
+        pb = next((p for p in b["points"] if p["rps"] == pa["rps"]), None)
+        if pb is None:
+            continue
+        va = [_field(r, pa["rps"]) for r in a["repeats"]]
+        vb = [_field(r, pa["rps"]) for r in b["repeats"]]
+        ia, ib = mean_ci(va), mean_ci(vb)
+        ratio = paired_ratio_ci(vb, va)
+        rows.append({"rps": pa["rps"], "ttft_ratio_b_over_a": ratio.to_dict() if ratio else None,
+                     "verdict": verdict(ia, ib, ratio)})
+    sa = [r["slo"].get(metric, {}).get("rps") for r in a["repeats"]]
+    sb = [r["slo"].get(metric, {}).get("rps") for r in b["repeats"]]
+    slo_ratio = median_range([x / y if x and y else None for x, y in zip(sa, sb)])
+    return {"a": name_a, "b": name_b, "metric": metric, "per_rate": rows, "slo_ratio_a_over_b": slo_ratio}
+
+
+def _field(repeat: dict, rate: float, field: str = "ttft_mean_s"):
+    p = next((p for p in repeat["sweep"] if p["rps"] == rate), None)
+    return None if p is None else p.get(field)
+
+
+def _ci(point: dict, field: str, scale: float = 1.0) -> str:
+    v, ci = point.get(field), point.get(field + "_ci")
+    if v is None:
+        return "-"
+    if not ci or ci[0] == ci[1]:
+        return f"{v * scale:.3g}"
+    return f"{v * scale:.3g} ± {(ci[1] - ci[0]) / 2 * scale:.2g}"
+
+
+def _mr(d: dict, fmt: str = ".3g") -> str:
+    if d.get("median") is None:
+        return "none meets it" if any(v is None for v in d.get("values", [])) else "-"
+    return f"{d['median']:{fmt}} [{d['min']:{fmt}}, {d['max']:{fmt}}]"
+
+
+def markdown(result: dict) -> str:
+    """The report: provenance, TTFT tables, SLO throughput per metric, ratios, capacity."""
+    prov, systems = result["provenance"], result["systems"]
+    lines = [f"# {result.get('title') or 'bench compare'}", "",
+             f"Command: `{prov['command']}`  ", f"Commit {prov['commit']}{' (dirty)' if prov.get('dirty') else ''}, "
+             f"{prov['date']}, {prov['cpu_model']} ({prov.get('isa', '?')}), {prov['cores']} cores, "
+             f"torch {prov['torch']}; dtype {result.get('dtype')}; {result['repeats']} repeats (seeds "
+             f"{result['seeds']}), systems in rotated order at every rate; 95% t-intervals over repeats.", ""]
+    rates = sorted({p["rps"] for s in systems.values() for p in s["points"]})
+    for field, title in (("ttft_mean_s", "Mean TTFT (s)"), ("ttft_p90_s", "p90 TTFT (s)"),
+                         ("prefill_tok_s", "Prefill throughput (tok/s)")):
+        lines += [f"## {title}, mean ± half-width of the 95% interval", "",
+                  "| system | " + " | ".join(f"{r:g} rps" for r in rates) + " |", "|---|" + "---|" * len(rates)]
+        for name, s in systems.items():
+            by_rate = {p["rps"]: p for p in s["points"]}
+            lines.append(f"| {name} | " + " | ".join(_ci(by_rate[r], field) if r in by_rate else "-" for r in rates)
+                         + " |")
+        lines.append("")
+    slo = result.get("slo_ttft_s")
+    if slo is not None:
+        lines += [f"## SLO throughput (rps) at TTFT SLO {slo:g} s, median [range] over repeats", "",
+                  "Each metric decided on the same measured points (sweep + search probes); the search "
+                  f"itself bisected on `{result.get('slo_metric')}`.", "",
+                  "| system | " + " | ".join(m.name for m in ALL_METRICS) + " |", "|---|" + "---|" * len(ALL_METRICS)]
+        for name, s in systems.items():
+            lines.append(f"| {name} | " + " | ".join(_mr(s["slo_rps_by_metric"][m.name]) for m in ALL_METRICS) + " |")
+        lines.append("")
+    for c in result.get("comparisons", []):
+        lines += [f"## {c['a']} vs {c['b']}", "",
+                  f"SLO throughput ratio {c['a']}/{c['b']} ({c['metric']}): {_mr(c['slo_ratio_a_over_b'])}", "",
+                  f"| rate | mean TTFT {c['b']} / {c['a']} (paired, 95% CI) | verdict |", "|---|---|---|"]
+        for row in c["per_rate"]:
+            r = row["ttft_ratio_b_over_a"]
+            txt = "-" if r is None else (f"{r['mean']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+                                         if r["n"] > 1 else f"{r['mean']:.3f}")
+            lines.append(f"| {row['rps']:g} | {txt} | {row['verdict']} |")
+        lines.append("")
+    cap = result.get("capacity")
+    if cap:
+        lines += ["## The machine's capacity and each system's share of it", "",
+                  f"Capacity: {cap['tok_s']:.0f} prompt tok/s = {cap['cores']} cores x mean "
+                  f"{cap['mean_prompt_tokens']:.0f} tokens / {cap['mean_request_compute_s']:.3f} s colocated "
+                  f"compute per request (profile: `{cap.get('profile')}`, {cap.get('profile_dtype')}).", "",
+                  "| system | offered rps | prefill tok/s | fraction of capacity | time split per process "
+                  "(compute / transport / wait / idle) |", "|---|---|---|---|---|"]
+        for name, s in systems.items():
+            sat = s.get("saturation")
+            if not sat:
+                continue
+            tok, frac = sat.get("tok_s"), sat.get("capacity_fraction")
+            tok_txt = "-" if not tok else f"{tok['mean']:.0f} [{tok['ci95'][0]:.0f}, {tok['ci95'][1]:.0f}]"
+            frac_txt = "-" if not frac else f"{frac['mean']:.1%} [{frac['ci95'][0]:.1%}, {frac['ci95'][1]:.1%}]"
+            split = "; ".join(f"{p}: {v['compute']:.0%}/{v['transport']:.0%}/{v['wait']:.0%}/{v['idle']:.0%}"
+                              for p, v in (sat.get("time_split") or {}).items())
+            lines.append(f"| {name} | {sat['rps']:g} | {tok_txt} | {frac_txt} | {split or '-'} |")
+        lines.append("")
+    return "\n".join(lines)

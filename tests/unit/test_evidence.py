@@ -1,0 +1,114 @@
+"""The evidence layer: intervals over repeats, SLO metrics, capacity, provenance on every result
+file, and the simulator compared against a measured ``bench compare`` result."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import pytest
+
+from moeflow.bench.capacity import capacity_tok_s, request_compute_s, time_split
+from moeflow.bench.slo import ALL_METRICS, MEAN, SloMetric, slo_rps_from_points
+from moeflow.bench.stats import mean_ci, median_range, paired_ratio_ci, t975, verdict
+from moeflow.bench.workload import WorkloadConfig
+from moeflow.messages import Span
+
+
+def test_t_intervals_match_the_tables():
+    assert t975(1) == 12.706 and t975(2) == 4.303 and t975(30) == 2.042 and t975(1000) == pytest.approx(1.96, abs=1e-3)
+    ci = mean_ci([1.0, 2.0, 3.0])  # mean 2, sd 1, n 3: half-width 4.303 / sqrt(3)
+    assert ci.mean == 2.0 and ci.half_width == pytest.approx(4.303 / math.sqrt(3))
+    assert mean_ci([5.0]).n == 1 and mean_ci([None, math.inf]) is None
+    r = paired_ratio_ci([2.0, 4.0, None], [1.0, 2.0, 3.0])  # pairs with a missing value are dropped
+    assert r.n == 2 and r.mean == 2.0
+    a, b = mean_ci([1.0, 1.1, 0.9]), mean_ci([2.0, 2.1, 1.9])
+    assert verdict(a, b, paired_ratio_ci([2.0, 2.1, 1.9], [1.0, 1.1, 0.9])) == "distinguishable"
+    assert verdict(a, mean_ci([1.05, 0.95, 1.0]), None) == "not distinguishable"
+    assert verdict(mean_ci([1.0]), mean_ci([2.0]), None) == "single run"
+    assert median_range([3.0, None, 1.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "values": [3.0, None, 1.0]}
+
+
+def _point(rps, ttfts, unfinished=0, **kw):
+    return {"rps": rps, "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None, "ttfts_s": sorted(ttfts),
+            "num_requests": len(ttfts) + unfinished, **kw}
+
+
+def test_slo_metrics_count_every_request_and_agree_on_percentile_and_attainment():
+    p = _point(1.0, [1.0] * 8 + [10.0, 20.0])  # mean 3.8; 80% within 2 s
+    assert MEAN.score(p) == pytest.approx(3.8)
+    assert SloMetric.parse("p50").score(p) == 1.0 and SloMetric.parse("p90").score(p) == 10.0
+    assert SloMetric.parse("attainment:0.8").score(p) == 1.0  # 8 of 10 within it
+    assert SloMetric.parse("attainment:0.9").score(p) == SloMetric.parse("p90").score(p)
+    # a request that never got a first token counts as missing: 8 of 12 is below 90%
+    assert SloMetric.parse("p90").score(_point(1.0, [1.0] * 10, unfinished=2)) == math.inf
+    with pytest.raises(ValueError, match="SLO metric must be one of"):
+        SloMetric.parse("p95x")
+    # an early stop: certainly failed once too many requests waited past the SLO
+    p90 = SloMetric.parse("p90")
+    assert not p90.certainly_fails([1.0] * 9, [], 10, now_s=100.0, slo_s=2.0)
+    assert p90.certainly_fails([1.0] * 8, [0.0, 0.0], 10, now_s=5.0, slo_s=2.0)  # 2 of 10 already beyond 2 s
+    assert not MEAN.certainly_fails([1.0], [4.0], 2, now_s=5.0, slo_s=2.0)  # (1 + 1) / 2 = 1
+
+
+def test_slo_throughput_under_every_metric_from_the_same_points():
+    pts = [_point(1.0, [0.5] * 10), _point(2.0, [0.5] * 9 + [30.0]), _point(4.0, [5.0] * 10)]
+    got = {m.name: slo_rps_from_points(pts, m, slo_s=2.0).rps for m in ALL_METRICS}
+    assert got == {"mean": 1.0, "p50": 2.0, "p90": 2.0, "p99": 1.0, "attainment:0.95": 1.0}
+    stopped = _point(4.0, [0.5], unfinished=9, stopped_early=True, stopped_by="p90")  # decides p90 only
+    pts2 = pts[:2] + [stopped]
+    assert slo_rps_from_points(pts2, SloMetric.parse("p90"), 2.0).upper_rps == 4.0
+    assert slo_rps_from_points(pts2, MEAN, 2.0).upper_rps == 2.0  # the mean ignores it
+
+
+PROFILE = {"num_layers": 2, "num_experts": 4, "top_k": 2, "hidden_size": 8, "dtype": "float32",
+           "attention": {"fit": {"c0": 0.0, "per_token": 1e-4, "per_pair": 1e-7, "per_seq": 0.0}},
+           "head": {"fit": {"c0": 0.0, "per_token": 0.0, "per_sampled": 1e-3}},
+           "experts": {"4": [[16, 0.01], [1024, 0.05], [4096, 0.1]]}}
+
+
+def test_capacity_is_cores_over_colocated_compute_at_the_best_expert_rate():
+    best = 0.1 / 4096  # s per routed pair at the largest batch
+    n = 100
+    assert request_compute_s(PROFILE, n) == pytest.approx(2 * (1e-4 * n + 1e-7 * n * (n + 1) / 2 + n * 2 * best) + 1e-3)
+    cap = capacity_tok_s(PROFILE, WorkloadConfig(kind="fixed", rate_rps=1.0, fixed_len=n, num_requests=3, seed=0), cores=2)
+    assert cap["tok_s"] == pytest.approx(2 * n / request_compute_s(PROFILE, n))
+    spans = [Span("attention", "attention0/main", 0.0, 4.0), Span("wait-combine", "attention0/main", 4.0, 6.0),
+             Span("dispatch", "attention0/main", 6.0, 7.0), Span("experts", "moe0/main", 1.0, 3.0),
+             Span("recv", "moe0/recv", 0.0, 10.0)]
+    split = time_split(spans, 0.0, 10.0)
+    assert split["attention0"] == pytest.approx({"compute": 0.4, "transport": 0.1, "wait": 0.2, "idle": 0.3})
+    assert split["moe0"]["compute"] == pytest.approx(0.2) and split["moe0"]["idle"] == pytest.approx(0.8)
+
+
+# writers that legitimately write other JSON: the SSE stream, Chrome traces, the checkpoint's
+# config.json, the per-machine probe cache
+_NOT_RESULTS = {"moeflow/server/serving.py", "moeflow/engine/trace.py", "moeflow/model/tiny.py",
+                "moeflow/hardware/probe.py", "moeflow/bench/provenance.py", "moeflow/bench/env.py"}
+
+
+def test_every_result_writer_goes_through_write_json():
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    offenders = []
+    for dirpath, _, files in os.walk(os.path.join(root, "moeflow")):
+        for f in files:
+            path = os.path.relpath(os.path.join(dirpath, f), root)
+            if f.endswith(".py") and path not in _NOT_RESULTS:
+                with open(os.path.join(dirpath, f)) as fh:
+                    if re.search(r"json\.dump\(", fh.read()):
+                        offenders.append(path)
+    assert not offenders, f"these write JSON without provenance: {offenders}"
+
+
+def test_results_carry_provenance(tmp_path):
+    from moeflow.cli import main
+
+    out = tmp_path / "sim.json"
+    cfg = tmp_path / "e.yaml"
+    cfg.write_text("model: tiny\nhardware: h200\nworkload: {kind: fixed, fixed_len: 64, duration_s: 2, seed: 0}\n"
+                   "rps: [1]\nsystems:\n  a: {mode: dep, dp: 2}\n")
+    assert main(["simulate", "--config", str(cfg), "--json", str(out)]) == 0
+    prov = json.loads(out.read_text())["provenance"]
+    assert {"commit", "dirty", "command", "date", "torch", "python", "cpu_model", "cores", "hostname_hash"} <= set(prov)
+    assert prov["command"].endswith(f"simulate --config {cfg} --json {out}") and len(prov["commit"]) == 40
