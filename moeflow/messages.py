@@ -6,6 +6,7 @@ over pipes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from typing import TYPE_CHECKING
 
 from moeflow.config import EngineConfig

@@ -16,19 +16,9 @@ import sys
 import time
 from dataclasses import replace
 
-from moeflow.bench.http_client import (
-    HttpClientConfig,
-    HttpRun,
-    run_requests,
-    token_prompts,
-)
-from moeflow.bench.http_metrics import (
-    compute_metrics,
-    format_table,
-    parse_goodput,
-    parse_percentile_metrics,
-    parse_percentiles,
-)
+from moeflow.bench.http_client import HttpClientConfig, HttpRun, run_requests, token_prompts
+from moeflow.bench.http_metrics import (compute_metrics, format_table, parse_goodput, parse_percentile_metrics,
+                                        parse_percentiles)
 from moeflow.bench.provenance import write_json
 from moeflow.bench.workload import WorkloadRequest, generate_requests
 

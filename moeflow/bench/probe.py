@@ -11,15 +11,8 @@ from collections.abc import Callable
 
 from moeflow.bench.metrics import summarize
 from moeflow.bench.replay import random_prompts, replay
-from moeflow.bench.slo import (
-    ALL_METRICS,
-    SloMetric,
-    SloResult,
-    SloSearch,
-    StopRule,
-    find_slo_rps,
-    slo_rps_from_points,
-)
+from moeflow.bench.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
+                               slo_rps_from_points)
 from moeflow.bench.workload import WorkloadConfig, WorkloadRequest, generate_requests
 
 

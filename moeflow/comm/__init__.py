@@ -6,14 +6,8 @@ buffer and its slot protocol).
 """
 from moeflow.comm import dist, handshake, p2p, reference, shm  # noqa: F401  (register the transports)
 from moeflow.comm.config import CommConfig
-from moeflow.comm.message import (
-                                  CombineMessage,
-                                  CombineSegment,
-                                  DispatchMessage,
-                                  DispatchRow,
-                                  ProtocolError,
-                                  SendStats,
-)
+from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, DispatchRow, ProtocolError,
+                                  SendStats)
 from moeflow.comm.segment import cleanup, list_segments
 from moeflow.comm.spec import CommSpec
 from moeflow.comm.transport import TRANSPORTS, Transport, make_transport

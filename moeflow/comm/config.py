@@ -23,9 +23,7 @@ class CommConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.spec, CommSpec):
             raise ConfigError(f"CommConfig.spec must be a CommSpec, got {type(self.spec).__name__}")
-        from moeflow.comm.transport import (
-            TRANSPORTS,  # registry fills on import of the package
-        )
+        from moeflow.comm.transport import TRANSPORTS  # registry fills on import of the package
 
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"CommConfig.transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")

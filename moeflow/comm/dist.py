@@ -32,22 +32,10 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.doorbell import Doorbell, EventDoorbell
-from moeflow.comm.message import (
-    CombineMessage,
-    CombineSegment,
-    DispatchMessage,
-    ProtocolError,
-    SendStats,
-)
-from moeflow.comm.transport import (
-    CombineReceiver,
-    CombineSender,
-    DispatchReceiver,
-    DispatchSender,
-    Transport,
-    private_rows,
-    register,
-)
+from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, ProtocolError,
+                                  SendStats)
+from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
+                                    private_rows, register)
 from moeflow.comm.wait import POLICIES, wait_for
 
 DISPATCH_TAG, COMBINE_TAG = 0, 16  # + slot

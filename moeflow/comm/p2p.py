@@ -18,21 +18,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from moeflow.comm.message import (
-    CombineMessage,
-    CombineSegment,
-    DispatchMessage,
-    ProtocolError,
-)
-from moeflow.comm.transport import (
-    CombineReceiver,
-    CombineSender,
-    DispatchReceiver,
-    DispatchSender,
-    Transport,
-    private_rows,
-    register,
-)
+from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage, ProtocolError
+from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
+                                    private_rows, register)
 
 DISPATCH_TAG, COMBINE_TAG = 32, 48  # header; payload uses tag + 1
 

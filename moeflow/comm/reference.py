@@ -15,14 +15,8 @@ from collections import deque
 from typing import Callable, Sequence
 
 from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage
-from moeflow.comm.transport import (
-    CombineReceiver,
-    CombineSender,
-    DispatchReceiver,
-    DispatchSender,
-    Transport,
-    register,
-)
+from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
+                                    register)
 
 
 class _Hub:

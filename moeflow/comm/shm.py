@@ -13,24 +13,11 @@ import torch
 
 from moeflow.comm.doorbell import NapDoorbell
 from moeflow.comm.mailbox import Mailbox, MailboxLayout
-from moeflow.comm.message import (
-    CombineMessage,
-    CombineSegment,
-    DispatchMessage,
-    DispatchRow,
-    ProtocolError,
-    SendStats,
-)
+from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, DispatchRow, ProtocolError,
+                                  SendStats)
 from moeflow.comm.segment import pid_alive, segment_path
-from moeflow.comm.transport import (
-    CombineReceiver,
-    CombineSender,
-    DispatchReceiver,
-    DispatchSender,
-    Transport,
-    private_rows,
-    register,
-)
+from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
+                                    private_rows, register)
 from moeflow.comm.wait import wait_for
 
 _OWNER_CHECK_S = 0.5  # a sender under backpressure checks this often that its reader still lives

@@ -5,14 +5,7 @@ import torch
 
 from moeflow.config import EngineConfig
 from moeflow.core import Request
-from moeflow.engine.base import (
-    Engine,
-    StepResult,
-    clock,
-    context_len,
-    register_mode,
-    validate_request,
-)
+from moeflow.engine.base import Engine, StepResult, clock, context_len, register_mode, validate_request
 from moeflow.layout import ColocatedLayout
 from moeflow.messages import BatchTiming
 from moeflow.model.kv_cache import KVCache

@@ -1,14 +1,7 @@
 """Accumulates per-step results of one request into a vLLM-shaped ``RequestOutput``."""
 from __future__ import annotations
 
-from moeflow.core import (
-    CompletionOutput,
-    Logprob,
-    LogprobsDict,
-    Request,
-    RequestMetrics,
-    RequestOutput,
-)
+from moeflow.core import CompletionOutput, Logprob, LogprobsDict, Request, RequestMetrics, RequestOutput
 from moeflow.engine.base import clock
 
 

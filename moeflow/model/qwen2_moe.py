@@ -1,12 +1,6 @@
 """Qwen2-MoE (``Qwen2MoeForCausalLM``): qkv bias, a shared expert scaled by a sigmoid gate."""
 from moeflow.config import ModelConfig
-from moeflow.model.family import (
-    Family,
-    common_fields,
-    get,
-    qwen_sparse_layers,
-    register,
-)
+from moeflow.model.family import Family, common_fields, get, qwen_sparse_layers, register
 
 
 def to_model_config(hf: dict) -> ModelConfig:

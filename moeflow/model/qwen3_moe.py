@@ -1,12 +1,6 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``): q/k RMSNorm, optional attention bias, no shared expert."""
 from moeflow.config import ModelConfig
-from moeflow.model.family import (
-    Family,
-    common_fields,
-    get,
-    qwen_sparse_layers,
-    register,
-)
+from moeflow.model.family import Family, common_fields, get, qwen_sparse_layers, register
 
 
 def to_model_config(hf: dict) -> ModelConfig:

@@ -18,6 +18,7 @@ from moeflow.model.checkpoint import CheckpointError, CheckpointReader
 from moeflow.model.family import Family, family_for, load_families
 from moeflow.model.moe import ExpertWeights
 
+
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # EngineConfig.dtype -> torch
 
 

@@ -16,12 +16,7 @@ import itertools
 from moeflow.config import SchedulerConfig
 from moeflow.core import Batch, Request, Work
 from moeflow.scheduler import scheduler_for
-from moeflow.scheduler.batching import (
-    BatchFormer,
-    ImmediateBatching,
-    LengthAwareBatching,
-    Proposal,
-)
+from moeflow.scheduler.batching import BatchFormer, ImmediateBatching, LengthAwareBatching, Proposal
 from moeflow.scheduler.pool import RequestPool, Scheduler
 
 

@@ -18,11 +18,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from moeflow.core import RequestError, SamplingParams
 from moeflow.server import errors
 from moeflow.server.async_engine import AsyncEngine, EngineUnavailable, Overloaded
+from moeflow.server.stream import RequestStream
 from moeflow.server.chat import render_chat
 from moeflow.server.config import ServerConfig
 from moeflow.server.errors import ApiError
 from moeflow.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from moeflow.server.stream import RequestStream
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

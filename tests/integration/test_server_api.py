@@ -10,6 +10,7 @@ import sys
 import httpx
 import openai
 import pytest
+
 from server_harness import ServerProcess
 
 NAME = "moe-test"

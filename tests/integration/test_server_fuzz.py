@@ -11,6 +11,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from server_harness import ServerProcess
 
 schemathesis = pytest.importorskip("schemathesis")

@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from server_harness import ServerProcess
 
 KEY = "s3cret"

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+
 from server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow  # two asap deployments (2 worker processes each)

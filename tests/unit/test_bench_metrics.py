@@ -7,14 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from moeflow.bench.metrics import (
-    RequestRecord,
-    bucket_edges,
-    buckets,
-    format_point,
-    mean_ttft_lower_bound,
-    summarize,
-)
+from moeflow.bench.metrics import (RequestRecord, bucket_edges, buckets, format_point, mean_ttft_lower_bound,
+                                   summarize)
 from moeflow.bench.plot import label
 from moeflow.bench.slo import SloSearch, find_slo_rps
 
@@ -131,12 +125,11 @@ def test_plot_labels_name_mode_and_layout():
 
 
 def test_trace_summary_adds_time_per_worker_and_stage():
-    import json
-    import tempfile
-
     from moeflow.bench.trace_summary import summarize_trace
     from moeflow.engine.trace import write_chrome_trace
     from moeflow.messages import Span
+    import json
+    import tempfile
 
     spans = [Span("attention", "attention0/main", 0.0, 1.0), Span("attention", "attention0/main", 2.0, 2.5),
              Span("experts", "moe0/main", 0.5, 3.0), Span("recv", "moe0/recv", 0.4, 0.5)]

@@ -13,14 +13,7 @@ import uuid
 import pytest
 import torch
 
-from moeflow.comm import (
-    CommConfig,
-    CommSpec,
-    ProtocolError,
-    cleanup,
-    list_segments,
-    make_transport,
-)
+from moeflow.comm import CommConfig, CommSpec, ProtocolError, cleanup, list_segments, make_transport
 from moeflow.comm.shm import dispatch_path
 
 SPEC = CommSpec(num_regions=2, lanes_per_region=2, num_expert_ranks=2, num_experts=4, top_k=2, hidden_size=16,

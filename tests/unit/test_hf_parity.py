@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VARIANTS
 
 from moeflow import SamplingParams
+from conftest import VARIANTS
 
 LOGPROB_ATOL = 1e-3  # float32, same math, different kernels/order: differences are ~1e-6
 TIE_ATOL = 1e-4  # a greedy divergence is only accepted at a genuine tie of HF's top-2 logits

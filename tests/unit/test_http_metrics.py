@@ -7,14 +7,8 @@ import numpy as np
 import pytest
 
 from moeflow.bench.demo import side_by_side
-from moeflow.bench.http_metrics import (
-    RequestOutcome,
-    compute_metrics,
-    format_table,
-    parse_goodput,
-    parse_percentile_metrics,
-    parse_percentiles,
-)
+from moeflow.bench.http_metrics import (RequestOutcome, compute_metrics, format_table, parse_goodput,
+                                        parse_percentile_metrics, parse_percentiles)
 
 ALL = ("ttft", "tpot", "itl", "e2el")
 

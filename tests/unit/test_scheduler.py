@@ -11,6 +11,7 @@ from moeflow.scheduler.block_allocator import BlockAllocator, OutOfBlocks
 from moeflow.scheduler.continuous import ContinuousBatching
 from moeflow.scheduler.pool import RequestPool
 
+
 # -- BlockAllocator --------------------------------------------------------------------------------
 
 def test_allocator_accounting():
