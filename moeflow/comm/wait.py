@@ -8,7 +8,9 @@ the core (the scheduler lets the spinner run out its slice), ``time.sleep(0)`` c
 2. poll with ``os.sched_yield()`` between checks until ``yield_s`` has passed: cheap, and it hands
    the core to a runnable sender at once;
 3. block on the doorbell, re-checking at least every ``block_timeout_s`` (a safety net: a lost
-   ring costs at most that long); a ring starts phases 1-2 over.
+   ring costs at most that long); a ring starts phases 1-2 over. Each block that ends without a
+   ring doubles the next one, up to ``idle_block_s``: an idle receiver wakes a few times a second
+   instead of 200 (idle deployments beside a measured one must not steal its cores).
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ class WaitPolicy:
     yield_s: float = 300e-6  # phase 2 ends this long after the wait began (inf: never block)
     block_timeout_s: float = 5e-3  # phase 3: longest single block before re-checking
     nap_s: float = 100e-6  # phase 3 without a doorbell (sender backpressure): longest sleep
+    idle_block_s: float = 0.1  # phase 3 blocks grow to this while no ring comes
 
     def __post_init__(self) -> None:
-        for name in ("spin_s", "yield_s", "block_timeout_s", "nap_s"):
+        for name in ("spin_s", "yield_s", "block_timeout_s", "nap_s", "idle_block_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
                 raise ConfigError(f"WaitPolicy.{name} must be a number >= 0, got {v!r}")
@@ -59,6 +62,7 @@ def wait_for(poll: Callable[[], T | None], bell: Doorbell, policy: WaitPolicy,
     t0 = now()
     deadline = math.inf if timeout_s is None else t0 + timeout_s
     spin_end, yield_end = t0 + policy.spin_s, t0 + policy.yield_s
+    block_s = policy.block_timeout_s
     while True:
         t = now()
         if t >= deadline:
@@ -69,9 +73,12 @@ def wait_for(poll: Callable[[], T | None], bell: Doorbell, policy: WaitPolicy,
             got = poll()
             if got is not None:
                 return got
-            if bell.wait(min(policy.block_timeout_s, deadline - t)):
+            if bell.wait(min(block_s, deadline - t)):
                 # Rung: poll briskly again (a streaming writer rings after every chunk).
                 spin_end, yield_end = now() + policy.spin_s, now() + policy.yield_s
+                block_s = policy.block_timeout_s
+            else:
+                block_s = min(2 * block_s, max(policy.idle_block_s, policy.block_timeout_s))
         elif t >= spin_end:
             os.sched_yield()
         got = poll()

@@ -18,7 +18,7 @@ from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.experts import ExpertCompute, send_replies
 from moeflow.workers.tracer import Tracer
 
-_POLL_S = 0.05  # longest a blocking wait lasts before the control pipe is looked at again
+_POLL_S = 0.25  # longest a blocking wait lasts before the control pipe is looked at again
 
 
 class MoEWorker:
