@@ -154,13 +154,8 @@ class DepLayout(Layout):
         _require(c is None or (isinstance(c, int) and 0 < c <= self.max_batch_tokens),
                  f"dep layout: chunked_prefill_size must be in [1, max_batch_tokens={self.max_batch_tokens}], got {c!r}")
 
-    @property
-    def num_processes(self) -> int:
-        return self.dp * self.tp
-
-    @property
-    def num_groups(self) -> int:
-        return self.dp
+    num_processes = property(lambda self: self.dp * self.tp)
+    num_groups = property(lambda self: self.dp)  # a rank is a group
 
 
 @register_layout
@@ -191,17 +186,9 @@ class AsapLayout(Layout):
                 _require(len(ids) > 0 and len(set(ids)) == len(ids),
                          f"asap layout: expert_placement[{w}] must list distinct expert ids, got {ids}")
 
-    @property
-    def num_attention_workers(self) -> int:
-        return self.attn_dp * self.attn_tp
-
-    @property
-    def num_processes(self) -> int:
-        return self.num_attention_workers + self.moe_workers
-
-    @property
-    def num_groups(self) -> int:
-        return self.attn_dp
+    num_attention_workers = property(lambda self: self.attn_dp * self.attn_tp)
+    num_processes = property(lambda self: self.attn_dp * self.attn_tp + self.moe_workers)
+    num_groups = property(lambda self: self.attn_dp)
 
     def placement(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
         """Experts held by each MoE worker; validated against the model's expert count."""
