@@ -60,6 +60,24 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # config.json "dtype"/"torch_dtype": what the weights are stored in
+    # RoPE scaling as config.json's rope_parameters give it (rope_type, factor, ...), sorted (key, value) pairs
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    rope_interleave: bool = False  # rotated dims in (even, odd) pairs (DeepSeek) instead of halves
+    # multi-head latent attention (DeepSeek), 0 where the model has none; head_dim is the rope dims
+    q_lora_rank: int = 0  # 0: q projected straight from the hidden state
+    kv_lora_rank: int = 0  # the cached latent c_kv
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    attention_bias: bool = False  # MLA: biases on q_a, kv_a and o
+    # DeepSeek-V3.2 sparse attention (DSA): the lightning indexer
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0  # keys each query attends to
+    # group-limited routing (DeepSeek): experts in n_group groups, tokens route within topk_group of them
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +99,13 @@ class ModelConfig:
         if not all(self.sparse_layers):
             _require(self.intermediate_size > 0, "dense layers need intermediate_size > 0")
         _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.kv_lora_rank:
+            for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                _require(getattr(self, name) > 0, f"multi-head latent attention needs {name} > 0")
+        if self.n_group > 1:
+            _require(self.num_experts % self.n_group == 0 and 0 < self.topk_group <= self.n_group,
+                     f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
+                     f"topk_group ({self.topk_group}) be in [1, n_group]")
 
     @property
     def num_moe_layers(self) -> int:
@@ -93,6 +118,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope(self) -> dict:
+        """RoPE scaling parameters as a dict (empty: default RoPE)."""
+        return dict(self.rope_scaling)
 
 
 TRANSPORTS = ("shm", "dist")

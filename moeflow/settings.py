@@ -12,3 +12,13 @@ def cache_dir() -> str:
 def logging_level() -> str:
     """Level of moeflow's own log lines: $MOEFLOW_LOGGING_LEVEL (DEBUG, INFO, WARNING, ...), default INFO."""
     return os.environ.get("MOEFLOW_LOGGING_LEVEL", "INFO").upper()
+
+
+def hf_hub_offline() -> bool:
+    """$HF_HUB_OFFLINE: resolve hub model names from the local cache only (huggingface_hub's own switch)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hf_hub_cache() -> str | None:
+    """$HF_HUB_CACHE (huggingface_hub's cache of downloaded repositories), None: its default."""
+    return os.environ.get("HF_HUB_CACHE") or None

@@ -33,7 +33,18 @@ _BASE = {
         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
         max_position_embeddings=512, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
     ),
+    # MLA with q LoRA, sigmoid routing in 2 groups (1 kept), a leading dense layer, 2 shared experts
+    "deepseek_v3": dict(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, routed_scaling_factor=2.5,
+        max_position_embeddings=512, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+    ),
 }
+_BASE["deepseek_v32"] = dict(_BASE["deepseek_v3"], index_n_heads=8, index_head_dim=16, index_topk=12)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
 
 # name -> (model_type, overrides). Each variant exercises one loader/model path.
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -49,6 +60,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "mixtral": ("mixtral", {}),
     # shared expert with its sigmoid gate, q/k/v bias, and one dense layer
     "qwen2_moe": ("qwen2_moe", dict(mlp_only_layers=[1])),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3_noqlora": ("deepseek_v3", dict(q_lora_rank=None)),  # q straight from the hidden state
+    "deepseek_v3_yarn": ("deepseek_v3", dict(rope_parameters=_YARN)),  # YaRN + the softmax-scale correction
+    "deepseek_v32": ("deepseek_v32", {}),  # DSA: index_topk 12 (prompts are longer)
 }
 
 
@@ -67,6 +82,9 @@ def build_hf_model(model_type: str, seed: int = 0, **overrides):
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek's routing bias starts at 0: a loader that dropped it would pass
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     return model
 
 

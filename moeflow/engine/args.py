@@ -43,7 +43,9 @@ def _layout_options() -> dict[str, tuple[dataclasses.Field, object, list[str], t
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help='local Hugging Face directory, or "tiny" (embedded, random weights)')
+    p.add_argument("--model", default="tiny", help='a local Hugging Face directory, a hub name (org/name, through '
+                   'the Hugging Face cache), or "tiny" / "tiny-mla" (embedded, random weights)')
+    p.add_argument("--revision", default=None, help="hub models: the branch, tag or commit")
     p.add_argument("--mode", default="colocated", choices=sorted(LAYOUTS),
                    help="; ".join(f"{m}: {c.summary}" for m, c in sorted(LAYOUTS.items())))
     p.add_argument("--dtype", default="auto", choices=list(DTYPES),
@@ -77,7 +79,8 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``LLM`` for the parsed flags; refuses flags the chosen mode lacks."""
-    kw = dict(model=args.model, mode=args.mode, dtype=args.dtype, seed=args.seed, num_threads=args.threads,
+    kw = dict(model=args.model, revision=args.revision, mode=args.mode, dtype=args.dtype, seed=args.seed,
+              num_threads=args.threads,
               pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None)
     for name in ("max_model_len", "max_num_seqs", "num_kv_blocks"):
         if getattr(args, name) is not None:

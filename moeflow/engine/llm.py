@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 
 from moeflow.config import ConfigError, EngineConfig
@@ -11,15 +12,40 @@ from moeflow.engine.base import clock, create_engine
 from moeflow.engine.output import OutputTracker
 from moeflow.engine.tokenizer import load_tokenizer
 from moeflow.layout import Layout, make_layout
-from moeflow.model.tiny import tiny_path
-from moeflow.settings import cache_dir
+from moeflow.model.tiny import EMBEDDED, tiny_path
+from moeflow.settings import cache_dir, hf_hub_cache, hf_hub_offline
 
 Prompt = str | list[int] | dict
 
 
-def resolve_model(model: str) -> str:
-    """A local Hugging Face directory, or "tiny" for the embedded model (written on first use)."""
-    return tiny_path(cache_dir()) if model == "tiny" else model
+# what a checkpoint directory needs; a hub download fetches nothing else
+_CHECKPOINT_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+
+
+def resolve_model(model: str, revision: str | None = None) -> str:
+    """The checkpoint directory of ``model``: an embedded model ("tiny", "tiny-mla": written on first
+    use), a local Hugging Face directory, or a hub name ("org/name") resolved through
+    huggingface_hub's cache (downloading unless HF_HUB_OFFLINE is set), as vLLM resolves them."""
+    if model in EMBEDDED:
+        return tiny_path(cache_dir(), model)
+    if os.path.isdir(model) or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        return model  # a local path: the loader says what is wrong with it
+    if model.count("/") != 1:
+        raise ConfigError(f"model {model!r}: not a directory, an embedded model {sorted(EMBEDDED)}, "
+                          f"or a Hugging Face hub name (org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = hf_hub_offline()
+    try:
+        return snapshot_download(model, revision=revision, cache_dir=hf_hub_cache(), local_files_only=offline,
+                                 allow_patterns=_CHECKPOINT_FILES)
+    except LocalEntryNotFoundError as e:
+        where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "the hub or the local cache"
+        raise ConfigError(f"model {model!r}{f' at revision {revision!r}' if revision else ''} is not in {where}: "
+                          f"{e}") from None
+    except HfHubHTTPError as e:
+        raise ConfigError(f"model {model!r}: the hub refused it ({e})") from None
 
 
 class LLM:
@@ -29,7 +55,7 @@ class LLM:
     def __init__(self, model: str = "tiny", mode: str = "colocated", dtype: str = "auto", seed: int = 0,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, num_kv_blocks: int = 4096,
                  kv_block_size: int = 16, max_model_len: int | None = None, num_threads: int = 1,
-                 pin_cpus: bool = False, transport: str = "shm", trace: bool = False,
+                 pin_cpus: bool = False, transport: str = "shm", trace: bool = False, revision: str | None = None,
                  layout: Layout | None = None, **layout_kwargs):
         if layout is None:
             layout = make_layout(mode, **layout_kwargs)
@@ -40,7 +66,7 @@ class LLM:
                               max_num_seqs=max_num_seqs, kv_block_size=kv_block_size,
                               num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                               num_threads=num_threads, seed=seed, pin_cpus=pin_cpus, transport=transport, trace=trace)
-        self.model_path = resolve_model(model)
+        self.model_path = resolve_model(model, revision)
         self.layout, self.mode = layout, layout.mode
         self.engine = create_engine(layout, self.model_path, config)
         self.config = self.engine.config  # with "auto" resolved

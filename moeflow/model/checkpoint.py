@@ -12,6 +12,20 @@ class CheckpointError(ValueError):
     """The checkpoint directory is incomplete or inconsistent with its config.json."""
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """A block-quantized weight [R, C] times its per-block scales [ceil(R/b0), ceil(C/b1)], in float32
+    (DeepSeek-V3's fp8 checkpoints: ``quantization_config.weight_block_size`` = 128 x 128)."""
+    rows, cols = w.shape
+    if scale_inv.shape != (-(-rows // block[0]), -(-cols // block[1])):
+        raise CheckpointError(f"scales of shape {tuple(scale_inv.shape)} do not tile a {rows} x {cols} weight "
+                              f"in {block[0]} x {block[1]} blocks")
+    s = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]  # [R, C]
+    return w.float() * s
+
+
 class CheckpointReader:
     def __init__(self, path: str, dtype: torch.dtype):
         self.path, self.dtype = path, dtype
@@ -27,11 +41,19 @@ class CheckpointReader:
         else:
             raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
         self._open: dict[str, object] = {}
+        self.block = (128, 128)  # fp8 blocks: config.json's quantization_config, DeepSeek's default
+        cfg = os.path.join(path, "config.json")
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                q = json.load(f).get("quantization_config") or {}
+            self.block = tuple(q.get("weight_block_size") or self.block)
 
     def has(self, key: str) -> bool:
         return key in self.key_file
 
-    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor ``key`` in ``dtype`` (default: the reader's), checked against ``shape``.
+        Block-quantized float8 weights (DeepSeek's ``<key>_scale_inv``) are dequantized first."""
         file = self.key_file.get(key)
         if file is None:
             raise CheckpointError(f"{self.path}: tensor {key!r} is missing from the checkpoint")
@@ -42,7 +64,15 @@ class CheckpointReader:
         t = self._open[file].get_tensor(key)
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{self.path}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        return t.to(self.dtype)
+        if t.dtype in _FP8 and self.has(key + "_scale_inv"):
+            t = dequantize_blocks(t, self._raw(key + "_scale_inv"), self.block)
+        return t.to(dtype or self.dtype)
+
+    def _raw(self, key: str) -> torch.Tensor:
+        file = self.key_file[key]
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="pt")
+        return self._open[file].get_tensor(key)
 
     def maybe(self, key: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:
         return self.get(key, shape) if wanted else None

@@ -23,6 +23,8 @@ class Family:
     embed_key: str = "model.embed_tokens.weight"
     final_norm_key: str = "model.norm.weight"
     lm_head_key: str = "lm_head.weight"
+    shared_expert_module: str = "shared_expert"  # Qwen2-MoE's; DeepSeek's is "shared_experts"
+    router_bias: str | None = None  # the router's selection bias tensor under the gate ("e_score_correction_bias")
 
     def layer(self, i: int) -> str:
         return f"model.layers.{i}."
@@ -42,8 +44,11 @@ class Family:
     def router_key(self, layer: int) -> str:
         return f"{self.layer(layer)}{self.moe_prefix}.gate.weight"
 
+    def router_bias_key(self, layer: int) -> str | None:
+        return None if self.router_bias is None else f"{self.layer(layer)}{self.moe_prefix}.gate.{self.router_bias}"
+
     def shared_expert_key(self, layer: int, proj: str) -> str:
-        return f"{self.layer(layer)}{self.moe_prefix}.shared_expert.{proj}.weight"
+        return f"{self.layer(layer)}{self.moe_prefix}.{self.shared_expert_module}.{proj}.weight"
 
     def shared_gate_key(self, layer: int) -> str:
         return f"{self.layer(layer)}{self.moe_prefix}.shared_expert_gate.weight"
@@ -69,16 +74,26 @@ def family_for(hf_config: dict) -> Family:
                       f"moeflow supports {sorted(FAMILIES)}")
 
 
-def rope_theta(hf: dict) -> float:
-    """rope_theta from a v4 (top level) or v5 (``rope_parameters``) config; only default RoPE."""
+ROPE_TYPES = ("default", "yarn")  # model/rope.py implements these
+_ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "attention_factor", "truncate")
+
+
+def rope_config(hf: dict) -> tuple[float, tuple[tuple[str, object], ...]]:
+    """(rope_theta, scaling) from a v4 (``rope_theta`` + ``rope_scaling``) or v5 (``rope_parameters``) config."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"rope type {rope_type!r} is not supported (only default RoPE)")
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         raise ConfigError("config.json has no rope_theta")
-    return float(theta)
+    if rope_type == "default":
+        return float(theta), ()
+    if params.get("original_max_position_embeddings") is None:
+        raise ConfigError("yarn RoPE needs original_max_position_embeddings in rope_parameters")
+    scaling = {"rope_type": rope_type, **{k: params[k] for k in _ROPE_KEYS if params.get(k) is not None}}
+    return float(theta), tuple(sorted(scaling.items()))
 
 
 def get(hf: dict, *names: str, default=None):
@@ -108,7 +123,8 @@ def common_fields(hf: dict) -> dict:
         num_heads=heads,
         num_kv_heads=get(hf, "num_key_value_heads", default=heads),
         head_dim=get(hf, "head_dim", default=h // heads),
-        rope_theta=rope_theta(hf),
+        rope_theta=rope_config(hf)[0],
+        rope_scaling=rope_config(hf)[1],
         rms_norm_eps=float(get(hf, "rms_norm_eps", default=1e-6)),
         max_position_embeddings=get(hf, "max_position_embeddings", default=32768),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -130,4 +146,4 @@ def qwen_sparse_layers(hf: dict) -> tuple[bool, ...]:
 
 def load_families() -> None:
     """Import the family files so they register (kept explicit: no import side effects elsewhere)."""
-    from moeflow.model import mixtral, qwen2_moe, qwen3_moe  # noqa: F401
+    from moeflow.model import deepseek_v3, mixtral, qwen2_moe, qwen3_moe  # noqa: F401

@@ -1,4 +1,4 @@
-"""RMSNorm, rotary embedding, ragged attention over a paged KV cache, dense SwiGLU MLP.
+"""RMSNorm, ragged attention over a paged KV cache, dense SwiGLU MLP (RoPE: ``rope.py``).
 
 Shape legend: T tokens in the batch (all requests concatenated, no padding), H hidden size,
 Hq / Hkv query / key-value heads, D head_dim, F intermediate size.
@@ -20,32 +20,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-class Rotary:
-    """Non-interleaved (rotate-half) RoPE with a lazily grown cos/sin table."""
-
-    def __init__(self, head_dim: int, theta: float):
-        self.head_dim = head_dim
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self._cos = torch.empty(0, head_dim)
-        self._sin = torch.empty(0, head_dim)
-
-    def _grow(self, n: int) -> None:
-        n = max(n, 2 * self._cos.shape[0], 256)
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)  # [n, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
-        self._cos, self._sin = emb.cos(), emb.sin()
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D]; positions: [T] int64 -> rotated x, same dtype."""
-        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
-            self._grow(int(positions.max()) + 1)
-        cos = self._cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
-        sin = self._sin[positions].unsqueeze(1).to(x.dtype)
-        half = self.head_dim // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,

@@ -16,7 +16,7 @@ from moeflow.config import ConfigError, ModelConfig
 from moeflow.model.attention import AttentionKind, AttentionWeights, attention_for
 from moeflow.model.checkpoint import CheckpointError, CheckpointReader
 from moeflow.model.family import Family, family_for, load_families
-from moeflow.model.moe import ExpertWeights
+from moeflow.model.moe import ExpertWeights, RouterWeights, router_for
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # EngineConfig.dtype -> torch
@@ -47,7 +47,7 @@ class ModelWeights:
     final_norm: torch.Tensor | None = None  # [H]
     lm_head: torch.Tensor | None = None  # [V, H] (the embedding itself when tied)
     attention: dict[int, AttentionWeights] = field(default_factory=dict)  # layer -> the attention kind's weights
-    routers: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E, H]
+    routers: dict[int, RouterWeights] = field(default_factory=dict)  # layer -> its gate
     dense: dict[int, MLPWeights] = field(default_factory=dict)
     shared: dict[int, MLPWeights] = field(default_factory=dict)
     experts: ExpertWeights | None = None
@@ -94,14 +94,18 @@ def _load_attention_side(r: CheckpointReader, fam: Family, cfg: ModelConfig, kin
     w.attention[lid] = kind.load(r, fam.attention_prefix(lid), input_norm=r.get(fam.input_norm_key(lid), (h,)),
                                  post_norm=r.get(fam.post_norm_key(lid), (h,)))
     if cfg.sparse_layers[lid]:
-        w.routers[lid] = r.get(fam.router_key(lid), (cfg.num_experts, h))
+        fp32 = router_for(cfg).fp32_weights
+        bias_key = fam.router_bias_key(lid)
+        w.routers[lid] = RouterWeights(
+            r.get(fam.router_key(lid), (cfg.num_experts, h), torch.float32 if fp32 else None),
+            r.get(bias_key, (cfg.num_experts,), torch.float32) if bias_key else None)
         fs = cfg.shared_expert_intermediate_size
         if fs:
             w.shared[lid] = MLPWeights(
                 gate_up=torch.cat([r.get(fam.shared_expert_key(lid, "gate_proj"), (fs, h)),
                                    r.get(fam.shared_expert_key(lid, "up_proj"), (fs, h))]),
                 down=r.get(fam.shared_expert_key(lid, "down_proj"), (h, fs)),
-                gate=r.maybe(fam.shared_gate_key(lid), (1, h), cfg.shared_expert_gated))
+                gate=r.maybe(fam.shared_gate_key(lid), (1, h), cfg.shared_expert_gated))  # [1, H]
     else:
         f = cfg.intermediate_size
         w.dense[lid] = MLPWeights(

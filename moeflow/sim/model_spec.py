@@ -66,12 +66,18 @@ class ModelSpec:
     @classmethod
     def from_model_config(cls, name: str, mc: ModelConfig, weight_bytes: float = 2.0,
                           act_bytes: float = 2.0) -> "ModelSpec":
-        if mc.attention_kind != "gqa":
-            raise ValueError(f"ModelSpec {name!r}: attention kind {mc.attention_kind!r} has no cost model yet")
+        if mc.attention_kind not in ("gqa", "mla", "dsa"):
+            raise ValueError(f"ModelSpec {name!r}: attention kind {mc.attention_kind!r} has no cost model")
         f = mc.moe_intermediate_size
+        attn = dict(attention="gqa", num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        if mc.attention_kind != "gqa":
+            attn = dict(attention="mla", q_lora_rank=mc.q_lora_rank, kv_lora_rank=mc.kv_lora_rank,
+                        qk_nope_head_dim=mc.qk_nope_head_dim, qk_rope_head_dim=mc.qk_rope_head_dim,
+                        v_head_dim=mc.v_head_dim, index_heads=mc.index_n_heads, index_head_dim=mc.index_head_dim,
+                        index_topk=mc.index_topk)
         return cls(name, num_layers=mc.num_layers, num_dense_layers=mc.num_layers - mc.num_moe_layers,
-                   hidden_size=mc.hidden_size, vocab_size=mc.vocab_size, num_heads=mc.num_heads, attention="gqa",
-                   num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, num_experts=max(1, mc.num_experts),
+                   hidden_size=mc.hidden_size, vocab_size=mc.vocab_size, num_heads=mc.num_heads, **attn,
+                   num_experts=max(1, mc.num_experts),
                    top_k=max(1, mc.num_experts_per_tok), moe_intermediate_size=f,
                    shared_intermediate_size=mc.shared_expert_intermediate_size,
                    dense_intermediate_size=mc.intermediate_size,
@@ -144,27 +150,35 @@ QWEN3_235B_A22B_HF = {
 }
 
 
+# deepseek-ai/DeepSeek-V3.2-Exp config.json on the Hugging Face Hub, the fields the spec reads.
+DEEPSEEK_V32_HF = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "first_k_dense_replace": 3, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "index_n_heads": 64, "index_head_dim": 128,
+    "index_topk": 2048, "rms_norm_eps": 1e-6, "max_position_embeddings": 163840,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rope_theta": 10000, "torch_dtype": "bfloat16",
+}
+
+
 def _derived() -> dict[str, ModelSpec]:
-    from moeflow.model.tiny_config import TINY_HF_CONFIG
+    from moeflow.model.tiny_config import TINY_HF_CONFIG, TINY_MLA_HF_CONFIG
 
     return {"qwen3-235b-a22b": ModelSpec.from_hf_config("qwen3-235b-a22b", QWEN3_235B_A22B_HF),
-            # moeflow's embedded model (moeflow/model/tiny_config.py)
-            "tiny": ModelSpec.from_hf_config("tiny", TINY_HF_CONFIG)}
+            # Served W8A8 on Ascend (CloudMatrix384 paper, §4): int8 weights and int8 dispatch.
+            "deepseek-v3.2": ModelSpec.from_hf_config("deepseek-v3.2", DEEPSEEK_V32_HF, weight_bytes=1.0,
+                                                      act_bytes=1.0),
+            # moeflow's embedded models (moeflow/model/tiny_config.py)
+            "tiny": ModelSpec.from_hf_config("tiny", TINY_HF_CONFIG),
+            "tiny-mla": ModelSpec.from_hf_config("tiny-mla", TINY_MLA_HF_CONFIG)}
 
 
-# Sources: each model's config.json on the Hugging Face Hub (fields named in the comments);
-# docs/simulator.md lists them with links.
-PRESETS: dict[str, ModelSpec] = {
-    # deepseek-ai/DeepSeek-V3.2-Exp config.json. Served W8A8 on Ascend (CloudMatrix384 paper, §4):
-    # int8 weights and int8 dispatch.
-    "deepseek-v3.2": ModelSpec(
-        "deepseek-v3.2", num_layers=61, num_dense_layers=3, hidden_size=7168, vocab_size=129280,
-        num_heads=128, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, index_heads=64, index_head_dim=128, index_topk=2048,
-        num_experts=256, top_k=8, moe_intermediate_size=2048, shared_intermediate_size=2048,
-        dense_intermediate_size=18432, weight_bytes=1.0, act_bytes=1.0),
-    **_derived(),
-}
+# Sources: each model's config.json on the Hugging Face Hub; docs/simulator.md lists them with links.
+PRESETS: dict[str, ModelSpec] = _derived()
 
 
 def model_preset(name: str) -> ModelSpec:

@@ -24,7 +24,7 @@ def _flat(w: ModelWeights) -> dict[str, torch.Tensor]:
             out[name] = getattr(w, name)
     for lid, a in w.attention.items():
         out.update({f"attn{lid}.{k}": v for k, v in vars(a).items() if v is not None})
-    out.update({f"router{lid}": v for lid, v in w.routers.items()})
+    out.update({f"router{lid}": v.weight for lid, v in w.routers.items()})
     for kind in ("dense", "shared"):
         for lid, m in getattr(w, kind).items():
             out.update({f"{kind}{lid}.{k}": v for k, v in vars(m).items() if v is not None})

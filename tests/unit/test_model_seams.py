@@ -16,7 +16,7 @@ from moeflow.config import ConfigError, ModelConfig
 from moeflow.model.attention import attention_for
 from moeflow.model.family import FAMILIES
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
-from moeflow.model.moe import ROUTERS, Router, router_for
+from moeflow.model.moe import ROUTERS, Router, RouterWeights, router_for
 from moeflow.model.sharding import check_tp, shard_attention
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import ModelWeights, load_weights
@@ -29,9 +29,8 @@ CFG = ModelConfig(architecture="test", vocab_size=16, hidden_size=32, num_layers
 
 
 @pytest.mark.parametrize("field, name, lookup, msg", [
-    ("attention_kind", "mla", attention_for, "unknown attention kind 'mla'; known: ['gqa']"),
-    ("router_kind", "sigmoid_group_topk", router_for,
-     "unknown router kind 'sigmoid_group_topk'; known: ['softmax_topk']"),
+    ("attention_kind", "linear", attention_for, "unknown attention kind 'linear'; known: ['dsa', 'gqa', 'mla']"),
+    ("router_kind", "hash", router_for, "unknown router kind 'hash'; known: ['sigmoid_group', 'softmax_topk']"),
 ])
 def test_unknown_kind_names_the_known_ones(field, name, lookup, msg):
     cfg = dataclasses.replace(CFG, **{field: name})
@@ -51,7 +50,7 @@ def test_route_calls_the_router_the_config_names(monkeypatch):
 
     monkeypatch.setitem(ROUTERS, Constant.name, Constant)
     cfg = dataclasses.replace(CFG, router_kind="constant")
-    model = MoETransformer(cfg, ModelWeights(routers={1: torch.randn(4, 32)}))
+    model = MoETransformer(cfg, ModelWeights(routers={1: RouterWeights(torch.randn(4, 32))}))
     ids, wts = model.route(1, torch.randn(5, 32))
     assert ids.tolist() == [[1, 0]] * 5 and wts.tolist() == [[0.5, 0.5]] * 5
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from moeflow.config import ConfigError, ModelConfig
 from moeflow.model.attention.base import AttentionKind, AttentionWeights, KVLayout
+from moeflow.model.attention.dsa import DSA
 from moeflow.model.attention.gqa import GQA
+from moeflow.model.attention.mla import MLA
 
-ATTENTION_KINDS: dict[str, type[AttentionKind]] = {GQA.name: GQA}
+ATTENTION_KINDS: dict[str, type[AttentionKind]] = {GQA.name: GQA, MLA.name: MLA, DSA.name: DSA}
 
 __all__ = ["ATTENTION_KINDS", "AttentionKind", "AttentionWeights", "KVLayout", "attention_for"]
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from moeflow.config import ConfigError, ModelConfig
 from moeflow.model.attention.base import AttentionKind, AttentionWeights, KVLayout
-from moeflow.model.layers import Rotary, attention_core, rms_norm
+from moeflow.model.layers import attention_core, rms_norm
+from moeflow.model.rope import Rotary
 
 if TYPE_CHECKING:
     from moeflow.model.checkpoint import CheckpointReader
@@ -39,7 +40,7 @@ class GQA(AttentionKind):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope, cfg.max_position_embeddings, cfg.rope_interleave)
 
     def kv_layout(self) -> KVLayout:
         c = self.cfg
