@@ -50,6 +50,7 @@ def reference(checkpoints):
     ("qwen3", (2, 1, 3)),  # 8 experts on 3 workers: 3/3/2, not a multiple
     ("deepseek_v3", (1, 2, 2)),  # MLA heads split over 2 TP members, the latent replicated
     ("deepseek_v32", (2, 1, 2)),  # DSA on two groups
+    ("deepseek_v3_noqlora", (1, 2, 1)),  # q straight from the hidden state, split over 2 TP members
 ])
 def test_asap_matches_colocated(checkpoints, reference, name, layout):
     d, t, e = layout

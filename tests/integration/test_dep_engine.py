@@ -17,7 +17,7 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=1, ignore_e
 @pytest.fixture(scope="module")
 def reference(checkpoints):
     out = {}
-    for name in ("qwen3", "qwen2_moe", "deepseek_v3", "deepseek_v32"):
+    for name in ("qwen3", "qwen2_moe", "deepseek_v3", "deepseek_v32", "deepseek_v3_yarn"):
         with LLM(checkpoints(name).path, dtype="float32") as llm:
             out[name] = llm.generate(PROMPTS, PARAMS)
     return out
@@ -29,6 +29,7 @@ def reference(checkpoints):
     ("qwen2_moe", 3, 8, "least_loaded"),  # shared expert + a dense layer; ranks get 3/3/2 experts
     ("deepseek_v3", 2, 16, "least_loaded"),  # MLA chunks over the latent cache; grouped sigmoid routing
     ("deepseek_v32", 2, 16, "least_loaded"),  # DSA: index keys cached chunk by chunk, top-12 of up to 57 keys
+    ("deepseek_v3_yarn", 2, None, "round_robin"),  # YaRN frequencies and softmax scale on every rank
 ])
 def test_dep_matches_colocated(checkpoints, reference, name, dp, chunk, placement):
     refs = reference[name]
