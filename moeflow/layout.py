@@ -207,3 +207,51 @@ def expert_placement(given: tuple[tuple[int, ...], ...] | None, num_workers: int
     missing = sorted(set(range(num_experts)) - held)
     _require(not missing, f"expert_placement leaves experts {missing} on no worker")
     return given
+
+
+COPY_PLANS = ("sliced", "naive")
+
+
+@register_layout
+@dataclass(frozen=True)
+class DwdpLayout(Layout):
+    mode = "dwdp"
+    summary = ("distributed-weight data parallelism: N ranks, each the whole model on its own requests, "
+               "peers' experts pulled one layer ahead; no rank waits for another")
+
+    dp: int = opt(1, "N: ranks of DP attention + expert parallelism")
+    placement: str = opt("least_loaded", "a request's rank: the least loaded at its first step, or fixed in "
+                         "turn at arrival (SGLang's DP controller)", flag="--dp-placement", choices=PLACEMENTS)
+    chunked_prefill_size: int | None = opt(None, "C: prompts advance at most C tokens per step (ChunkedPrefill)")
+    max_batch_tokens: int = opt(16384, "S: most tokens of one rank's batch")
+    experts_per_rank: int | None = opt(None, "resident experts per rank (default ceil(E/N); more: some held twice, "
+                                             "fewer to pull)")
+    copy_plan: str = opt("sliced", "sliced: each pull cut into slices, interleaved over the sources; naive: "
+                                   "whole pulls, one source after another", choices=COPY_PLANS)
+    slice_bytes: int = opt(1 << 20, "slice size of the sliced copy plan (the paper's 1 MB)")
+    merge: bool = opt(False, "ablation: copy resident and pulled experts into one buffer before the experts op",
+                      flag="--merge-experts")
+
+    def __post_init__(self) -> None:
+        _positive(self, "dp", "max_batch_tokens", "slice_bytes")
+        _require(self.placement in PLACEMENTS, f"dwdp layout: placement must be one of {PLACEMENTS}, "
+                                               f"got {self.placement!r}")
+        _require(self.copy_plan in COPY_PLANS, f"dwdp layout: copy_plan must be one of {COPY_PLANS}, "
+                                               f"got {self.copy_plan!r}")
+        c = self.chunked_prefill_size
+        _require(c is None or (isinstance(c, int) and 0 < c <= self.max_batch_tokens),
+                 f"dwdp layout: chunked_prefill_size must be in [1, max_batch_tokens={self.max_batch_tokens}], got {c!r}")
+        _require(self.experts_per_rank is None or (isinstance(self.experts_per_rank, int) and self.experts_per_rank > 0),
+                 f"dwdp layout: experts_per_rank must be a positive int, got {self.experts_per_rank!r}")
+
+    num_processes = property(lambda self: self.dp)
+    num_groups = property(lambda self: self.dp)
+
+    def resident(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
+        """The experts each rank holds: ``experts_per_rank`` consecutive ids (mod E) from r*E/N, so
+        every expert is held somewhere; E need not divide by N, and more than E/N per rank holds
+        some twice (fewer to pull)."""
+        per = self.experts_per_rank or -(-num_experts // self.dp)
+        _require(per * self.dp >= num_experts and per <= num_experts,
+                 f"dwdp layout: {self.dp} ranks x {per} experts cannot hold all {num_experts} experts once")
+        return tuple(tuple((r * num_experts // self.dp + i) % num_experts for i in range(per)) for r in range(self.dp))

@@ -75,6 +75,7 @@ class WorkerReady:
     role: str  # a key of workers.roles.ROLES
     index: int
     pid: int
+    memory: dict = field(default_factory=dict)  # bytes the worker holds, by kind (KV cache, experts, buffers)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from moeflow.config import ConfigError
 
 @dataclass(frozen=True)
 class CommConfig:
-    spec: CommSpec  # buffer geometry (ASAP Table 2)
+    spec: CommSpec | None  # dispatch/combine buffer geometry (ASAP Table 2); None: weight pulls only (dwdp)
     transport: str = "shm"  # a key of transport.TRANSPORTS: shm | shm-handshake | dist | p2p | reference
     deployment_id: str = "default"  # names the /dev/shm segments: moeflow-<id>.*
     wait: WaitPolicy = field(default_factory=WaitPolicy)  # receivers, and senders under backpressure
@@ -21,8 +21,8 @@ class CommConfig:
     # chunks of about this size, so the receiver's copy overlaps the sender's; 0: one copy each
 
     def __post_init__(self) -> None:
-        if not isinstance(self.spec, CommSpec):
-            raise ConfigError(f"CommConfig.spec must be a CommSpec, got {type(self.spec).__name__}")
+        if self.spec is not None and not isinstance(self.spec, CommSpec):
+            raise ConfigError(f"CommConfig.spec must be a CommSpec or None, got {type(self.spec).__name__}")
         from moeflow.comm.transport import TRANSPORTS  # registry fills on import of the package
 
         if self.transport not in TRANSPORTS:

@@ -15,6 +15,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage
+from moeflow.comm.weights import RefWeightStore
 from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
                                     register)
 
@@ -30,8 +31,10 @@ class _Hub:
 
     def __init__(self, spec):
         # dispatch[rank][lane_id], combine[lane_id][rank]: deque of (header words, payload [n, H] clone)
-        self.dispatch = [[deque() for _ in range(spec.num_lanes)] for _ in range(spec.num_expert_ranks)]
-        self.combine = [[deque() for _ in range(spec.num_expert_ranks)] for _ in range(spec.num_lanes)]
+        lanes, ranks = (spec.num_lanes, spec.num_expert_ranks) if spec is not None else (0, 0)
+        self.dispatch = [[deque() for _ in range(lanes)] for _ in range(ranks)]
+        self.combine = [[deque() for _ in range(ranks)] for _ in range(lanes)]
+        self.weights: dict[int, dict] = {}  # rank -> its published tensors
 
 
 class RefDispatchSender(DispatchSender):
@@ -96,6 +99,7 @@ class ReferenceTransport(Transport):
     dispatch_receiver_cls = RefDispatchReceiver
     combine_sender_cls = RefCombineSender
     combine_receiver_cls = RefCombineReceiver
+    weight_store_cls = RefWeightStore
 
     def __init__(self, config):
         super().__init__(config)

@@ -88,20 +88,21 @@ class Segment:
         return cls(path, buf, is_owner=True)
 
     @classmethod
-    def attach(cls, path: str, accept: Callable[[mmap.mmap], bool], timeout_s: float) -> "Segment":
+    def attach(cls, path: str, accept: Callable[[mmap.mmap], bool], timeout_s: float,
+               writable: bool = True) -> "Segment":
         """Map an existing segment once ``accept`` says it is the live one (a stale file of a
-        crashed run is refused until its owner's successor replaces it)."""
+        crashed run is refused until its owner's successor replaces it); read-only unless ``writable``."""
         deadline = time.monotonic() + timeout_s
         nap = 1e-3
         while True:
             try:
-                fd = os.open(path, os.O_RDWR)
+                fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
             except FileNotFoundError:
                 fd = -1
             if fd >= 0:
                 try:
                     size = os.fstat(fd).st_size
-                    buf = _map(fd, size) if size > 0 else None
+                    buf = _map(fd, size, writable) if size > 0 else None
                 finally:
                     os.close(fd)
                 if buf is not None and accept(buf):
@@ -126,7 +127,7 @@ class Segment:
             pass  # a tensor or memoryview still views it; the mapping goes when they do
 
 
-def _map(fd: int, size: int) -> mmap.mmap:
+def _map(fd: int, size: int, writable: bool = True) -> mmap.mmap:
     # MAP_POPULATE maps every page now, once: a message never pays page faults (static allocation).
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))

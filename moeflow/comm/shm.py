@@ -19,6 +19,7 @@ from moeflow.comm.segment import pid_alive, segment_path
 from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
                                     private_rows, register)
 from moeflow.comm.wait import wait_for
+from moeflow.comm.weights import ShmWeightStore
 
 _OWNER_CHECK_S = 0.5  # a sender under backpressure checks this often that its reader still lives
 
@@ -246,3 +247,4 @@ class ShmTransport(Transport):
     dispatch_receiver_cls = ShmDispatchReceiver
     combine_sender_cls = ShmCombineSender
     combine_receiver_cls = ShmCombineReceiver
+    weight_store_cls = ShmWeightStore

@@ -19,7 +19,8 @@ spec's dtype, 0 <= n <= the slot capacity (``spec.dispatch_rows`` / ``spec.segme
 Dispatch and combine are the four primitives every transport has today; they are not the only
 kinds of endpoint there may be. A transport may add more beside them: DWDP's one-sided *weight
 pull* (a rank copies a peer's resident expert weights out of the peer's shared memory without the
-peer doing anything) will be one. ``Transport`` builds every kind the same way.
+peer doing anything) is one: ``weight_store`` (``comm/weights.py``). ``Transport`` builds every
+kind the same way.
 
 Contract shared by every transport (dispatch and combine):
 - A send returns once the payload is out of the caller's tensor: in the receiver's shared
@@ -200,6 +201,10 @@ class Transport:
 
     def combine_receiver(self, region: int, lane: int) -> CombineReceiver:
         return self.endpoint("combine_receiver", region, lane)
+
+    def weight_store(self):
+        """One-sided weight pulls (``comm/weights.py``): publish this rank's tensors, read peers'."""
+        return self.endpoint("weight_store")
 
 
 TRANSPORTS: dict[str, type[Transport]] = {}

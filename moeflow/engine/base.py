@@ -111,7 +111,7 @@ def register_mode(name: str):
 
 def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engine:
     """The deployment ``layout`` describes, running ``config``'s settings on ``model_path``."""
-    from moeflow.engine import asap, colocated, dep  # noqa: F401  (registers the built-in modes)
+    from moeflow.engine import asap, colocated, dep, dwdp  # noqa: F401  (registers the built-in modes)
 
     if layout.mode not in MODES:
         raise ConfigError(f"mode {layout.mode!r} has a layout but no engine; engines: {sorted(MODES)}")

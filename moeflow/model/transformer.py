@@ -16,7 +16,8 @@ from moeflow.config import ModelConfig
 from moeflow.model.attention import attention_for
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
 from moeflow.model.layers import rms_norm, swiglu
-from moeflow.model.moe import experts_grouped, experts_loop, plan_pairs, router_for, weighted_sum
+from moeflow.model.moe import experts_grouped, experts_loop, plan_pairs, weighted_sum
+from moeflow.model.router import router_for
 from moeflow.model.weights import ModelWeights
 
 

@@ -16,7 +16,8 @@ from moeflow.config import ConfigError, ModelConfig
 from moeflow.model.attention import AttentionKind, AttentionWeights, attention_for
 from moeflow.model.checkpoint import CheckpointError, CheckpointReader
 from moeflow.model.family import Family, family_for, load_families
-from moeflow.model.moe import ExpertWeights, RouterWeights, router_for
+from moeflow.model.moe import ExpertWeights
+from moeflow.model.router import RouterWeights, router_for
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # EngineConfig.dtype -> torch

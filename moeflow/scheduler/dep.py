@@ -32,6 +32,9 @@ class Placement:
     def forget(self, request_id: str) -> None:
         """The request was admitted or aborted: nothing left to place."""
 
+    def exclude(self, rank: int) -> None:
+        """``rank`` is gone: place nothing there from now on."""
+
 
 class LeastLoaded(Placement):
     """"Default": each waiting request, first come first served, to the rank with the fewest
@@ -49,8 +52,16 @@ class RoundRobin(Placement):
 
     def __init__(self, num_ranks: int):
         super().__init__(num_ranks)
-        self._turn = itertools.cycle(range(num_ranks))
+        self._alive = list(range(num_ranks))
+        self._turn = itertools.cycle(self._alive)
         self.rank_of: dict[str, int] = {}
+
+    def exclude(self, rank):
+        self._alive = [r for r in self._alive if r != rank]
+        self._turn = itertools.cycle(self._alive)
+        for rid, r in self.rank_of.items():  # requests fixed to the dead rank move on, in turn
+            if r == rank and self._alive:
+                self.rank_of[rid] = next(self._turn)
 
     def on_arrival(self, request):
         self.rank_of[request.request_id] = next(self._turn)
@@ -91,10 +102,23 @@ class DepScheduler(Scheduler):
     def schedule(self, now: float = 0.0) -> list[Work]:
         """One work item per rank for the next global step (empty batches included), or [] when
         no rank has anything to do."""
+        plan = self._plan(set(range(len(self.pool.groups))))
+        if not any(plan):
+            return []
+        return [Work(i, (self._batch(p),)) for i, p in enumerate(plan)]
+
+    def _batch(self, pieces: list[tuple[Request, int]]) -> Batch:
+        return Batch(next(self._batch_ids), tuple(self.pool.seq(r, n) for r, n in pieces))
+
+    def _plan(self, ranks: set[int]) -> list[list[tuple[Request, int]]]:
+        """Per rank, (request, tokens) of its next batch: its running requests' next step first,
+        then waiting requests placed FIFO by the placement policy; only ``ranks`` get anything."""
         pool = self.pool
         plan: list[list[tuple[Request, int]]] = [[] for _ in pool.groups]
         load = [0] * len(pool.groups)
         for i, g in enumerate(pool.groups):
+            if i not in ranks:
+                continue
             for r in g.requests:
                 n = min(self._step_tokens(r), self.max_batch_tokens - load[i])
                 if n > 0:
@@ -105,23 +129,20 @@ class DepScheduler(Scheduler):
             if len(blocked) == len(pool.groups):
                 break
             n = self._step_tokens(r)
-            ranks = self.placement.candidates(r)
-            fits = [i for i in ranks if i not in blocked
+            candidates = self.placement.candidates(r)
+            fits = [i for i in candidates if i in ranks and i not in blocked
                     and load[i] + n <= self.max_batch_tokens and pool.room_for(i, [r])]
             if not fits:
                 if self.placement.stops_at_blocked_head:
                     break
-                blocked.add(ranks[0])
+                blocked.add(candidates[0])
                 continue
             i = min(fits, key=lambda j: (load[j], j))
             pool.admit(i, r)
             self.placement.forget(r.request_id)
             plan[i].append((r, n))
             load[i] += n
-        if not any(plan):
-            return []
-        return [Work(i, (Batch(next(self._batch_ids), tuple(pool.seq(r, n) for r, n in p)),))
-                for i, p in enumerate(plan)]
+        return plan
 
 
 @scheduler_for("dep")

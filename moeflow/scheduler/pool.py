@@ -19,6 +19,7 @@ class Group:
     allocator: BlockAllocator
     requests: list[Request] = field(default_factory=list)  # admitted here, not finished
     busy: bool = False  # running a work item (schedulers without a global step use it)
+    dead: bool = False  # its process died: nothing is placed there any more (dwdp fails only that rank)
 
 
 class RequestPool:

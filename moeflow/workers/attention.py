@@ -33,6 +33,9 @@ class AttentionWorker:
                 if self.replies:
                     conn.send(done)
 
+    def memory(self) -> dict[str, int]:
+        return {**self.stages.memory(), **self.schedule.memory()}
+
     def close(self) -> None:
         self.schedule.close()
         self.stages.close()

@@ -13,7 +13,7 @@ import signal
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from moeflow.comm import cleanup
@@ -22,6 +22,10 @@ from moeflow.messages import Shutdown, WorkerFailed, WorkerReady, WorkerSetup
 
 class WorkerDied(RuntimeError):
     """A worker process exited or raised; the message names it and carries its traceback."""
+
+    def __init__(self, message: str, worker: "WorkerHandle | None" = None):
+        super().__init__(message)
+        self.worker = worker  # which one (None: not known)
 
 
 def _die_with_parent() -> None:
@@ -49,7 +53,7 @@ def worker_main(setup: WorkerSetup, conn: Connection) -> None:
     try:
         tp = init_world(setup)
         worker = build_worker(setup, make_transport(setup.comm), tp)
-        conn.send(WorkerReady(setup.role, setup.index, os.getpid()))
+        conn.send(WorkerReady(setup.role, setup.index, os.getpid(), worker.memory()))
         worker.serve(conn)
     except BaseException:
         try:
@@ -69,6 +73,7 @@ class WorkerHandle:
     index: int
     process: mp.process.BaseProcess
     conn: Connection  # engine end of the control pipe
+    memory: dict = field(default_factory=dict)  # what it reported holding at start, bytes by kind
 
     @property
     def name(self) -> str:
@@ -112,6 +117,7 @@ class Deployment:
                 msg = self._recv(w)
                 if not isinstance(msg, WorkerReady):
                     raise WorkerDied(f"{w.name} sent {type(msg).__name__} while starting")
+                w.memory = msg.memory
                 pending.pop(w.conn, None)
 
     def _recv(self, w: WorkerHandle):
@@ -120,17 +126,19 @@ class Deployment:
             if w.conn.poll(0.5):
                 msg = w.conn.recv()
                 if isinstance(msg, WorkerFailed):
-                    raise WorkerDied(f"{w.name} failed:\n{msg.error}")
+                    raise WorkerDied(f"{w.name} failed:\n{msg.error}", w)
                 return msg
         except (EOFError, OSError):
             pass
         w.process.join(timeout=0.5)
-        raise WorkerDied(f"{w.name} exited unexpectedly (exit code {w.process.exitcode})")
+        raise WorkerDied(f"{w.name} exited unexpectedly (exit code {w.process.exitcode})", w)
 
-    def recv_any(self, conns: list[WorkerHandle], timeout_s: float) -> list[tuple[WorkerHandle, object]]:
-        """Messages from the given workers within ``timeout_s``; any worker's death raises WorkerDied."""
+    def recv_any(self, conns: list[WorkerHandle], timeout_s: float,
+                 watch: list[WorkerHandle] | None = None) -> list[tuple[WorkerHandle, object]]:
+        """Messages from the given workers within ``timeout_s``; the death of any worker in ``watch``
+        (default: all of them) raises WorkerDied."""
         by_conn = {w.conn: w for w in conns}
-        by_sentinel = {w.process.sentinel: w for w in self.workers}
+        by_sentinel = {w.process.sentinel: w for w in (self.workers if watch is None else watch)}
         out = []
         for ready in wait(list(by_conn) + list(by_sentinel), timeout=timeout_s):
             w = by_conn.get(ready) or by_sentinel[ready]
@@ -141,7 +149,7 @@ class Deployment:
         try:
             w.conn.send(msg)
         except (BrokenPipeError, OSError):
-            raise WorkerDied(f"{w.name} is gone (control pipe closed)") from None
+            raise WorkerDied(f"{w.name} is gone (control pipe closed)", w) from None
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         for w in self.workers:

@@ -66,6 +66,10 @@ class MoEWorker:
         if self.loop.error is not None:
             raise self.loop.error
 
+    def memory(self) -> dict[str, int]:
+        w = self.compute.experts
+        return {"routed_experts": w.w13.nbytes + w.w2.nbytes}
+
     def close(self) -> None:
         self.sender.close()
         self.receiver.close()

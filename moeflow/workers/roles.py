@@ -4,13 +4,15 @@ runs an attention/MoE pair in one process on the reference transport) and its TP
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from moeflow.messages import WorkerSetup
 from moeflow.model.weights import LoadSpec
 from moeflow.workers.attention import AttentionWorker
 from moeflow.workers.moe import MoEWorker
-from moeflow.workers.schedule import Interleaved, Lockstep
+from moeflow.workers.prefetch import ExpertPrefetcher
+from moeflow.workers.schedule import Interleaved, Lockstep, Prefetching
 from moeflow.workers.stages import AttentionStages
 from moeflow.workers.world import TPGroup
 
@@ -53,3 +55,20 @@ def _dep_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWor
                              all_to_all=True)
     schedule = Lockstep(stages, receiver, transport.combine_sender(rank), len(setup.placement))
     return AttentionWorker(stages, schedule, replies=True)
+
+
+@role("dwdp")
+def _dwdp_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWorker:
+    """dwdp: the whole model for its own requests; its resident experts published in shared memory
+    for its peers to pull, theirs pulled one layer ahead of use."""
+    rank, layout = setup.index, setup.layout
+    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.placement[rank]),
+                             dispatch=False)
+    store = transport.weight_store()
+    w = stages.weights.experts
+    shared = store.publish(rank, {"w13": w.w13, "w2": w.w2})  # compute from the published copy; drop ours
+    stages.weights.experts = dataclasses.replace(w, w13=shared["w13"], w2=shared["w2"])
+    peers = {r: store.peer(r) for r in range(len(setup.placement)) if r != rank}
+    prefetcher = ExpertPrefetcher(rank, setup.placement, list(w.layer_ids), (shared["w13"], shared["w2"]), peers,
+                                  layout.copy_plan, layout.slice_bytes, stages.tracer)
+    return AttentionWorker(stages, Prefetching(stages, prefetcher, layout.merge, store), replies=True)

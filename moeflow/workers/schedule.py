@@ -1,11 +1,13 @@
 """Layer schedules: how an attention-side worker walks the layers of one work item's batches with
-its ``AttentionStages``. Siblings, chosen once per role: ``Interleaved`` (asap's dual-batch walk)
-and ``Lockstep`` (dep's all-to-all barrier at every MoE layer).
+its ``AttentionStages``. Siblings, chosen once per role: ``Interleaved`` (asap's dual-batch walk),
+``Lockstep`` (dep's all-to-all barrier at every MoE layer) and ``Prefetching`` (dwdp: every layer
+here, peers' experts pulled one layer ahead).
 """
 from __future__ import annotations
 
 import time
 
+from moeflow.model.moe import experts_list, experts_merged, plan_pairs, weighted_sum
 from moeflow.workers.experts import ExpertCompute, send_replies
 from moeflow.workers.stages import AttentionStages, InFlight
 
@@ -16,6 +18,10 @@ class LayerSchedule:
 
     def run(self, flights: list[InFlight]) -> None:
         raise NotImplementedError
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the schedule holds beyond the stages' (buffers)."""
+        return {}
 
     def close(self) -> None:
         pass
@@ -76,3 +82,49 @@ class Lockstep(LayerSchedule):
     def close(self) -> None:
         self.sender.close()
         self.receiver.close()
+
+
+class Prefetching(LayerSchedule):
+    """DWDP: the whole model on this rank, each MoE layer's experts run from two stacks — the
+    resident ones and the ones the prefetcher pulled — never merged (unless ``merge``: the ablation)."""
+
+    def __init__(self, stages: AttentionStages, prefetcher, merge: bool = False, store=None):
+        super().__init__(stages)
+        self.prefetcher, self.store = prefetcher, store  # the store keeps our published experts mapped
+        self.experts_op = experts_merged if merge else experts_list
+
+    def run(self, flights: list[InFlight]) -> None:
+        (f,) = flights
+        s, m = self.stages, self.stages.model
+        kv = s.runner.kv_cache
+        for layer in range(s.cfg.num_layers):
+            c0 = time.monotonic()
+            a = m.attention(layer, f.hidden, f.meta, kv)
+            c1 = time.monotonic()
+            s.tracer.add("attention", c0, c1, layer=layer, batch=f.batch.batch_id)
+            if not s.cfg.sparse_layers[layer]:
+                f.hidden = m.dense_mlp(layer, a)
+                f.compute_s += time.monotonic() - c0
+                continue
+            ids, wts = m.route(layer, a.moe_input)  # [n, K]
+            plan = plan_pairs(ids, self.prefetcher.index)
+            w0 = time.monotonic()
+            parts = self.prefetcher.acquire(layer)
+            e0 = time.monotonic()
+            try:
+                y = self.experts_op(parts, a.moe_input[plan.token_index], plan.counts)
+            finally:
+                self.prefetcher.release(layer)
+            f.hidden = m.combine(layer, a, weighted_sum(f.hidden.shape[0], plan, y, wts))
+            c2 = time.monotonic()
+            s.tracer.add("experts", e0, c2, layer=layer, tokens=int(plan.counts.sum()))
+            f.wait_s += e0 - w0
+            f.compute_s += (w0 - c0) + (c2 - e0)
+
+    def memory(self) -> dict[str, int]:
+        return {"pull_buffers": self.prefetcher.buffer_bytes}
+
+    def close(self) -> None:
+        self.prefetcher.close()
+        if self.store is not None:
+            self.store.close()

@@ -23,6 +23,24 @@ from moeflow.workers.tracer import Tracer
 from moeflow.workers.world import TPGroup
 
 
+def _nbytes(obj) -> int:
+    """Bytes of every distinct tensor reachable through dataclasses, dicts and lists."""
+    seen, total, todo = set(), 0, [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            if x.data_ptr() not in seen:
+                seen.add(x.data_ptr())
+                total += x.nbytes
+        elif isinstance(x, dict):
+            todo += list(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo += list(x)
+        elif hasattr(x, "__dataclass_fields__"):
+            todo += [getattr(x, f) for f in x.__dataclass_fields__]
+    return total
+
+
 @dataclass
 class InFlight:
     """One batch moving through the layers."""
@@ -50,7 +68,8 @@ class AttentionStages:
     """
 
     def __init__(self, setup: WorkerSetup, transport, tp: TPGroup | None, group: int, member: int, tp_size: int,
-                 load_spec: LoadSpec, all_to_all: bool = False):
+                 load_spec: LoadSpec, all_to_all: bool = False, dispatch: bool = True):
+        """``dispatch``: build dispatch/combine endpoints (False: this process runs its experts itself)."""
         self.setup, self.tp, self.group, self.member, self.tp_size = setup, tp, group, member, tp_size
         dtype = TORCH_DTYPES[setup.engine.dtype]
         cfg, weights = load_weights(setup.model_path, dtype, load_spec)
@@ -60,19 +79,29 @@ class AttentionStages:
         e = setup.engine
         kv = KVCache.for_model(mcfg, e.num_kv_blocks, e.kv_block_size, dtype)
         self.runner = ModelRunner(self.model, kv, seed=e.seed)
-        self.routes = ExpertRoutes(setup.placement, cfg.num_experts, group) if cfg.num_moe_layers else None
-        self.epw = setup.comm.spec.experts_per_rank
-        self.all_workers = list(range(len(setup.placement)))
-        self.all_to_all = all_to_all
         self.tracer = Tracer(setup.role, setup.index, setup.engine.trace)
-        # NOTE: receivers own their buffers; build ours before attaching to the expert side's.
-        # Our group is a region of every expert-side buffer, our member a lane of it.
-        self.receiver = transport.combine_receiver(region=group, lane=member)
-        self.sender = transport.dispatch_sender(region=group, lane=member)
+        self.receiver = self.sender = None
+        if dispatch:
+            self.routes = ExpertRoutes(setup.placement, cfg.num_experts, group) if cfg.num_moe_layers else None
+            self.epw = setup.comm.spec.experts_per_rank
+            self.all_workers = list(range(len(setup.placement)))
+            self.all_to_all = all_to_all
+            # NOTE: receivers own their buffers; build ours before attaching to the expert side's.
+            # Our group is a region of every expert-side buffer, our member a lane of it.
+            self.receiver = transport.combine_receiver(region=group, lane=member)
+            self.sender = transport.dispatch_sender(region=group, lane=member)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this process holds, by kind (workers report them at start)."""
+        w = self.weights
+        experts = 0 if w.experts is None else w.experts.w13.nbytes + w.experts.w2.nbytes
+        return {"kv_cache": self.runner.kv_cache.nbytes, "routed_experts": experts,
+                "other_weights": _nbytes(w) - experts}
 
     def close(self) -> None:
-        self.sender.close()
-        self.receiver.close()
+        for endpoint in (self.sender, self.receiver):
+            if endpoint is not None:
+                endpoint.close()
 
     def begin(self, batches: tuple[Batch, ...], t0: float) -> list[InFlight]:
         flights = []

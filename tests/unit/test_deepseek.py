@@ -95,7 +95,7 @@ def test_the_kv_cache_holds_the_latent_per_token(checkpoints):
 def test_routing_matches_transformers_router(checkpoints):
     ck = checkpoints("deepseek_v3")
     cfg, w = load_weights(ck.path, torch.float32)
-    from moeflow.model.moe import router_for
+    from moeflow.model.router import router_for
 
     x = torch.randn(50, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     ids, wts = router_for(cfg)(x, w.routers[1])

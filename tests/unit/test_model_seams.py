@@ -16,7 +16,7 @@ from moeflow.config import ConfigError, ModelConfig
 from moeflow.model.attention import attention_for
 from moeflow.model.family import FAMILIES
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
-from moeflow.model.moe import ROUTERS, Router, RouterWeights, router_for
+from moeflow.model.router import ROUTERS, Router, RouterWeights, router_for
 from moeflow.model.sharding import check_tp, shard_attention
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import ModelWeights, load_weights

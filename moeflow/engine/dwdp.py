@@ -1,0 +1,115 @@
+"""Mode ``dwdp``: N ranks, each the whole model on its own requests; its peers' experts pulled one
+layer ahead out of their shared memory. No global step and no all-to-all: a rank that finished
+its work item takes its next at once, and no rank waits for another.
+
+A rank that dies fails only its own requests; the others keep serving (their mappings of its
+experts stay valid) and nothing new is placed on it. The deployment fails once no rank is left.
+"""
+from __future__ import annotations
+
+from moeflow.comm import CommConfig
+from moeflow.config import ConfigError, EngineConfig
+from moeflow.core import Work
+from moeflow.engine.base import StepResult, clock, context_len, register_mode
+from moeflow.engine.process_engine import ProcessEngine
+from moeflow.layout import DwdpLayout
+from moeflow.messages import WorkDone, WorkerSetup
+from moeflow.model.weights import load_config
+from moeflow.scheduler import make_scheduler
+from moeflow.workers.launch import WorkerDied, WorkerHandle
+
+_IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
+
+
+@register_mode("dwdp")
+class DwdpEngine(ProcessEngine):
+    def __init__(self, model_path: str, config: EngineConfig, layout: DwdpLayout):
+        super().__init__(config, layout)
+        self.model_config, _ = load_config(model_path)
+        mc = self.model_config
+        if not mc.num_moe_layers:
+            raise ConfigError("mode 'dwdp' needs a model with MoE layers")
+        if config.transport != "shm":
+            raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over {config.transport!r}")
+        self.placement = layout.resident(mc.num_experts)
+        self.max_model_len = context_len(config, mc)
+        comm = CommConfig(None, "shm", self.deployment_id)  # weight pulls only: no dispatch/combine buffers
+        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
+                                        config.max_num_seqs)
+        self._launch([WorkerSetup("dwdp", r, model_path, config, layout, comm, self.placement,
+                                  cpu=r if config.pin_cpus else None) for r in range(layout.dp)])
+        self.ranks = list(self.deployment.workers)
+        self._inflight: dict[int, Work] = {}  # by rank
+        self.dead: dict[int, str] = {}  # rank -> why it is gone
+
+    def _alive(self) -> list[WorkerHandle]:
+        return [w for i, w in enumerate(self.ranks) if i not in self.dead]
+
+    def step(self) -> StepResult:
+        self._check_alive()
+        finished = []
+        for work in self.scheduler.schedule(clock()):
+            try:
+                self._run_work(work.group, work.batches, [self.ranks[work.group]])
+                self._inflight[work.group] = work
+            except WorkerDied as e:
+                self._inflight[work.group] = work
+                finished += self._rank_died(work.group, str(e))
+        result = self._collect()
+        result.finished += finished
+        return result
+
+    def _collect(self) -> StepResult:
+        timeout = _IDLE_WAIT_S if self._inflight or not self.scheduler.has_unfinished() else 0.0
+        outputs, finished, busy_s = {}, [], {}
+        try:
+            got = self.deployment.recv_any([self.ranks[r] for r in self._inflight], timeout, watch=self._alive())
+        except WorkerDied as e:
+            return StepResult({}, self._rank_died(e.worker.index if e.worker else -1, str(e)))
+        for _, msg in got:
+            if isinstance(msg, WorkDone):
+                busy_s[f"rank{msg.group}"] = sum(t.compute_s for t in msg.timings)
+                work = self._inflight.pop(msg.group)
+                out = self._attach_timing(msg, work.batches)
+                b = work.batches[0]
+                finished += self.scheduler.update(msg.group, b, {rid: o.token_id for rid, o in out.items()
+                                                                 if o.token_id is not None})
+                self.scheduler.release(msg.group)
+                outputs.update(out)
+        for r in finished:
+            self._forget(r.request_id)
+        return StepResult(outputs, finished, busy_s)
+
+    def _rank_died(self, rank: int, reason: str) -> list:
+        """Fail what ``rank`` held; keep serving on the others (or fail the deployment, if none is left)."""
+        if rank < 0 or len(self.dead) + 1 >= len(self.ranks):
+            return self._fail(reason).finished
+        self.dead[rank] = reason
+        group = self.scheduler.pool.groups[rank]
+        group.dead, group.busy = True, True
+        self.scheduler.placement.exclude(rank)
+        self._inflight.pop(rank, None)
+        failed = []
+        for r in list(group.requests):
+            self.scheduler.abort(r.request_id, "error")
+            r.error = f"rank {rank} failed: {reason}"
+            failed.append(r)
+            self._forget(r.request_id)
+        return failed
+
+    def drain(self, timeout_s: float = 120.0) -> None:
+        deadline = clock() + timeout_s
+        while self._inflight and self.failed is None:
+            if clock() > deadline:
+                raise RuntimeError(f"work items of ranks {sorted(self._inflight)} still in flight after {timeout_s:g} s")
+            self._collect()
+
+    def memory(self) -> dict[str, dict]:
+        """What each rank reported holding at start (bytes by kind)."""
+        return {w.name: w.memory for w in self.ranks}
+
+    def _on_fail(self) -> None:
+        self._inflight.clear()
+
+    def _busy(self) -> bool:
+        return bool(self._inflight)

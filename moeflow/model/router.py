@@ -1,0 +1,91 @@
+"""Routers: each token's top-k experts and their weights, chosen by ``ModelConfig.router_kind``.
+
+Adding a router = one ``Router`` subclass and one entry in ``ROUTERS``. Shape legend: T tokens,
+H hidden, E experts, K experts per token, G expert groups.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from moeflow.config import ConfigError, ModelConfig
+
+
+@dataclass
+class RouterWeights:
+    """One MoE layer's gate."""
+
+    weight: torch.Tensor  # [E, H]
+    bias: torch.Tensor | None = None  # [E] float32 selection bias (DeepSeek's e_score_correction_bias)
+
+
+class Router(abc.ABC):
+    """Picks each token's top-k experts and their weights."""
+
+    name: ClassVar[str]  # the value of ModelConfig.router_kind
+    fp32_weights: ClassVar[bool] = False  # keep the gate in float32 whatever the model dtype (as trained)
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    @abc.abstractmethod
+    def __call__(self, x: torch.Tensor, gate: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (ids [T, K] int64, weights [T, K] float32)."""
+
+
+class SoftmaxTopK(Router):
+    name = "softmax_topk"
+
+    def __call__(self, x: torch.Tensor, gate: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(x, gate.weight, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+
+
+class SigmoidGroupTopK(Router):
+    """DeepSeek-V3's router: sigmoid scores in float32; the selection bias decides *which* experts
+    (never their weights); a group's score is the sum of its top-2 biased scores and only the best
+    ``topk_group`` groups compete; weights are the unbiased scores of the chosen, renormalized when
+    ``norm_topk_prob``, times ``routed_scaling_factor``."""
+
+    name = "sigmoid_group"
+    fp32_weights = True
+
+    def __call__(self, x: torch.Tensor, gate: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        scores = F.linear(x.float(), gate.weight.float()).sigmoid()  # [T, E]
+        choice = scores if gate.bias is None else scores + gate.bias
+        if c.n_group > 1:
+            t, per = choice.shape[0], c.num_experts // c.n_group
+            group_scores = choice.view(t, c.n_group, per).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+            keep = torch.zeros_like(group_scores)
+            keep.scatter_(1, torch.topk(group_scores, k=c.topk_group, dim=-1, sorted=False)[1], 1)
+            mask = keep.unsqueeze(-1).expand(t, c.n_group, per).reshape(t, c.num_experts)  # [T, E]
+            choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=c.num_experts_per_tok, dim=-1, sorted=False)[1]  # [T, K]
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * c.routed_scaling_factor
+
+
+ROUTERS: dict[str, type[Router]] = {SoftmaxTopK.name: SoftmaxTopK, SigmoidGroupTopK.name: SigmoidGroupTopK}
+
+
+def router_for(cfg: ModelConfig) -> Router:
+    router = ROUTERS.get(cfg.router_kind)
+    if router is None:
+        raise ConfigError(f"unknown router kind {cfg.router_kind!r}; known: {sorted(ROUTERS)}")
+    return router(cfg)
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk_prob: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k router. x: [T, H]; gate_w: [E, H] -> (ids [T, K] int64, weights [T, K] float32)."""
+    probs = F.linear(x, gate_w).float().softmax(dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
