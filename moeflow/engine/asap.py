@@ -92,17 +92,6 @@ class AsapEngine(ProcessEngine):
             self._forget(r.request_id)
         return StepResult(outputs, finished, busy_s)
 
-    def drain(self, timeout_s: float = 120.0) -> None:
-        deadline = clock() + timeout_s
-        try:
-            while self._inflight:
-                if clock() > deadline:
-                    raise RuntimeError(f"work items of groups {sorted(self._inflight)} still in flight "
-                                       f"after {timeout_s:g} s")
-                self._collect()
-        except WorkerDied as e:
-            self._fail(str(e))
-
     def _on_fail(self) -> None:
         self._inflight.clear()
 

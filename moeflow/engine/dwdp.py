@@ -97,13 +97,6 @@ class DwdpEngine(ProcessEngine):
             self._forget(r.request_id)
         return failed
 
-    def drain(self, timeout_s: float = 120.0) -> None:
-        deadline = clock() + timeout_s
-        while self._inflight and self.failed is None:
-            if clock() > deadline:
-                raise RuntimeError(f"work items of ranks {sorted(self._inflight)} still in flight after {timeout_s:g} s")
-            self._collect()
-
     def memory(self) -> dict[str, dict]:
         """What each rank reported holding at start (bytes by kind)."""
         return {w.name: w.memory for w in self.ranks}

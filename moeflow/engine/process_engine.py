@@ -11,7 +11,7 @@ import uuid
 
 from moeflow.config import EngineConfig
 from moeflow.core import Batch, Request
-from moeflow.engine.base import Engine, StepResult, validate_request
+from moeflow.engine.base import Engine, StepResult, clock, validate_request
 from moeflow.layout import Layout
 from moeflow.messages import BatchTiming, DumpSpans, NewRequest, RunWork, Spans
 from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle
@@ -102,6 +102,19 @@ class ProcessEngine(Engine):
         # the Shutdown message; the requests' errors wait for this.
         self.deployment.shutdown(timeout_s=1.0)
         return StepResult({}, finished)
+
+    def drain(self, timeout_s: float = 120.0) -> None:
+        """Collect every work item still on a group (a subclass that keeps ``_inflight`` by group
+        and collects with ``_collect`` gets this for free)."""
+        deadline = clock() + timeout_s
+        try:
+            while getattr(self, "_inflight", None) and self.failed is None:
+                if clock() > deadline:
+                    raise RuntimeError(f"work items of groups {sorted(self._inflight)} still in flight "
+                                       f"after {timeout_s:g} s")
+                self._collect()
+        except WorkerDied as e:
+            self._fail(str(e))
 
     def _on_fail(self) -> None:
         """Drop the subclass's in-flight bookkeeping."""

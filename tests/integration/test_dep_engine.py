@@ -9,10 +9,7 @@ import pytest
 from moeflow import LLM, SamplingParams
 from moeflow.comm import list_segments
 
-PROMPTS = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(40, 70)), list(range(3, 60)),
-           [150, 151, 152, 153]]
-PARAMS = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=1, ignore_eos=True)
-
+from parity import PARAMS, PROMPTS, assert_same
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
@@ -38,11 +35,7 @@ def test_dep_matches_colocated(checkpoints, reference, name, dp, chunk, placemen
         outs = llm.generate(PROMPTS, PARAMS)
         spans = llm.engine.collect_spans()
         deployment_id = llm.engine.deployment_id
-    for o, r in zip(outs, refs):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids
-        for x, y in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
-            assert x.keys() == y.keys()
-            assert max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
+    assert_same(outs, refs)
     assert list_segments(deployment_id) == []
     if dp > 1:  # a rank with no work still took part in every exchange (dummy steps)
         ranks = {s.track.split("/")[0] for s in spans if s.name == "wait-dispatch"}

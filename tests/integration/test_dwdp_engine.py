@@ -12,10 +12,7 @@ from moeflow import LLM, SamplingParams
 from moeflow.comm import list_segments
 from moeflow.core import Request
 
-PROMPTS = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(40, 70)), list(range(3, 60)),
-           [150, 151, 152, 153]]
-PARAMS = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=1, ignore_eos=True)
-
+from parity import PARAMS, PROMPTS, assert_same
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
@@ -24,13 +21,6 @@ def reference(checkpoints):
         with LLM(checkpoints(name).path, dtype="float32") as llm:
             out[name] = llm.generate(PROMPTS, PARAMS)
     return out
-
-
-def _assert_same(outs, refs):
-    for o, r in zip(outs, refs):
-        assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids
-        for x, y in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
-            assert x.keys() == y.keys() and max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
 
 
 @pytest.mark.parametrize("name,dp,options", [
@@ -45,7 +35,7 @@ def test_dwdp_matches_colocated(checkpoints, reference, name, dp, options):
         spans = llm.engine.collect_spans()
         memory = llm.engine.memory()
         deployment_id = llm.engine.deployment_id
-    _assert_same(outs, reference[name])
+    assert_same(outs, reference[name])
     assert list_segments(deployment_id) == []
     names = {s.name for s in spans}
     assert {"attention", "experts", "pull"} <= names and not {"dispatch", "wait-dispatch"} & names
@@ -72,8 +62,8 @@ def test_a_stopped_peer_does_not_stop_a_puller(checkpoints, reference):
             assert time.monotonic() - t0 < 30
         finally:
             _signal_rank(llm, 1, signal.SIGCONT)
-        _assert_same(first, refs[3:4])
-        _assert_same(llm.generate(PROMPTS[:2], PARAMS), refs[:2])  # rank 1 resumed: it serves again
+        assert_same(first, refs[3:4])
+        assert_same(llm.generate(PROMPTS[:2], PARAMS), refs[:2])  # rank 1 resumed: it serves again
 
 
 def test_a_killed_rank_fails_only_its_requests(checkpoints, reference):
@@ -94,7 +84,7 @@ def test_a_killed_rank_fails_only_its_requests(checkpoints, reference):
         assert done[reqs[1].request_id].finish_reason == "error" and "rank 1" in done[reqs[1].request_id].error
         assert done[reqs[0].request_id].finish_reason == "length"  # rank 0 pulled rank 1's experts throughout
         assert engine.failed is None and 1 in engine.dead
-        _assert_same(llm.generate(PROMPTS[:3], PARAMS), reference["qwen3"][:3])  # all on rank 0 now
+        assert_same(llm.generate(PROMPTS[:3], PARAMS), reference["qwen3"][:3])  # all on rank 0 now
     finally:
         llm.shutdown()
     assert list_segments(deployment_id) == []

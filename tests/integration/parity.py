@@ -1,0 +1,19 @@
+"""What every mode's parity test against colocated runs and checks (fp32: prompt logprobs within
+1e-3 at every position, greedy output identical)."""
+from __future__ import annotations
+
+from moeflow import SamplingParams
+
+# ragged: a 1-token prompt (with E=3 some worker gets no token in some layer), short and longer
+# prompts; small batch limits cut them into several batches
+PROMPTS = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(40, 70)), list(range(3, 60)),
+           [150, 151, 152, 153]]
+PARAMS = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=1, ignore_eos=True)
+
+
+def assert_same(outs, refs) -> None:
+    for o, r in zip(outs, refs, strict=True):
+        assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert o.prompt_logprobs[0] is None
+        for x, y in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+            assert x.keys() == y.keys() and max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
