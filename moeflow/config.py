@@ -145,6 +145,9 @@ class EngineConfig:
     pin_cpus: bool = False  # pin each worker process to one CPU (round robin)
     transport: str = "shm"  # dispatch/combine between processes: "shm" (one host) or "dist" (torch.distributed)
     trace: bool = False  # workers record spans for a Chrome/Perfetto trace
+    # bytes each process may hold (weights, buffers, activations, KV); sets num_kv_blocks (engine/memory.py)
+    memory_budget_gib: float | None = None
+    activation_reserve_gib: float | None = None  # None: estimated from the model and the batch limits
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -155,6 +158,11 @@ class EngineConfig:
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
         _require(self.transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        for name in ("memory_budget_gib", "activation_reserve_gib"):
+            v = getattr(self, name)
+            _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                                   and (v > 0 or name != "memory_budget_gib")),
+                     f"EngineConfig.{name} must be None or a number > 0 (>= 0 for the reserve), got {v!r}")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,24 @@ def _positive(layout: "Layout", *names: str) -> None:
                  f"{layout.mode} layout: {n} must be a positive int, got {v!r}")
 
 
+def _placement_opt():
+    return opt("least_loaded", "a request's rank: the least loaded at its first step, or fixed in turn at arrival "
+               "(SGLang's DP controller)", flag="--dp-placement", choices=PLACEMENTS)
+
+
+def _chunk_opt():
+    return opt(None, "C: prompts advance at most C tokens per step (ChunkedPrefill)")
+
+
+def _check_dp_options(layout: "Layout") -> None:
+    """The request placement and chunk size that dep, dwdp and afd share."""
+    m = layout.mode
+    _require(layout.placement in PLACEMENTS, f"{m} layout: placement must be one of {PLACEMENTS}, got {layout.placement!r}")
+    c = layout.chunked_prefill_size
+    _require(c is None or (isinstance(c, int) and 0 < c <= layout.max_batch_tokens),
+             f"{m} layout: chunked_prefill_size must be in [1, max_batch_tokens={layout.max_batch_tokens}], got {c!r}")
+
+
 @dataclass(frozen=True)
 class Layout:
     mode: ClassVar[str]
@@ -140,19 +158,14 @@ class DepLayout(Layout):
     summary = "synchronous baselines: N ranks of DP attention + expert parallelism, a barrier at every MoE layer"
 
     dp: int = opt(1, "N: ranks of DP attention + expert parallelism")
-    placement: str = opt("least_loaded", "a request's rank: the least loaded at its first step, or fixed in "
-                         "turn at arrival (SGLang's DP controller)", flag="--dp-placement", choices=PLACEMENTS)
-    chunked_prefill_size: int | None = opt(None, "C: prompts advance at most C tokens per step (ChunkedPrefill)")
+    placement: str = _placement_opt()
+    chunked_prefill_size: int | None = _chunk_opt()
     max_batch_tokens: int = opt(16384, "S: most tokens of one rank's batch")
     tp: int = opt(1, "devices per rank (the simulator's; the engine runs tp 1)", cli=False)
 
     def __post_init__(self) -> None:
         _positive(self, "dp", "max_batch_tokens", "tp")
-        _require(self.placement in PLACEMENTS, f"dep layout: placement must be one of {PLACEMENTS}, "
-                                               f"got {self.placement!r}")
-        c = self.chunked_prefill_size
-        _require(c is None or (isinstance(c, int) and 0 < c <= self.max_batch_tokens),
-                 f"dep layout: chunked_prefill_size must be in [1, max_batch_tokens={self.max_batch_tokens}], got {c!r}")
+        _check_dp_options(self)
 
     num_processes = property(lambda self: self.dp * self.tp)
     num_groups = property(lambda self: self.dp)  # a rank is a group
@@ -220,9 +233,8 @@ class DwdpLayout(Layout):
                "peers' experts pulled one layer ahead; no rank waits for another")
 
     dp: int = opt(1, "N: ranks of DP attention + expert parallelism")
-    placement: str = opt("least_loaded", "a request's rank: the least loaded at its first step, or fixed in "
-                         "turn at arrival (SGLang's DP controller)", flag="--dp-placement", choices=PLACEMENTS)
-    chunked_prefill_size: int | None = opt(None, "C: prompts advance at most C tokens per step (ChunkedPrefill)")
+    placement: str = _placement_opt()
+    chunked_prefill_size: int | None = _chunk_opt()
     max_batch_tokens: int = opt(16384, "S: most tokens of one rank's batch")
     experts_per_rank: int | None = opt(None, "resident experts per rank (default ceil(E/N); more: some held twice, "
                                              "fewer to pull)")
@@ -234,13 +246,9 @@ class DwdpLayout(Layout):
 
     def __post_init__(self) -> None:
         _positive(self, "dp", "max_batch_tokens", "slice_bytes")
-        _require(self.placement in PLACEMENTS, f"dwdp layout: placement must be one of {PLACEMENTS}, "
-                                               f"got {self.placement!r}")
+        _check_dp_options(self)
         _require(self.copy_plan in COPY_PLANS, f"dwdp layout: copy_plan must be one of {COPY_PLANS}, "
                                                f"got {self.copy_plan!r}")
-        c = self.chunked_prefill_size
-        _require(c is None or (isinstance(c, int) and 0 < c <= self.max_batch_tokens),
-                 f"dwdp layout: chunked_prefill_size must be in [1, max_batch_tokens={self.max_batch_tokens}], got {c!r}")
         _require(self.experts_per_rank is None or (isinstance(self.experts_per_rank, int) and self.experts_per_rank > 0),
                  f"dwdp layout: experts_per_rank must be a positive int, got {self.experts_per_rank!r}")
 
@@ -255,3 +263,57 @@ class DwdpLayout(Layout):
         _require(per * self.dp >= num_experts and per <= num_experts,
                  f"dwdp layout: {self.dp} ranks x {per} experts cannot hold all {num_experts} experts once")
         return tuple(tuple((r * num_experts // self.dp + i) % num_experts for i in range(per)) for r in range(self.dp))
+
+
+AFD_TOPOLOGIES = ("block", "all")
+AFD_ROUTERS = ("attention", "ffn")
+
+
+@register_layout
+@dataclass(frozen=True)
+class AfdLayout(Layout):
+    mode = "afd"
+    summary = ("attention-FFN disaggregation for decode: M attention instances (scheduling, KV, sampling) and N "
+               "stateless FFN daemons, m micro-batches per step overlapping attention with the FFN")
+
+    attn_workers: int = opt(1, "M: attention instances (each its own requests and KV cache)")
+    ffn_workers: int = opt(1, "N: FFN daemons (experts only, no request state)")
+    micro_batches: int = opt(2, "m: micro-batches per step, split on request boundaries (1: no overlap)")
+    # block: FFN j holds every expert and serves the attention instances i with i % N == j (M >= N);
+    # all: the experts are split over the N daemons and every instance sends to every daemon
+    topology: str = opt("block", "which attention instances an FFN daemon serves", choices=AFD_TOPOLOGIES)
+    router: str = opt("attention", "where tokens are routed: on the attention instance (pairs are sent) or on "
+                      "the FFN daemon (token rows are sent, weighted sums come back)", flag="--afd-router",
+                      choices=AFD_ROUTERS)
+    overlap_scheduling: bool = opt(True, "ablation: schedule step t+1 only after step t returned")
+    placement: str = _placement_opt()
+    chunked_prefill_size: int | None = _chunk_opt()
+    max_batch_tokens: int = opt(4096, "S: most tokens of one attention instance's step (all its micro-batches)")
+
+    def __post_init__(self) -> None:
+        _positive(self, "attn_workers", "ffn_workers", "micro_batches", "max_batch_tokens")
+        _require(1 <= self.micro_batches <= 4, f"afd layout: micro_batches must be in [1, 4], got {self.micro_batches}")
+        _require(self.topology in AFD_TOPOLOGIES, f"afd layout: topology must be one of {AFD_TOPOLOGIES}, "
+                                                  f"got {self.topology!r}")
+        _require(self.router in AFD_ROUTERS, f"afd layout: router must be one of {AFD_ROUTERS}, got {self.router!r}")
+        _require(self.topology == "all" or self.attn_workers >= self.ffn_workers,
+                 f"afd layout: topology 'block' gives each FFN daemon a block of attention instances, so "
+                 f"attn_workers ({self.attn_workers}) must be >= ffn_workers ({self.ffn_workers}); use topology 'all'")
+        _check_dp_options(self)
+
+    num_processes = property(lambda self: self.attn_workers + self.ffn_workers)
+    num_groups = property(lambda self: self.attn_workers)
+
+    def ffns_of(self, instance: int) -> tuple[int, ...]:
+        """The FFN daemons attention instance ``instance`` sends every MoE layer to."""
+        return (instance % self.ffn_workers,) if self.topology == "block" else tuple(range(self.ffn_workers))
+
+    def served_by(self, ffn: int) -> tuple[int, ...]:
+        """The attention instances FFN daemon ``ffn`` aggregates, in order."""
+        return tuple(i for i in range(self.attn_workers) if ffn in self.ffns_of(i))
+
+    def placement_of_experts(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
+        """Experts each FFN daemon holds: all of them (block), or contiguous shares (all)."""
+        if self.topology == "block":
+            return (tuple(range(num_experts)),) * self.ffn_workers
+        return expert_placement(None, self.ffn_workers, num_experts)

@@ -120,6 +120,16 @@ class CommSpec:
         return self.num_lanes + rank
 
     @property
+    def dispatch_buffer_bytes(self) -> int:
+        """Payload bytes of one expert rank's dispatch buffer (its receive side; headers aside)."""
+        return self.num_lanes * self.num_slots * self.dispatch_rows * self.hidden_size * self.dtype_bytes
+
+    @property
+    def combine_buffer_bytes(self) -> int:
+        """Payload bytes of one lane writer's combine buffer (a segment per expert rank)."""
+        return self.num_expert_ranks * self.num_slots * self.segment_rows * self.hidden_size * self.dtype_bytes
+
+    @property
     def world_size(self) -> int:
         return self.num_lanes + self.num_expert_ranks
 

@@ -56,6 +56,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     lim.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once")
     lim.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per attention group")
+    lim.add_argument("--memory-budget-gib", type=float, default=None,
+                     help="bytes each process may hold (weights, buffers, activations, KV cache): sets --num-kv-blocks "
+                          "from what the mode puts on each process")
+    lim.add_argument("--activation-reserve-gib", type=float, default=None,
+                     help="activation memory kept out of the budget (default: estimated from the model and batch limits)")
     run = p.add_argument_group("processes")
     run.add_argument("--pin-cpus", action="store_true", help="pin each worker process to one CPU")
     run.add_argument("--transport", default="shm", choices=list(TRANSPORTS), help="dispatch/combine transport")
@@ -82,7 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(model=args.model, revision=args.revision, mode=args.mode, dtype=args.dtype, seed=args.seed,
               num_threads=args.threads,
               pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None)
-    for name in ("max_model_len", "max_num_seqs", "num_kv_blocks"):
+    for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     given = layout_kwargs(args)

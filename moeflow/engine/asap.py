@@ -6,17 +6,20 @@ for any group to finish (or a batch to fall due) -> update.
 """
 from __future__ import annotations
 
-import os
+import functools
 
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len, register_mode
+from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AsapLayout
-from moeflow.messages import WorkDone, WorkerSetup, World
+from moeflow.messages import WorkDone, World
 from moeflow.model.sharding import check_tp
-from moeflow.model.weights import load_config
+from moeflow.model.attention import attention_for
+from moeflow.model.footprint import kv_bytes_per_token
+from moeflow.model.weights import TORCH_DTYPES, load_config
 from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied, free_port
 from moeflow.workers.world import DIST_TRANSPORTS
@@ -42,17 +45,18 @@ class AsapEngine(ProcessEngine):
                         max_batch_tokens=layout.scheduler.max_batch_tokens, dtype=config.dtype,
                         max_local_experts=max(len(ids) for ids in placement))
         comm = CommConfig(spec, config.transport, self.deployment_id, WaitPolicy())
+        member_block = config.kv_block_size * kv_bytes_per_token(attention_for(mc).member_config(t), TORCH_DTYPES[config.dtype])
+        config = self._budget(config, model_path, layout.scheduler.max_batch_tokens, lambda fp, block: [
+            *(ProcessFootprint(f"attention{r}", fp.attention_side(t), spec.combine_buffer_bytes, member_block)
+              for r in range(d * t)),
+            *(ProcessFootprint(f"moe{i}", fp.experts(len(placement[i])), spec.dispatch_buffer_bytes)
+              for i in range(e))])
         n = layout.num_attention_workers  # world ranks: attention g*T + m first, then MoE workers
         world = None
         if t > 1 or config.transport in DIST_TRANSPORTS:
             groups = tuple(tuple(range(g * t, (g + 1) * t)) for g in range(d)) if t > 1 else ()
             world = World(n + e, free_port(), groups)
-        ncpu = os.cpu_count() or 1
-
-        def setup(role: str, index: int, rank: int) -> WorkerSetup:
-            return WorkerSetup(role, index, model_path, config, layout, comm, placement, world, rank,
-                               cpu=rank % ncpu if config.pin_cpus else None)
-
+        setup = functools.partial(self._setup, model_path, comm, placement, world)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         # MoE workers first: they own the dispatch buffers the attention workers attach to.

@@ -42,6 +42,7 @@ class Engine(abc.ABC):
     config: EngineConfig
     max_model_len: int
     failed: str | None = None  # why the deployment stopped serving (a worker died); None while healthy
+    memory_plan = None  # engine.memory.MemoryPlan when the config sets a memory budget
 
     @abc.abstractmethod
     def add_request(self, request: Request) -> None:
@@ -111,7 +112,7 @@ def register_mode(name: str):
 
 def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engine:
     """The deployment ``layout`` describes, running ``config``'s settings on ``model_path``."""
-    from moeflow.engine import asap, colocated, dep, dwdp  # noqa: F401  (registers the built-in modes)
+    from moeflow.engine import afd, asap, colocated, dep, dwdp  # noqa: F401  (registers the built-in modes)
 
     if layout.mode not in MODES:
         raise ConfigError(f"mode {layout.mode!r} has a layout but no engine; engines: {sorted(MODES)}")

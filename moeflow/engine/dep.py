@@ -11,6 +11,7 @@ import time
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len, register_mode
+from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DepLayout, expert_placement
 from moeflow.messages import WorkDone, WorkerSetup
@@ -43,6 +44,9 @@ class DepEngine(ProcessEngine):
                         max_batch_tokens=layout.max_batch_tokens, dtype=config.dtype,
                         max_local_experts=max(len(ids) for ids in experts))
         comm = CommConfig(spec, "shm", self.deployment_id, WaitPolicy())
+        config = self._budget(config, model_path, layout.max_batch_tokens, lambda fp, block: [
+            ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(experts[r])),
+                             spec.dispatch_buffer_bytes + spec.combine_buffer_bytes, block) for r in range(dp)])
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         self._launch([WorkerSetup("dep", r, model_path, config, layout, comm, experts,

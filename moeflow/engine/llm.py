@@ -56,6 +56,7 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, num_kv_blocks: int = 4096,
                  kv_block_size: int = 16, max_model_len: int | None = None, num_threads: int = 1,
                  pin_cpus: bool = False, transport: str = "shm", trace: bool = False, revision: str | None = None,
+                 memory_budget_gib: float | None = None, activation_reserve_gib: float | None = None,
                  layout: Layout | None = None, **layout_kwargs):
         if layout is None:
             layout = make_layout(mode, **layout_kwargs)
@@ -65,7 +66,8 @@ class LLM:
         config = EngineConfig(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, kv_block_size=kv_block_size,
                               num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-                              num_threads=num_threads, seed=seed, pin_cpus=pin_cpus, transport=transport, trace=trace)
+                              num_threads=num_threads, seed=seed, pin_cpus=pin_cpus, transport=transport, trace=trace,
+                              memory_budget_gib=memory_budget_gib, activation_reserve_gib=activation_reserve_gib)
         self.model_path = resolve_model(model, revision)
         self.layout, self.mode = layout, layout.mode
         self.engine = create_engine(layout, self.model_path, config)

@@ -12,8 +12,9 @@ import uuid
 from moeflow.config import EngineConfig
 from moeflow.core import Batch, Request
 from moeflow.engine.base import Engine, StepResult, clock, validate_request
+from moeflow.engine.memory import apply_budget
 from moeflow.layout import Layout
-from moeflow.messages import BatchTiming, DumpSpans, NewRequest, RunWork, Spans
+from moeflow.messages import BatchTiming, DumpSpans, NewRequest, RunWork, Spans, WorkerSetup
 from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle
 
 
@@ -28,6 +29,17 @@ class ProcessEngine(Engine):
         self._work_ids = 0
         self.failed: str | None = None
         self.scheduler = None  # set by the subclass
+
+    def _budget(self, config: EngineConfig, model_path: str, max_batch_tokens: int, processes) -> EngineConfig:
+        """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``)."""
+        self.config, self.memory_plan = apply_budget(config, model_path, max_batch_tokens, processes)
+        return self.config
+
+    def _setup(self, model_path: str, comm, placement, world, role: str, index: int, rank: int) -> WorkerSetup:
+        """A worker's setup; ``rank``: its rank in the deployment's world (pinned to CPU rank mod cores)."""
+        c = self.config
+        return WorkerSetup(role, index, model_path, c, self.layout, comm, placement, world, rank,
+                           cpu=rank % (os.cpu_count() or 1) if c.pin_cpus else None)
 
     def _launch(self, setups) -> None:
         self.deployment = Deployment(setups, self.deployment_id)

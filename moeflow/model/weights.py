@@ -31,6 +31,7 @@ class LoadSpec:
     experts: tuple[int, ...] | None = None  # routed experts held; None: all
     attention: bool = True  # embeddings, attention, norms, router, dense MLPs, shared experts, LM head
     routed_experts: bool = True
+    routers: bool = False  # without ``attention``: the gates alone (an AFD FFN daemon that routes)
 
 
 @dataclass
@@ -84,6 +85,8 @@ def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec()) -> 
         kind = attention_for(cfg)
         for lid in layers:
             _load_attention_side(r, fam, cfg, kind, lid, w)
+    elif spec.routers:
+        w.routers = {lid: _load_router(r, fam, cfg, lid) for lid in layers if cfg.sparse_layers[lid]}
     if spec.routed_experts and cfg.num_moe_layers:
         w.experts = _load_experts(r, fam, cfg, [l for l in layers if cfg.sparse_layers[l]], spec.experts)
     return cfg, w
@@ -95,11 +98,7 @@ def _load_attention_side(r: CheckpointReader, fam: Family, cfg: ModelConfig, kin
     w.attention[lid] = kind.load(r, fam.attention_prefix(lid), input_norm=r.get(fam.input_norm_key(lid), (h,)),
                                  post_norm=r.get(fam.post_norm_key(lid), (h,)))
     if cfg.sparse_layers[lid]:
-        fp32 = router_for(cfg).fp32_weights
-        bias_key = fam.router_bias_key(lid)
-        w.routers[lid] = RouterWeights(
-            r.get(fam.router_key(lid), (cfg.num_experts, h), torch.float32 if fp32 else None),
-            r.get(bias_key, (cfg.num_experts,), torch.float32) if bias_key else None)
+        w.routers[lid] = _load_router(r, fam, cfg, lid)
         fs = cfg.shared_expert_intermediate_size
         if fs:
             w.shared[lid] = MLPWeights(
@@ -113,6 +112,13 @@ def _load_attention_side(r: CheckpointReader, fam: Family, cfg: ModelConfig, kin
             gate_up=torch.cat([r.get(fam.dense_key(lid, "gate_proj"), (f, h)),
                                r.get(fam.dense_key(lid, "up_proj"), (f, h))]),
             down=r.get(fam.dense_key(lid, "down_proj"), (h, f)))
+
+
+def _load_router(r: CheckpointReader, fam: Family, cfg: ModelConfig, lid: int) -> RouterWeights:
+    fp32 = router_for(cfg).fp32_weights
+    bias_key = fam.router_bias_key(lid)
+    return RouterWeights(r.get(fam.router_key(lid), (cfg.num_experts, cfg.hidden_size), torch.float32 if fp32 else None),
+                         r.get(bias_key, (cfg.num_experts,), torch.float32) if bias_key else None)
 
 
 def _load_experts(r: CheckpointReader, fam: Family, cfg: ModelConfig, moe_layers: list[int],

@@ -22,7 +22,7 @@ def scheduler_for(mode: str):
 def make_scheduler(layout: Layout, num_kv_blocks: int, kv_block_size: int, max_model_len: int, max_num_seqs: int,
                    max_num_batched_tokens: int = 8192) -> Scheduler:
     """The scheduler of ``layout``'s mode over one KV allocator per group of the layout."""
-    from moeflow.scheduler import asap, continuous, dep, dwdp  # noqa: F401  (register the builders)
+    from moeflow.scheduler import afd, asap, continuous, dep, dwdp  # noqa: F401  (register the builders)
 
     pool = RequestPool([BlockAllocator(num_kv_blocks, kv_block_size) for _ in range(layout.num_groups)],
                        max_model_len, max_num_seqs)

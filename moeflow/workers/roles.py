@@ -9,7 +9,9 @@ from typing import Callable
 
 from moeflow.messages import WorkerSetup
 from moeflow.model.weights import LoadSpec
+from moeflow.workers.afd_attention import AfdStages
 from moeflow.workers.attention import AttentionWorker
+from moeflow.workers.ffn import FfnDaemon
 from moeflow.workers.moe import MoEWorker
 from moeflow.workers.prefetch import ExpertPrefetcher
 from moeflow.workers.schedule import Interleaved, Lockstep, Prefetching
@@ -52,7 +54,7 @@ def _dep_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWor
     rank = setup.index
     receiver = transport.dispatch_receiver(rank)  # our dispatch buffer, before anyone attaches to it
     stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.placement[rank]),
-                             all_to_all=True)
+                             send_to=tuple(range(len(setup.placement))))
     schedule = Lockstep(stages, receiver, transport.combine_sender(rank), len(setup.placement))
     return AttentionWorker(stages, schedule, replies=True)
 
@@ -72,3 +74,15 @@ def _dwdp_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWo
     prefetcher = ExpertPrefetcher(rank, setup.placement, list(w.layer_ids), (shared["w13"], shared["w2"]), peers,
                                   layout.copy_plan, layout.slice_bytes, stages.tracer)
     return AttentionWorker(stages, Prefetching(stages, prefetcher, layout.merge, store), replies=True)
+
+
+@role("afd_attention")
+def _afd_attention(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWorker:
+    """afd: one attention instance; each step's m micro-batches interleave over its FFN daemons (DBO)."""
+    stages = AfdStages(setup, transport, setup.index)
+    return AttentionWorker(stages, Interleaved(stages), replies=True)
+
+
+@role("ffn")
+def _afd_ffn(setup: WorkerSetup, transport, tp: TPGroup | None) -> FfnDaemon:
+    return FfnDaemon(setup, transport)

@@ -63,12 +63,13 @@ class AttentionStages:
     """One attention-side process's model, KV cache, request state and dispatch/combine endpoints.
 
     ``group``/``member``: this process's DP group and TP member (a dep rank is group r, member 0).
-    ``all_to_all``: dispatch to every expert-side worker, rows or not (the synchronous baseline's
-    collective), instead of only to those holding the batch's experts.
+    ``send_to``: the expert-side workers this process dispatches to at every MoE layer, rows or
+    not (dep: all of them, the synchronous baseline's collective; afd: its FFN daemons); None: only
+    those holding the batch's experts (asap).
     """
 
     def __init__(self, setup: WorkerSetup, transport, tp: TPGroup | None, group: int, member: int, tp_size: int,
-                 load_spec: LoadSpec, all_to_all: bool = False, dispatch: bool = True):
+                 load_spec: LoadSpec, send_to: tuple[int, ...] | None = None, dispatch: bool = True):
         """``dispatch``: build dispatch/combine endpoints (False: this process runs its experts itself)."""
         self.setup, self.tp, self.group, self.member, self.tp_size = setup, tp, group, member, tp_size
         dtype = TORCH_DTYPES[setup.engine.dtype]
@@ -84,8 +85,7 @@ class AttentionStages:
         if dispatch:
             self.routes = ExpertRoutes(setup.placement, cfg.num_experts, group) if cfg.num_moe_layers else None
             self.epw = setup.comm.spec.experts_per_rank
-            self.all_workers = list(range(len(setup.placement)))
-            self.all_to_all = all_to_all
+            self.send_to = None if send_to is None else list(send_to)
             # NOTE: receivers own their buffers; build ours before attaching to the expert side's.
             # Our group is a region of every expert-side buffer, our member a lane of it.
             self.receiver = transport.combine_receiver(region=group, lane=member)
@@ -122,9 +122,17 @@ class AttentionStages:
             f.hidden = m.dense_mlp(layer, f.attn)
             f.compute_s += time.monotonic() - c0
             return
-        ids, wts = m.route(layer, f.attn.moe_input)  # [n, K] each, identical on every TP member
+        c2 = self._dispatch(layer, f)
+        c3 = time.monotonic()
+        self.tracer.add("router", c1, c2, layer=layer, batch=f.batch.batch_id)
+        self.tracer.add("dispatch", c2, c3, layer=layer, batch=f.batch.batch_id, workers=len(f.workers))
+        f.compute_s += c3 - c0
+
+    def _dispatch(self, layer: int, f: InFlight) -> float:
+        """Route the batch and send this member's pairs; returns when routing ended (the rest is sending)."""
+        ids, wts = self.model.route(layer, f.attn.moe_input)  # [n, K] each, identical on every TP member
         # the whole batch's set: every member sends to it
-        f.workers = self.all_workers if self.all_to_all else self.routes.workers_for(ids)
+        f.workers = self.send_to if self.send_to is not None else self.routes.workers_for(ids)
         ids, f.topk_w = ids[f.lo:f.hi], wts[f.lo:f.hi]
         x = f.attn.moe_input[f.lo:f.hi]  # [s, H]
         f.shares = self.routes.split(ids, f.workers)
@@ -133,24 +141,31 @@ class AttentionStages:
         for sh in f.shares:
             tpe = sh.counts + [0] * (self.epw - len(sh.counts))
             self.sender.send(sh.worker, x[sh.pair_index // k], layer, f.batch.batch_id, tpe)
-        c3 = time.monotonic()
-        self.tracer.add("router", c1, c2, layer=layer, batch=f.batch.batch_id)
-        self.tracer.add("dispatch", c2, c3, layer=layer, batch=f.batch.batch_id, workers=len(f.workers))
-        f.compute_s += c3 - c0
+        return c2
+
+    def _receive(self, f: InFlight) -> dict[int, torch.Tensor]:
+        """Each expert-side worker's results for this batch [m, H], valid until the next receive."""
+        msg = self.receiver.recv(f.workers)
+        return {w: msg.segments[w].payload for w in f.workers}
+
+    def _routed(self, f: InFlight, payloads: dict[int, torch.Tensor]) -> torch.Tensor:
+        """This member's routed-expert output [s, H] from the expert side's results."""
+        k = f.topk_w.shape[1]
+        flat_w = f.topk_w.reshape(-1)
+        routed = torch.zeros(f.hi - f.lo, self.cfg.hidden_size, dtype=f.hidden.dtype)  # [s, H]
+        for sh in f.shares:
+            y = payloads[sh.worker]  # [m, H], valid until the next recv: used at once
+            routed.index_add_(0, sh.pair_index // k, y * flat_w[sh.pair_index].to(y.dtype).unsqueeze(1))
+        return routed
 
     def combine(self, layer: int, f: InFlight) -> None:
         if not self.cfg.sparse_layers[layer]:
             return
         w0 = time.monotonic()
-        msg = self.receiver.recv(f.workers)
+        payloads = self._receive(f)
         c0 = time.monotonic()
         self.tracer.add("wait-combine", w0, c0, layer=layer, batch=f.batch.batch_id)
-        k = f.topk_w.shape[1]
-        flat_w = f.topk_w.reshape(-1)
-        routed = torch.zeros(f.hi - f.lo, self.cfg.hidden_size, dtype=f.hidden.dtype)  # [s, H]
-        for sh in f.shares:
-            y = msg.segments[sh.worker].payload  # [m, H], valid until the next recv: used at once
-            routed.index_add_(0, sh.pair_index // k, y * flat_w[sh.pair_index].to(y.dtype).unsqueeze(1))
+        routed = self._routed(f, payloads)
         a = f.attn
         share = self.model.combine(layer, AttentionOut(a.residual[f.lo:f.hi], a.moe_input[f.lo:f.hi]), routed)
         if self.tp is not None:

@@ -2,7 +2,7 @@
 1e-3 at every position, greedy output identical)."""
 from __future__ import annotations
 
-from moeflow import SamplingParams
+from moeflow import LLM, SamplingParams
 
 # ragged: a 1-token prompt (with E=3 some worker gets no token in some layer), short and longer
 # prompts; small batch limits cut them into several batches
@@ -17,3 +17,12 @@ def assert_same(outs, refs) -> None:
         assert o.prompt_logprobs[0] is None
         for x, y in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
             assert x.keys() == y.keys() and max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
+
+
+def colocated_outputs(checkpoints, names) -> dict:
+    """The colocated reference's outputs on PROMPTS, per checkpoint variant."""
+    out = {}
+    for name in names:
+        with LLM(checkpoints(name).path, dtype="float32") as llm:
+            out[name] = llm.generate(PROMPTS, PARAMS)
+    return out

@@ -12,15 +12,11 @@ from moeflow import LLM, SamplingParams
 from moeflow.comm import list_segments
 from moeflow.core import Request
 
-from parity import PARAMS, PROMPTS, assert_same
+from parity import PARAMS, PROMPTS, assert_same, colocated_outputs
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    out = {}
-    for name in ("qwen3", "qwen2_moe", "deepseek_v3"):
-        with LLM(checkpoints(name).path, dtype="float32") as llm:
-            out[name] = llm.generate(PROMPTS, PARAMS)
-    return out
+    return colocated_outputs(checkpoints, ("qwen3", "qwen2_moe", "deepseek_v3"))
 
 
 @pytest.mark.parametrize("name,dp,options", [

@@ -1,0 +1,131 @@
+"""Mode ``afd``: M attention instances and N stateless FFN daemons (attention-FFN disaggregation).
+
+The engine owns the scheduler and the control pipes to the attention instances; the FFN daemons
+only see activations (``workers/afd_connector.py``). Each step sends every instance its m
+micro-batches and waits for all M: the daemons aggregate the same (layer, micro-batch) from every
+instance they serve, so the instances advance in step. With overlap scheduling (default) step
+t+1 is scheduled and sent before step t's results are back, so an instance starts it without a
+round trip through the engine; at most two steps are in flight.
+
+A worker that dies fails every request (each instance depends on its daemons and each daemon on
+all the instances it serves, within the step) and the deployment stops; nothing is left behind.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+
+from moeflow.comm import CommConfig, CommSpec, WaitPolicy
+from moeflow.config import ConfigError, EngineConfig
+from moeflow.core import Work
+from moeflow.engine.base import StepResult, clock, context_len, register_mode
+from moeflow.engine.memory import ProcessFootprint
+from moeflow.engine.process_engine import ProcessEngine
+from moeflow.layout import AfdLayout
+from moeflow.messages import WorkDone, World
+from moeflow.model.weights import load_config
+from moeflow.scheduler import make_scheduler
+from moeflow.workers.launch import WorkerDied, free_port
+from moeflow.workers.world import DIST_TRANSPORTS
+
+_IDLE_S = 2e-3  # an idle deployment's step sleeps this long (never a busy spin)
+
+
+@register_mode("afd")
+class AfdEngine(ProcessEngine):
+    def __init__(self, model_path: str, config: EngineConfig, layout: AfdLayout):
+        super().__init__(config, layout)
+        self.model_config, _ = load_config(model_path)
+        mc = self.model_config
+        if not mc.num_moe_layers:
+            raise ConfigError("mode 'afd' needs a model with MoE layers")
+        m, n = layout.attn_workers, layout.ffn_workers
+        placement = layout.placement_of_experts(mc.num_experts)
+        self.max_model_len = context_len(config, mc)
+        s = layout.max_batch_tokens
+        # an instance is a region of one lane in every daemon's buffer, a daemon an expert rank; an
+        # instance keeps up to m micro-batches in flight per lane
+        spec = CommSpec(num_regions=m, lanes_per_region=1, num_expert_ranks=n, num_experts=mc.num_experts,
+                        top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size, max_batch_tokens=s,
+                        dtype=config.dtype, num_slots=max(2, layout.micro_batches),
+                        combine_rows=s if layout.router == "ffn" else 0,
+                        max_local_experts=max(len(ids) for ids in placement))
+        comm = CommConfig(spec, config.transport, self.deployment_id, WaitPolicy())
+        config = self._budget(config, model_path, s, lambda fp, block: [
+            *(ProcessFootprint(f"attention{i}", fp.attention_side(), spec.combine_buffer_bytes, block) for i in range(m)),
+            *(ProcessFootprint(f"ffn{j}", fp.experts(len(placement[j])) + (fp.routers if layout.router == "ffn" else 0),
+                               spec.dispatch_buffer_bytes) for j in range(n))])
+        world = World(m + n, free_port()) if config.transport in DIST_TRANSPORTS else None
+        setup = functools.partial(self._setup, model_path, comm, placement, world)
+        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
+                                        config.max_num_seqs)
+        # the daemons first: they own the dispatch buffers the instances attach to
+        self._launch([setup("ffn", j, m + j) for j in range(n)] + [setup("afd_attention", i, i) for i in range(m)])
+        self.attention = [w for w in self.deployment.workers if w.role == "afd_attention"]
+        self.ffn = [w for w in self.deployment.workers if w.role == "ffn"]
+        self._steps: deque[list[Work]] = deque()  # steps sent, oldest first
+
+    def step(self) -> StepResult:
+        self._check_alive()
+        try:
+            if not self._steps and not self._issue():
+                time.sleep(_IDLE_S)
+                return StepResult({}, [])
+            if self.layout.overlap_scheduling and len(self._steps) < 2:
+                self._issue()  # step t+1 goes out while step t runs
+            return self._collect()
+        except WorkerDied as e:
+            return self._fail(str(e))
+
+    def _issue(self) -> bool:
+        works = self.scheduler.schedule(clock())
+        if not works:
+            return False
+        for w in works:
+            self._run_work(w.group, w.batches, [self.attention[w.group]])
+        self._steps.append(works)
+        return True
+
+    def _collect(self) -> StepResult:
+        """Wait for every instance's results of the oldest step in flight, and apply them."""
+        works = self._steps[0]
+        done: dict[int, WorkDone] = {}
+        while len(done) < len(works):
+            waiting = [self.attention[w.group] for w in works if w.group not in done]
+            for _, msg in self.deployment.recv_any(waiting, 0.5):
+                if isinstance(msg, WorkDone):
+                    done[msg.group] = msg
+        self._steps.popleft()
+        pool = self.scheduler.pool
+        alive = set(pool.requests)  # a request that stopped in the previous step has a dropped result here
+        outputs, finished = {}, []
+        for w in works:
+            out = self._attach_timing(done[w.group], w.batches)
+            sampled = {rid: o.token_id for rid, o in out.items() if o.token_id is not None}
+            for b in w.batches:
+                finished += self.scheduler.update(w.group, b, sampled)
+            outputs.update({rid: o for rid, o in out.items() if rid in alive})
+        for r in finished:
+            self._forget(r.request_id)
+        busy_s = {f"attention{g}": sum(t.compute_s for t in d.timings) for g, d in done.items()}
+        return StepResult(outputs, finished, busy_s)
+
+    def drain(self, timeout_s: float = 120.0) -> None:
+        deadline = clock() + timeout_s
+        try:
+            while self._steps and self.failed is None:
+                if clock() > deadline:
+                    raise RuntimeError(f"{len(self._steps)} steps still in flight after {timeout_s:g} s")
+                self._collect()
+        except WorkerDied as e:
+            self._fail(str(e))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._steps)
+
+    def _on_fail(self) -> None:
+        self._steps.clear()
+
+    def _busy(self) -> bool:
+        return bool(self._steps)

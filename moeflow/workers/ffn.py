@@ -1,0 +1,106 @@
+"""AFD's FFN daemon: stateless, experts only. Its loop: receive one (layer, micro-batch) from every
+attention instance it serves -> one expert batch over all their tokens -> send each its rows.
+
+It holds no request, KV cache or scheduler and never talks to the engine about work (the control
+pipe carries only shutdown and trace requests). Aggregating the instances' tokens into one
+grouped GEMM per projection is the point of AFD: the experts see M times the tokens of one
+instance's micro-batch. With the router on the daemon (``router="ffn"``) it also holds the gates,
+routes the token rows itself and sends back each token's weighted sum over its local experts.
+
+Legend: N rows over all served instances, H hidden, El local experts, K experts per token.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moeflow.messages import DumpSpans, Shutdown, Spans, WorkerSetup
+from moeflow.model.moe import ExpertWeights, experts_grouped, plan_pairs, weighted_sum
+from moeflow.model.router import RouterWeights, router_for
+from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
+from moeflow.workers.afd_connector import FfnConnector, FfnInput
+from moeflow.workers.tracer import Tracer
+
+_POLL_S = 0.25  # longest a blocking receive lasts before the control pipe is looked at again
+
+
+def ffn_pairs(experts: ExpertWeights, inp: FfnInput, order: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Router on the attention side: rows arrive grouped by local expert per instance; run them as
+    one batch grouped by expert across instances, return each instance's rows in its own order."""
+    xs = [inp.payloads[i] for i in order]
+    x = torch.cat(xs)  # [N, H]
+    el = len(experts.expert_ids)
+    expert_of_row = torch.cat([torch.repeat_interleave(torch.arange(el), torch.tensor(inp.control.tokens_per_expert[i][:el]))
+                               for i in order])  # [N]
+    perm = torch.argsort(expert_of_row, stable=True)
+    y = experts_grouped(experts, inp.control.layer, x[perm], torch.bincount(expert_of_row, minlength=el))
+    out = torch.empty_like(y)
+    out[perm] = y
+    return dict(zip(order, out.split([t.shape[0] for t in xs])))
+
+
+def ffn_tokens(experts: ExpertWeights, router, gate: RouterWeights, inp: FfnInput,
+               order: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Router on the daemon: token rows arrive; route them, run the local experts' pairs, return
+    each token's weighted sum over them (a partial sum when the experts are split over daemons)."""
+    xs = [inp.payloads[i] for i in order]
+    x = torch.cat(xs)  # [N, H]
+    ids, wts = router(x, gate)  # [N, K]
+    plan = plan_pairs(ids, experts)
+    y = experts_grouped(experts, inp.control.layer, x[plan.token_index], plan.counts)
+    out = weighted_sum(x.shape[0], plan, y, wts)  # [N, H]
+    return dict(zip(order, out.split([t.shape[0] for t in xs])))
+
+
+class FfnDaemon:
+    def __init__(self, setup: WorkerSetup, transport):
+        layout, j = setup.layout, setup.index
+        self.setup, self.index = setup, j
+        self.routes_here = layout.router == "ffn"
+        cfg, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
+                              LoadSpec(attention=False, experts=setup.placement[j], routers=self.routes_here))
+        self.experts, self.gates = w.experts, w.routers
+        self.router = router_for(cfg)
+        self.connector = FfnConnector(transport, j, layout.served_by(j))
+        self.tracer = Tracer("ffn", j, setup.engine.trace)
+
+    @torch.inference_mode()
+    def run(self, inp: FfnInput) -> dict[int, torch.Tensor]:
+        order = self.connector.served
+        if self.routes_here:
+            return ffn_tokens(self.experts, self.router, self.gates[inp.control.layer], inp, order)
+        return ffn_pairs(self.experts, inp, order)
+
+    def turn(self) -> None:
+        t0 = time.monotonic()
+        inp = self.connector.recv_attn_output(_POLL_S)
+        if inp is None:
+            return
+        t1 = time.monotonic()
+        out = self.run(inp)
+        t2 = time.monotonic()
+        self.connector.send_ffn_output(inp, out)
+        t3 = time.monotonic()
+        c = inp.control
+        self.tracer.add("recv", t0, t1, layer=c.layer)
+        self.tracer.add("experts", t1, t2, layer=c.layer, tokens=sum(c.rows.values()))
+        self.tracer.add("combine-send", t2, t3, layer=c.layer)
+
+    def serve(self, conn) -> None:
+        while True:
+            if conn.poll():
+                msg = conn.recv()
+                if isinstance(msg, Shutdown):
+                    return
+                if isinstance(msg, DumpSpans):
+                    conn.send(Spans("ffn", self.index, self.tracer.drain()))
+            self.turn()
+
+    def memory(self) -> dict[str, int]:
+        w = self.experts
+        gates = sum(g.weight.nbytes + (0 if g.bias is None else g.bias.nbytes) for g in self.gates.values())
+        return {"routed_experts": w.w13.nbytes + w.w2.nbytes, "routers": gates}
+
+    def close(self) -> None:
+        self.connector.close()

@@ -1,0 +1,61 @@
+"""A memory budget per process: the weight footprint read from checkpoint headers equals what
+loading allocates; KV blocks are what is left; a process with no experts fits more; a budget too
+small is refused with the numbers."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moeflow.config import ConfigError, EngineConfig
+from moeflow.engine.memory import GIB, ProcessFootprint, activation_reserve, plan_memory
+from moeflow.model.footprint import kv_bytes_per_token, weight_footprint
+from moeflow.model.kv_cache import KVCache
+from moeflow.model.weights import LoadSpec, load_config, load_weights
+from moeflow.workers.stages import _nbytes
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2_moe", "deepseek_v3", "deepseek_v32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_footprint_is_what_loading_allocates(checkpoints, name, dtype):
+    path = checkpoints(name).path
+    cfg, fam = load_config(path)
+    fp = weight_footprint(path, cfg, fam, dtype)
+    _, w = load_weights(path, dtype)
+    experts = w.experts.w13.nbytes + w.experts.w2.nbytes
+    assert fp.experts(cfg.num_experts) == experts
+    assert fp.attention_side() == _nbytes(w) - experts
+    _, ffn = load_weights(path, dtype, LoadSpec(attention=False, experts=(0, 1), routers=True))
+    assert fp.experts(2) + fp.routers == _nbytes(ffn)
+    assert kv_bytes_per_token(cfg, dtype) == KVCache.for_model(cfg, 1, 1, dtype).bytes_per_token
+
+
+def test_blocks_are_the_rest_of_the_budget():
+    config = EngineConfig(memory_budget_gib=1.0, dtype="float32")
+    procs = [ProcessFootprint("rank0", GIB // 2, GIB // 8, 1 << 20), ProcessFootprint("ffn0", GIB // 2)]
+    plan = plan_memory(config, procs, reserve=GIB // 8)
+    assert plan.num_kv_blocks == (GIB - GIB // 2 - GIB // 8 - GIB // 8) // (1 << 20) == 256
+    lighter = plan_memory(config, [ProcessFootprint("attention0", GIB // 8, GIB // 8, 1 << 20)], reserve=GIB // 8)
+    assert lighter.num_kv_blocks == 640  # no experts held: more requests fit
+    assert plan.to_dict()["processes"][0]["kv_cache_gib"] == 0.25
+
+
+def test_a_budget_too_small_names_the_process_and_the_numbers():
+    config = EngineConfig(memory_budget_gib=0.5)
+    with pytest.raises(ConfigError, match=r"too small for ffn0: weights 0\.600 GiB"):
+        plan_memory(config, [ProcessFootprint("a", 0, 0, 1), ProcessFootprint("ffn0", int(0.6 * GIB))], reserve=0)
+    with pytest.raises(ConfigError, match="no room for one KV block"):
+        plan_memory(config, [ProcessFootprint("a", GIB // 2 - 10, 0, 1 << 20)], reserve=0)
+    with pytest.raises(ConfigError, match="memory_budget_gib must be None or a number > 0"):
+        EngineConfig(memory_budget_gib=0)
+
+
+def test_the_reserve_is_stated_and_overridable(checkpoints):
+    cfg, _ = load_config(checkpoints("qwen3").path)
+    config = EngineConfig(max_num_seqs=4)
+    r = activation_reserve(cfg, config, 100, 4)
+    per_token = 6 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + \
+        cfg.num_experts_per_tok * (cfg.hidden_size + 2 * cfg.moe_intermediate_size)
+    assert r == 100 * per_token * 4 + 4 * cfg.vocab_size * 4
+    assert activation_reserve(cfg, dataclasses.replace(config, activation_reserve_gib=0.25), 100, 4) == GIB // 4
