@@ -20,7 +20,7 @@ from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len, register_mode
-from moeflow.engine.memory import ProcessFootprint
+from moeflow.engine.memory import ProcessFootprint, footprints_for
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AfdLayout
 from moeflow.messages import WorkDone, World
@@ -30,6 +30,28 @@ from moeflow.workers.launch import WorkerDied, free_port
 from moeflow.workers.world import DIST_TRANSPORTS
 
 _IDLE_S = 2e-3  # an idle deployment's step sleeps this long (never a busy spin)
+
+
+def _spec(layout: AfdLayout, mc, config: EngineConfig) -> CommSpec:
+    """An instance is a region of one lane in every daemon's buffer, a daemon an expert rank; an
+    instance keeps up to m micro-batches in flight per lane."""
+    s, placement = layout.max_batch_tokens, layout.placement_of_experts(mc.num_experts)
+    return CommSpec(num_regions=layout.attn_workers, lanes_per_region=1, num_expert_ranks=layout.ffn_workers,
+                    num_experts=mc.num_experts, top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
+                    max_batch_tokens=s, dtype=config.dtype, num_slots=max(2, layout.micro_batches),
+                    combine_rows=s if layout.router == "ffn" else 0,
+                    max_local_experts=max(len(ids) for ids in placement))
+
+
+@footprints_for("afd")
+def _footprints(layout: AfdLayout, mc, config: EngineConfig):
+    spec, placement = _spec(layout, mc, config), layout.placement_of_experts(mc.num_experts)
+    gates = layout.router == "ffn"
+    return layout.max_batch_tokens, lambda fp, block: [
+        *(ProcessFootprint(f"attention{i}", fp.attention_side(), spec.combine_buffer_bytes, block)
+          for i in range(layout.attn_workers)),
+        *(ProcessFootprint(f"ffn{j}", fp.experts(len(placement[j])) + (fp.routers if gates else 0),
+                           spec.dispatch_buffer_bytes) for j in range(layout.ffn_workers))]
 
 
 @register_mode("afd")
@@ -43,19 +65,8 @@ class AfdEngine(ProcessEngine):
         m, n = layout.attn_workers, layout.ffn_workers
         placement = layout.placement_of_experts(mc.num_experts)
         self.max_model_len = context_len(config, mc)
-        s = layout.max_batch_tokens
-        # an instance is a region of one lane in every daemon's buffer, a daemon an expert rank; an
-        # instance keeps up to m micro-batches in flight per lane
-        spec = CommSpec(num_regions=m, lanes_per_region=1, num_expert_ranks=n, num_experts=mc.num_experts,
-                        top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size, max_batch_tokens=s,
-                        dtype=config.dtype, num_slots=max(2, layout.micro_batches),
-                        combine_rows=s if layout.router == "ffn" else 0,
-                        max_local_experts=max(len(ids) for ids in placement))
-        comm = CommConfig(spec, config.transport, self.deployment_id, WaitPolicy())
-        config = self._budget(config, model_path, s, lambda fp, block: [
-            *(ProcessFootprint(f"attention{i}", fp.attention_side(), spec.combine_buffer_bytes, block) for i in range(m)),
-            *(ProcessFootprint(f"ffn{j}", fp.experts(len(placement[j])) + (fp.routers if layout.router == "ffn" else 0),
-                               spec.dispatch_buffer_bytes) for j in range(n))])
+        comm = CommConfig(_spec(layout, mc, config), config.transport, self.deployment_id, WaitPolicy())
+        config = self._budget(config, model_path)
         world = World(m + n, free_port()) if config.transport in DIST_TRANSPORTS else None
         setup = functools.partial(self._setup, model_path, comm, placement, world)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,

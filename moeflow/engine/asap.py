@@ -12,7 +12,7 @@ from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len, register_mode
-from moeflow.engine.memory import ProcessFootprint
+from moeflow.engine.memory import ProcessFootprint, footprints_for
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AsapLayout
 from moeflow.messages import WorkDone, World
@@ -27,6 +27,26 @@ from moeflow.workers.world import DIST_TRANSPORTS
 _IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
 
 
+def _spec(layout: AsapLayout, mc, config: EngineConfig) -> CommSpec:
+    """A region per DP group, a lane per TP member, an expert rank per MoE worker."""
+    placement = layout.placement(mc.num_experts)
+    return CommSpec(num_regions=layout.attn_dp, lanes_per_region=layout.attn_tp, num_expert_ranks=layout.moe_workers,
+                    num_experts=mc.num_experts, top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
+                    max_batch_tokens=layout.scheduler.max_batch_tokens, dtype=config.dtype,
+                    max_local_experts=max(len(ids) for ids in placement))
+
+
+@footprints_for("asap")
+def _footprints(layout: AsapLayout, mc, config: EngineConfig):
+    spec, placement, t = _spec(layout, mc, config), layout.placement(mc.num_experts), layout.attn_tp
+    member_block = config.kv_block_size * kv_bytes_per_token(attention_for(mc).member_config(t), TORCH_DTYPES[config.dtype])
+    return layout.scheduler.max_batch_tokens, lambda fp, block: [
+        *(ProcessFootprint(f"attention{r}", fp.attention_side(t), spec.combine_buffer_bytes, member_block)
+          for r in range(layout.num_attention_workers)),
+        *(ProcessFootprint(f"moe{i}", fp.experts(len(placement[i])), spec.dispatch_buffer_bytes)
+          for i in range(layout.moe_workers))]
+
+
 @register_mode("asap")
 class AsapEngine(ProcessEngine):
     def __init__(self, model_path: str, config: EngineConfig, layout: AsapLayout):
@@ -39,18 +59,8 @@ class AsapEngine(ProcessEngine):
         d, t, e = layout.attn_dp, layout.attn_tp, layout.moe_workers
         check_tp(mc, t)
         self.max_model_len = context_len(config, mc)
-        # a region per DP group, a lane per TP member, an expert rank per MoE worker
-        spec = CommSpec(num_regions=d, lanes_per_region=t, num_expert_ranks=e, num_experts=mc.num_experts,
-                        top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
-                        max_batch_tokens=layout.scheduler.max_batch_tokens, dtype=config.dtype,
-                        max_local_experts=max(len(ids) for ids in placement))
-        comm = CommConfig(spec, config.transport, self.deployment_id, WaitPolicy())
-        member_block = config.kv_block_size * kv_bytes_per_token(attention_for(mc).member_config(t), TORCH_DTYPES[config.dtype])
-        config = self._budget(config, model_path, layout.scheduler.max_batch_tokens, lambda fp, block: [
-            *(ProcessFootprint(f"attention{r}", fp.attention_side(t), spec.combine_buffer_bytes, member_block)
-              for r in range(d * t)),
-            *(ProcessFootprint(f"moe{i}", fp.experts(len(placement[i])), spec.dispatch_buffer_bytes)
-              for i in range(e))])
+        comm = CommConfig(_spec(layout, mc, config), config.transport, self.deployment_id, WaitPolicy())
+        config = self._budget(config, model_path)
         n = layout.num_attention_workers  # world ranks: attention g*T + m first, then MoE workers
         world = None
         if t > 1 or config.transport in DIST_TRANSPORTS:

@@ -11,7 +11,7 @@ import time
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len, register_mode
-from moeflow.engine.memory import ProcessFootprint
+from moeflow.engine.memory import ProcessFootprint, footprints_for
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DepLayout, expert_placement
 from moeflow.messages import WorkDone, WorkerSetup
@@ -20,6 +20,22 @@ from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied
 
 _IDLE_S = 0.002  # a step with nothing to schedule sleeps this long instead of spinning
+
+
+def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
+    """Each rank writes the one lane of its own region in every rank's buffer, and owns one (an expert rank)."""
+    experts = expert_placement(None, layout.dp, mc.num_experts)
+    return CommSpec(num_regions=layout.dp, lanes_per_region=1, num_expert_ranks=layout.dp, num_experts=mc.num_experts,
+                    top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size, max_batch_tokens=layout.max_batch_tokens,
+                    dtype=config.dtype, max_local_experts=max(len(ids) for ids in experts))
+
+
+@footprints_for("dep")
+def _footprints(layout: DepLayout, mc, config: EngineConfig):
+    spec, experts = _spec(layout, mc, config), expert_placement(None, layout.dp, mc.num_experts)
+    return layout.max_batch_tokens, lambda fp, block: [
+        ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(experts[r])),
+                         spec.dispatch_buffer_bytes + spec.combine_buffer_bytes, block) for r in range(layout.dp)]
 
 
 @register_mode("dep")
@@ -38,15 +54,8 @@ class DepEngine(ProcessEngine):
         dp = layout.dp
         experts = expert_placement(None, dp, mc.num_experts)  # rank r holds the r-th 1/N of every layer
         self.max_model_len = context_len(config, mc)
-        # each rank writes the one lane of its own region in every rank's buffer, and owns one (an expert rank)
-        spec = CommSpec(num_regions=dp, lanes_per_region=1, num_expert_ranks=dp, num_experts=mc.num_experts,
-                        top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
-                        max_batch_tokens=layout.max_batch_tokens, dtype=config.dtype,
-                        max_local_experts=max(len(ids) for ids in experts))
-        comm = CommConfig(spec, "shm", self.deployment_id, WaitPolicy())
-        config = self._budget(config, model_path, layout.max_batch_tokens, lambda fp, block: [
-            ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(experts[r])),
-                             spec.dispatch_buffer_bytes + spec.combine_buffer_bytes, block) for r in range(dp)])
+        comm = CommConfig(_spec(layout, mc, config), "shm", self.deployment_id, WaitPolicy())
+        config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         self._launch([WorkerSetup("dep", r, model_path, config, layout, comm, experts,

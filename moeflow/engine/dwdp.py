@@ -11,7 +11,7 @@ from moeflow.comm import CommConfig
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len, register_mode
-from moeflow.engine.memory import ProcessFootprint
+from moeflow.engine.memory import ProcessFootprint, footprints_for
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DwdpLayout
 from moeflow.messages import WorkDone, WorkerSetup
@@ -20,6 +20,16 @@ from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied, WorkerHandle
 
 _IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
+
+
+@footprints_for("dwdp")
+def _footprints(layout: DwdpLayout, mc, config: EngineConfig):
+    """Resident experts, and two layers' worth of pulled ones (the ping-pong slots)."""
+    placement = layout.resident(mc.num_experts)
+    pulled = [mc.num_experts - len(set(ids)) for ids in placement]
+    return layout.max_batch_tokens, lambda fp, block: [
+        ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(ids)),
+                         2 * pulled[r] * fp.per_expert // mc.num_moe_layers, block) for r, ids in enumerate(placement)]
 
 
 @register_mode("dwdp")
@@ -35,14 +45,7 @@ class DwdpEngine(ProcessEngine):
         self.placement = layout.resident(mc.num_experts)
         self.max_model_len = context_len(config, mc)
         comm = CommConfig(None, "shm", self.deployment_id)  # weight pulls only: no dispatch/combine buffers
-        n_moe = mc.num_moe_layers
-
-        def ranks(fp, block):  # resident experts, and two layers' worth of pulled ones (the ping-pong slots)
-            pulled = [mc.num_experts - len(set(ids)) for ids in self.placement]
-            return [ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(ids)),
-                                     2 * pulled[r] * fp.per_expert // n_moe, block)
-                    for r, ids in enumerate(self.placement)]
-        config = self._budget(config, model_path, layout.max_batch_tokens, ranks)
+        config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         self._launch([WorkerSetup("dwdp", r, model_path, config, layout, comm, self.placement,

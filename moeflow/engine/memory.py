@@ -101,15 +101,35 @@ def plan_memory(config: EngineConfig, processes: list[ProcessFootprint], reserve
     return MemoryPlan(budget, reserve, int(blocks), tuple(processes))
 
 
-def apply_budget(config: EngineConfig, model_path: str, max_batch_tokens: int,
-                 processes: Callable[[WeightFootprint, int], list[ProcessFootprint]]
-                 ) -> tuple[EngineConfig, MemoryPlan | None]:
+Processes = Callable[[WeightFootprint, int], list[ProcessFootprint]]
+# mode -> (layout, model config, engine config) -> (max batch tokens, its processes); each engine module
+# registers its own, so a plan can be made without starting anything (``moeflow predict``)
+FOOTPRINTS: dict[str, Callable[..., tuple[int, Processes]]] = {}
+
+
+def footprints_for(mode: str):
+    def deco(fn):
+        FOOTPRINTS[mode] = fn
+        return fn
+    return deco
+
+
+def plan_for(layout, model_path: str, config: EngineConfig) -> MemoryPlan:
+    """The memory plan ``layout`` would get under ``config``'s budget (its dtype resolved)."""
+    from moeflow.engine import afd, asap, colocated, dep, dwdp  # noqa: F401  (register their footprints)
+
+    _, plan = apply_budget(config, model_path, layout)
+    return plan
+
+
+def apply_budget(config: EngineConfig, model_path: str, layout) -> tuple[EngineConfig, MemoryPlan | None]:
     """``config`` with ``num_kv_blocks`` from its memory budget (unchanged without one), and the plan.
-    ``processes(footprint, kv_block_bytes)`` lists the mode's processes (``kv_block_bytes``: one
-    block of the whole model's KV cache; a TP member's is its share)."""
+    The mode's footprint function lists its processes given the weight footprint and one KV block
+    of the whole model (a TP member's is its share)."""
     if config.memory_budget_gib is None:
         return config, None
     mc, family = load_config(model_path)
+    max_batch_tokens, processes = FOOTPRINTS[layout.mode](layout, mc, config)
     dtype = TORCH_DTYPES[config.dtype]
     block = config.kv_block_size * kv_bytes_per_token(mc, dtype)
     procs = processes(weight_footprint(model_path, mc, family, dtype), block)

@@ -30,9 +30,9 @@ class ProcessEngine(Engine):
         self.failed: str | None = None
         self.scheduler = None  # set by the subclass
 
-    def _budget(self, config: EngineConfig, model_path: str, max_batch_tokens: int, processes) -> EngineConfig:
+    def _budget(self, config: EngineConfig, model_path: str) -> EngineConfig:
         """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``)."""
-        self.config, self.memory_plan = apply_budget(config, model_path, max_batch_tokens, processes)
+        self.config, self.memory_plan = apply_budget(config, model_path, self.layout)
         return self.config
 
     def _setup(self, model_path: str, comm, placement, world, role: str, index: int, rank: int) -> WorkerSetup:
