@@ -1,4 +1,4 @@
-"""``moeflow`` command line: generate, serve, simulate, profile, demo, bench."""
+"""``moeflow`` command line: generate, serve, simulate, predict, profile, demo, bench."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from moeflow.bench import (
         comm,
         compare,
+        decode,
         demo,
         env,
         experts,
@@ -60,18 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         serve,
         trace_summary,
     )
+    from moeflow.predict import cli as predict_cli
     from moeflow.server import serve as server
     from moeflow.sim import cli as sim_cli
 
     server.add_parser(sub)
     sim_cli.add_parser(sub)
+    predict_cli.add_parser(sub)
     profile.add_parser(sub)
     demo.add_parser(sub)
     env.add_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for m in (prefill, comm, experts, serve, compare, plot, trace_summary):
+    for m in (prefill, decode, comm, experts, serve, compare, plot, trace_summary):
         m.add_parser(bsub)
 
     args = parser.parse_args(argv)

@@ -55,22 +55,25 @@ def load_profile(path: str) -> dict:
         return json.load(f)
 
 
-def time_split(spans: list, start_s: float, end_s: float) -> dict[str, dict[str, float]]:
-    """Per process: the fraction of [start_s, end_s] its main thread computed, transported, waited
-    on other stages (barrier or pipeline bubble), and was idle (no work item at all)."""
+KINDS = {"compute": COMPUTE, "transport": TRANSPORT, "wait": WAIT}
+
+
+def time_split(spans: list, start_s: float, end_s: float, kinds: dict[str, set[str]] = KINDS,
+               rest: str = "idle") -> dict[str, dict[str, float]]:
+    """Per process: the fraction of [start_s, end_s] its main thread spent on each kind of span
+    (default: computed, transported, waited on other stages — a barrier or a pipeline bubble), and
+    ``rest``: the time no span covers (no work item at all, or the gaps between stages)."""
     window = end_s - start_s
-    out: dict[str, dict[str, float]] = defaultdict(lambda: {"compute": 0.0, "transport": 0.0, "wait": 0.0})
+    kind_of = {name: kind for kind, names in kinds.items() for name in names}
+    out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(kinds, 0.0))
     for s in spans:
         proc, _, thread = s.track.partition("/")
         if thread != "main":
             continue
         a, b = max(s.start_s, start_s), min(s.end_s, end_s)
-        if b <= a:
-            continue
-        kind = "compute" if s.name in COMPUTE else "transport" if s.name in TRANSPORT else \
-            "wait" if s.name in WAIT else None
-        if kind is not None:
+        kind = kind_of.get(s.name)
+        if b > a and kind is not None:
             out[proc][kind] += (b - a) / window
     for split in out.values():
-        split["idle"] = max(0.0, 1.0 - split["compute"] - split["transport"] - split["wait"])
+        split[rest] = max(0.0, 1.0 - sum(split[k] for k in kinds))
     return dict(out)

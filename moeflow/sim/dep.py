@@ -7,34 +7,21 @@ event per step keeps the simulator fast; the trace still shows every layer of th
 """
 from __future__ import annotations
 
-from moeflow.core import Request
 from moeflow.sim.shape import AttnShape
-from moeflow.sim.system import System
+from moeflow.sim.system import StepSystem
 
 
-class DepSystem(System):
+class DepSystem(StepSystem):
     def __init__(self, spec, cost, trace_until_s=0.0):
         super().__init__(spec, cost, trace_until_s)
         self.sched = self._scheduler()
-        self.busy = False
         layout = spec.layout
         self.ep = layout.dp * layout.tp  # expert devices: every device of every rank
         self.num_entities = {"rank": layout.dp}
         self.busy_s = {"rank": 0.0}
 
-    def add(self, request: Request) -> None:
-        self.sched.add(request)
-        if not self.busy:
-            self._step()
-
-    def _step(self) -> None:
-        now = self.loop.now
-        works = self.sched.schedule(now)
-        if not works:
-            self.busy = False
-            return
+    def run_step(self, works, now: float) -> None:
         batches = [w.batches[0] for w in works]
-        self.busy = True
         m, c, tp = self.model, self.cost, self.layout.tp
         shapes = [AttnShape.of_batch(b, m.index_topk) for b in batches]
         tokens = [s.num_tokens for s in shapes]

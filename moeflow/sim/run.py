@@ -15,12 +15,13 @@ from moeflow.experiment import Experiment, SystemSpec, system_to_dict
 from moeflow.sim.asap import AsapSystem
 from moeflow.sim.cost import AnalyticCost, CostModel
 from moeflow.sim.dep import DepSystem
+from moeflow.sim.afd import AfdSystem
 from moeflow.sim.dwdp import DwdpSystem
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset
 from moeflow.sim.system import RunResult, System
 
-SYSTEMS: dict[str, type[System]] = {"dep": DepSystem, "asap": AsapSystem, "dwdp": DwdpSystem}  # mode -> system
+SYSTEMS: dict[str, type[System]] = {"dep": DepSystem, "asap": AsapSystem, "dwdp": DwdpSystem, "afd": AfdSystem}  # mode -> system
 
 
 def make_system(spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0) -> System:

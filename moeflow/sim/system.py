@@ -124,3 +124,25 @@ class System(abc.ABC):
             self.records.append(RequestRecord(r.num_prompt_tokens, t.arrival_s, t.first_scheduled_s,
                                               t.first_token_s, t.compute_s, now))
             self._pending -= 1
+
+
+class StepSystem(System):
+    """A system whose scheduler runs global steps (dep, afd): one step at a time, the next as soon
+    as the last one ends, idle while the scheduler has nothing."""
+
+    busy = False
+
+    def add(self, request: Request) -> None:
+        self.sched.add(request)
+        if not self.busy:
+            self._step()
+
+    def _step(self) -> None:
+        works = self.sched.schedule(self.loop.now)
+        self.busy = bool(works)
+        if works:
+            self.run_step(works, self.loop.now)
+
+    @abc.abstractmethod
+    def run_step(self, works: list, now: float) -> None:
+        """Time one step's work items and schedule its end (which calls ``_step`` again)."""

@@ -244,3 +244,35 @@ def test_the_model_spec_comes_from_the_engines_model_config(checkpoints):
     q = model_preset("qwen3-235b-a22b")  # the preset is Qwen3-235B-A22B's config.json
     assert (q.num_layers, q.hidden_size, q.num_heads, q.num_kv_heads, q.head_dim, q.num_experts, q.top_k,
             q.moe_intermediate_size) == (94, 4096, 64, 4, 128, 128, 8, 1536)
+
+
+def test_afd_lone_request_closed_form_and_micro_batches_overlap():
+    from moeflow.core import Request, SamplingParams
+    from moeflow.scheduler.afd import AfdScheduler
+    from moeflow.sim.afd import AfdSystem
+    from moeflow.sim.system import _Track
+
+    cfg = _cfg()
+    cost = build_cost(cfg)
+    m, n = cost.model, 3000
+    shape = AttnShape.of([(0, n, True)])
+    spec = system_from_dict("f", {"mode": "afd", "micro_batches": 1, "max_batch_tokens": 8192, "engine": LIMITS})
+    sim = AfdSystem(spec, cost)
+    rec = sim.run([WorkloadRequest(0.0, n, 1)]).records[0]
+    layer = (cost.attention_s(shape, 1, False) + cost.transfer_s(cost.dispatch_bytes(n))
+             + cost.experts_s(n * m.top_k, m.num_experts) + cost.transfer_s(cost.combine_bytes(n)))
+    dense = cost.attention_s(shape, 1, True)
+    assert rec.ttft_s == pytest.approx(cost.head_s(shape, 1) + m.num_moe_layers * layer + m.num_dense_layers * dense)
+    assert isinstance(sim.sched, AfdScheduler)
+    # two requests in one step: one micro-batch's experts run while the other's attention does
+    ends = {}
+    for ub in (1, 2):
+        s = AfdSystem(system_from_dict("f", {"mode": "afd", "micro_batches": ub, "max_batch_tokens": 8192,
+                                             "engine": LIMITS}), cost)
+        for i in range(2):
+            s.sched.add(Request(f"r{i}", range(n), SamplingParams(max_tokens=1, ignore_eos=True)))
+            s.track[f"r{i}"] = _Track(0.0)
+        s._step()
+        s.loop.run()
+        ends[ub] = s.loop.now
+    assert ends[2] < ends[1]
