@@ -34,6 +34,7 @@ class EngineLoad:
     num_running: int  # admitted (their KV blocks reserved), not finished
     num_free_kv_blocks: int  # summed over attention groups
     num_kv_blocks: int
+    running_per_group: tuple[int, ...] = ()  # resident requests of each attention group (an afd instance, a rank)
 
 
 class Engine(abc.ABC):
@@ -73,7 +74,7 @@ class Engine(abc.ABC):
         pool = self.scheduler.pool
         return EngineLoad(len(pool.waiting), sum(len(g.requests) for g in pool.groups),
                           sum(g.allocator.num_free for g in pool.groups),
-                          sum(g.allocator.num_blocks for g in pool.groups))
+                          sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups))
 
     def collect_spans(self) -> list:
         """Trace spans recorded by the deployment's workers (modes with worker processes)."""

@@ -49,6 +49,7 @@ class Snapshot:
     num_running: int = 0
     num_free_kv_blocks: int = 0
     num_kv_blocks: int = 0
+    running_per_group: tuple[int, ...] = ()
 
 
 @dataclass
@@ -262,4 +263,4 @@ class AsyncEngine:
             return
         load = self.llm.engine.load()
         self._snap = Snapshot(True, None, pending, load.num_waiting, load.num_running,
-                              load.num_free_kv_blocks, load.num_kv_blocks)
+                              load.num_free_kv_blocks, load.num_kv_blocks, load.running_per_group)

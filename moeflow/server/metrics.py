@@ -93,6 +93,11 @@ class _Gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
+        per_group = GaugeMetricFamily("moeflow_requests_running_per_group", "Resident requests of each attention "
+                                      "group (afd instance, dep/dwdp rank, asap DP group)", labels=["group"])
+        for g, n in enumerate(s.running_per_group):
+            per_group.add_metric([str(g)], n)
+        yield per_group
         busy = GaugeMetricFamily("moeflow_worker_busy_fraction", "Compute seconds per wall second of each "
                                  "worker over the trailing window (attention groups, dep ranks, colocated)",
                                  labels=["worker"])

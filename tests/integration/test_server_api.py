@@ -159,6 +159,7 @@ def test_still_serving_and_metrics_after_the_errors(server, client):
     m = server.metrics()
     assert m["moeflow_healthy"] == 1 and m["moeflow_requests_pending"] == 0
     assert m["moeflow_requests_running"] == 0 and m["moeflow_requests_waiting"] == 0
+    assert m['moeflow_requests_running_per_group{group="0"}'] == 0
     assert m["moeflow_kv_blocks_free"] == m["moeflow_kv_blocks_total"] > 0
     assert m["moeflow_time_to_first_token_seconds_count"] >= 6
     assert m["moeflow_inter_token_latency_seconds_count"] >= 20

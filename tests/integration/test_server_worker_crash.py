@@ -1,4 +1,4 @@
-"""A worker SIGKILLed under ``moeflow serve --mode asap``: the requests in flight get errors (500,
+"""A worker SIGKILLed under ``moeflow serve --mode asap`` or ``--mode afd``: the requests in flight get errors (500,
 or an error event on a stream), /health turns 503, new requests get 503 — never a hung connection.
 """
 from __future__ import annotations
@@ -14,12 +14,15 @@ import pytest
 
 from server_harness import ServerProcess
 
-pytestmark = pytest.mark.slow  # two asap deployments (2 worker processes each)
+pytestmark = pytest.mark.slow  # asap and afd deployments (2 worker processes each)
+
+# the expert side (MoE worker, FFN daemon) is started first: the lower pid
+MODES = {"asap": ["--attn-dp", "1", "--moe-workers", "1"], "afd": ["--attn-workers", "1", "--ffn-workers", "1"]}
 
 
-@pytest.fixture
-def server(checkpoints, tmp_path):
-    s = ServerProcess(checkpoints("qwen3").path, "--mode", "asap", "--attn-dp", "1", "--moe-workers", "1",
+@pytest.fixture(params=sorted(MODES))
+def server(checkpoints, tmp_path, request):
+    s = ServerProcess(checkpoints("qwen3").path, "--mode", request.param, *MODES[request.param],
                       "--dtype", "float32", log_path=str(tmp_path / "server.log"))
     pids = s.worker_pids()
     assert len(pids) == 2, s.log()
@@ -58,7 +61,7 @@ async def _in_flight_then_kill(url: str, victim: int):
 def test_killed_worker_fails_requests_in_flight_and_health(server):
     s, pids = server
     assert httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-    victim = min(pids)  # the MoE worker: it is started first
+    victim = min(pids)  # the MoE worker / FFN daemon: it is started first
     t0 = time.monotonic()
     plain, events = asyncio.run(_in_flight_then_kill(s.url, victim))
     assert time.monotonic() - t0 < 25
@@ -73,7 +76,7 @@ def test_killed_worker_fails_requests_in_flight_and_health(server):
 
 def test_worker_killed_while_idle_turns_health_unhealthy(server):
     s, pids = server
-    os.kill(max(pids), signal.SIGKILL)  # the attention worker
+    os.kill(max(pids), signal.SIGKILL)  # the attention worker / instance
     deadline = time.monotonic() + 10
     while httpx.get(s.url + "/health").status_code == 200:
         assert time.monotonic() < deadline, "/health still reports healthy"
