@@ -151,7 +151,7 @@ def parse_experiment(d: dict) -> Experiment:
     d["workload"] = WorkloadConfig(**w)
     d["hardware_overrides"] = tuple(sorted((k, _number(v, f"hardware_overrides.{k}"))
                                            for k, v in (d.get("hardware_overrides") or {}).items()))
-    d["rps"] = tuple(float(r) for r in (d.get("rps") or (1.0,)))
+    d["rps"] = tuple(float(r) for r in d["rps"]) if d.get("rps") is not None else (1.0,)  # []: saturation only
     d["compare"] = tuple(tuple(pair) for pair in (d.get("compare") or ()))
     return Experiment(**d)
 

@@ -22,7 +22,7 @@ from moeflow.bench.workload import WorkloadConfig, generate_requests
 # trace span names by what the time was spent on (workers/stages.py, schedule.py, experts.py, moe.py)
 COMPUTE = {"attention", "router", "combine", "experts", "sample", "dense"}
 TRANSPORT = {"dispatch", "combine-send"}  # copying rows out; an inline MoE worker's "recv" is mostly waiting
-WAIT = {"wait-combine", "wait-dispatch"}  # a barrier (dep) or another stage's work (asap)
+WAIT = {"wait-combine", "wait-dispatch", "wait-pull"}  # a barrier (dep), another stage's work (asap), a late pull (dwdp)
 
 
 def request_compute_s(profile: dict, prompt_len: int) -> float:
@@ -76,4 +76,16 @@ def time_split(spans: list, start_s: float, end_s: float, kinds: dict[str, set[s
             out[proc][kind] += (b - a) / window
     for split in out.values():
         split[rest] = max(0.0, 1.0 - sum(split[k] for k in kinds))
+    return dict(out)
+
+
+def thread_busy(spans: list, start_s: float, end_s: float, thread: str) -> dict[str, float]:
+    """Per process: the fraction of [start_s, end_s] its ``thread`` spent in spans (dwdp's copy
+    thread pulling experts: the copies' share of the rank's time, on a core the rank shares)."""
+    out: dict[str, float] = defaultdict(float)
+    for s in spans:
+        proc, _, th = s.track.partition("/")
+        a, b = max(s.start_s, start_s), min(s.end_s, end_s)
+        if th == thread and b > a:
+            out[proc] += (b - a) / (end_s - start_s)
     return dict(out)

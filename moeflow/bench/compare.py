@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dict[str, dict]:
     from moeflow import LLM
-    from moeflow.bench.capacity import time_split
+    from moeflow.bench.capacity import thread_busy, time_split
     from moeflow.bench.probe import Prober
 
     seed0 = exp.workload.seed
@@ -118,6 +118,9 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
                         lo, hi = min(s.start_s for s in spans), max(s.end_s for s in spans)
                         window = (lo + 0.1 * (hi - lo), hi - 0.1 * (hi - lo))  # steady state: the middle 80%
                         p["time_split"] = time_split(spans, *window)
+                        copy = thread_busy(spans, *window, thread="copy")
+                        if copy:
+                            p["copy_busy"] = copy
                     rep["saturation"] = p
                     print(f"[repeat {k}] {n}: saturation at {sat_rps:g} rps: {p['prefill_tok_s']} tok/s", flush=True)
     finally:

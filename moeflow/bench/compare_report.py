@@ -51,6 +51,9 @@ def saturation_summary(repeats: list[dict], capacity_tok_s: float | None) -> dic
         procs = sorted({p for sp in splits for p in sp})
         out["time_split"] = {p: {k: statistics.fmean(sp[p][k] for sp in splits if p in sp)
                                  for k in ("compute", "transport", "wait", "idle")} for p in procs}
+    copies = [s["copy_busy"] for s in sat if s.get("copy_busy")]
+    if copies:  # dwdp: the copy thread's busy fraction per rank
+        out["copy_busy"] = {p: statistics.fmean(c.get(p, 0.0) for c in copies) for p in sorted({p for c in copies for p in c})}
     return out
 
 
@@ -71,7 +74,13 @@ def comparison(name_a: str, a: dict, name_b: str, b: dict, metric: str) -> dict:
     sa = [r["slo"].get(metric, {}).get("rps") for r in a["repeats"]]
     sb = [r["slo"].get(metric, {}).get("rps") for r in b["repeats"]]
     slo_ratio = median_range([x / y if x and y else None for x, y in zip(sa, sb)])
-    return {"a": name_a, "b": name_b, "metric": metric, "per_rate": rows, "slo_ratio_a_over_b": slo_ratio}
+    out = {"a": name_a, "b": name_b, "metric": metric, "per_rate": rows, "slo_ratio_a_over_b": slo_ratio}
+    ta, tb = ([(r.get("saturation") or {}).get("prefill_tok_s") for r in x["repeats"]] for x in (a, b))
+    if any(ta) and any(tb):  # saturation throughput a / b, paired per repeat
+        ratio = paired_ratio_ci(ta, tb)
+        out["saturation_ratio_a_over_b"] = {"ratio": ratio.to_dict() if ratio else None,
+                                            "verdict": verdict(mean_ci(ta), mean_ci(tb), ratio)}
+    return out
 
 
 def _field(repeat: dict, rate: float, field: str = "ttft_mean_s"):
@@ -86,6 +95,12 @@ def _ci(point: dict, field: str, scale: float = 1.0) -> str:
     if not ci or ci[0] == ci[1]:
         return f"{v * scale:.3g}"
     return f"{v * scale:.3g} ± {(ci[1] - ci[0]) / 2 * scale:.2g}"
+
+
+def _ratio(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    return f"{r['mean']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" if r["n"] > 1 else f"{r['mean']:.3f}"
 
 
 def _mr(d: dict, fmt: str = ".3g") -> str:
@@ -126,10 +141,11 @@ def markdown(result: dict) -> str:
                   f"SLO throughput ratio {c['a']}/{c['b']} ({c['metric']}): {_mr(c['slo_ratio_a_over_b'])}", "",
                   f"| rate | mean TTFT {c['b']} / {c['a']} (paired, 95% CI) | verdict |", "|---|---|---|"]
         for row in c["per_rate"]:
-            r = row["ttft_ratio_b_over_a"]
-            txt = "-" if r is None else (f"{r['mean']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
-                                         if r["n"] > 1 else f"{r['mean']:.3f}")
-            lines.append(f"| {row['rps']:g} | {txt} | {row['verdict']} |")
+            lines.append(f"| {row['rps']:g} | {_ratio(row['ttft_ratio_b_over_a'])} | {row['verdict']} |")
+        sat = c.get("saturation_ratio_a_over_b")
+        if sat:
+            lines += ["", f"Saturation prefill tokens/s {c['a']}/{c['b']} (paired, 95% CI): {_ratio(sat['ratio'])}, "
+                          f"{sat['verdict']}"]
         lines.append("")
     cap = result.get("capacity")
     if cap:
@@ -146,7 +162,9 @@ def markdown(result: dict) -> str:
             tok, frac = sat.get("tok_s"), sat.get("capacity_fraction")
             tok_txt = "-" if not tok else f"{tok['mean']:.0f} [{tok['ci95'][0]:.0f}, {tok['ci95'][1]:.0f}]"
             frac_txt = "-" if not frac else f"{frac['mean']:.1%} [{frac['ci95'][0]:.1%}, {frac['ci95'][1]:.1%}]"
+            copy = sat.get("copy_busy") or {}
             split = "; ".join(f"{p}: {v['compute']:.0%}/{v['transport']:.0%}/{v['wait']:.0%}/{v['idle']:.0%}"
+                              + (f" (copy thread {copy[p]:.0%})" if p in copy else "")
                               for p, v in (sat.get("time_split") or {}).items())
             lines.append(f"| {name} | {sat['rps']:g} | {tok_txt} | {frac_txt} | {split or '-'} |")
         lines.append("")

@@ -20,12 +20,15 @@ One system from the command line (``--mode ... --context 2048 8192``), or severa
     systems:
       dep2: {mode: dep, dp: 2, max_batch_tokens: 2048, chunked_prefill_size: 2048, engine: {memory_budget_gib: 1.6}}
       afd: {mode: afd, micro_batches: 2, chunked_prefill_size: 2048, engine: {memory_budget_gib: 1.6}}
+      dep2_gather: {mode: dep, dp: 2, ..., env: {MOEFLOW_PAGED_ATTENTION: gather}}   # environment of its workers
     compare: [[afd, dep2]]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -57,6 +60,9 @@ class DecodeBench:
     seed: int = 0
     title: str | None = None
     compare: tuple[tuple[str, str], ...] = field(default=())
+    # per system, environment variables its deployment starts with (e.g. MOEFLOW_PAGED_ATTENTION=gather
+    # for the before/after of the decode attention kernel)
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("steps", "repeats"):
@@ -78,7 +84,9 @@ def load_bench(path: str) -> DecodeBench:
     if set(d) - known or "systems" not in d:
         raise ConfigError(f"bench decode {path}: unknown keys {sorted(set(d) - known)} or no systems (known: {sorted(known)})")
     model, dtype = d.get("model", "tiny"), d.get("dtype", "auto")
-    d["systems"] = {n: system_from_dict(n, s, model, dtype) for n, s in d["systems"].items()}
+    entries = {n: dict(s) for n, s in d["systems"].items()}
+    d["env"] = {n: {str(k): str(v) for k, v in (s.pop("env", None) or {}).items()} for n, s in entries.items()}
+    d["systems"] = {n: system_from_dict(n, s, model, dtype) for n, s in entries.items()}
     d["contexts"] = tuple(d.get("contexts") or (2048, 8192))
     d["compare"] = tuple(tuple(p) for p in d.get("compare") or ())
     return DecodeBench(**{**d, "model": model, "dtype": dtype})
@@ -120,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         for c in bench.contexts:
             k = (rep + bench.contexts.index(c)) % len(names)
             for name in names[k:] + names[:k]:  # rotated: drift hits every system alike
-                r = measure(bench.systems[name], c, bench, rep)
+                with _environment(bench.env.get(name, {})):
+                    r = measure(bench.systems[name], c, bench, rep)
                 runs[name][c].append(r)
                 print(f"[repeat {rep}] {name} context {c}: B={r['batch']} TPOT {r['tpot_s'] * 1e3:.1f} ms, "
                       f"{r['tok_s_per_process']:.1f} tok/s/process", flush=True)
@@ -184,6 +193,21 @@ def measure(spec: SystemSpec, context: int, bench: DecodeBench, repeat: int) -> 
                 "tok_s_per_process": tokens / wall / procs, "prefill_s": prefill_s,
                 "memory": plan.to_dict() if plan else None,
                 "split": time_split(spans, t0, t1, DECODE_KINDS, rest="bubble") if spans else None}
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``env`` set while a system's deployment runs (its workers inherit it), restored after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _spans(engine) -> list:

@@ -20,7 +20,8 @@ def _split_mean(runs: list[dict]) -> dict | None:
 
 def summarize(bench, runs: dict[str, dict[int, list[dict]]], systems: dict) -> dict:
     out = {"title": bench.title, "model": bench.model, "dtype": bench.dtype, "steps": bench.steps,
-           "repeats": bench.repeats, "systems": systems, "results": {}, "comparisons": []}
+           "repeats": bench.repeats, "systems": {n: {**d, "env": bench.env.get(n, {})} for n, d in systems.items()},
+           "results": {}, "comparisons": []}
     for name, by_ctx in runs.items():
         out["results"][name] = {}
         for c, rs in by_ctx.items():
