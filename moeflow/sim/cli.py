@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     cost = build_cost(cfg)
     out: dict[str, dict] = {}
     spans = []
-    for name in names:
+    for name in names if rates or find_slo else ():
         t0 = time.perf_counter()
         res = run_system(name, cfg, cost, rates, find_slo, trace_rate, args.trace_window_s, args.repeats)
         wall = time.perf_counter() - t0
@@ -102,12 +102,19 @@ def run(args: argparse.Namespace) -> int:
         with open(path) as f:
             comparisons[name] = compare(out[name], json.load(f))
         print(format_comparison(name, comparisons[name], comparisons[name]["measured_slo_rps"]))
-    data = out[names[0]] if len(names) == 1 else {"systems": out}
+    data = {} if not out else out[names[0]] if len(names) == 1 else {"systems": out}
+    if cfg.sweeps or cfg.roofline_isl:
+        from moeflow.sim.sweep import run_roofline, run_sweeps
+
+        if cfg.roofline_isl:
+            data["roofline"] = run_roofline(cfg, cost, names)
+        if cfg.sweeps:
+            data["sweeps"] = run_sweeps(cfg, cost, names)
     if comparisons:
         data = {**data, "comparison": comparisons} if "systems" in data else {"systems": out, "comparison": comparisons}
     if args.json:
         write_json(args.json, data)
-    if args.plot:
+    if args.plot and out:
         from moeflow.bench.plot import plot_results
 
         plot_results(list(out.values()), args.plot)
@@ -119,3 +126,4 @@ def run(args: argparse.Namespace) -> int:
                              "raise --trace-window-s")
         write_chrome_trace(spans, args.trace)
     return 0
+
