@@ -35,6 +35,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    with open(args.config) as f:
+        if "contexts" in (yaml.safe_load(f) or {}):  # a `bench decode` file: steady-state decode
+            return _run_decode(args)
     from moeflow.bench.metrics import format_point
     from moeflow.experiment import load_experiment as load_config
     from moeflow.sim.run import build_cost, run_system
@@ -127,3 +132,14 @@ def run(args: argparse.Namespace) -> int:
         write_chrome_trace(spans, args.trace)
     return 0
 
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from moeflow.sim.decode import run_decode
+
+    for flag in ("rps", "find_slo_rps", "plot", "trace", "compare_with"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')}: not for a decode file ({args.config} has contexts:)")
+    data = run_decode(args.config, args.system)
+    if args.json:
+        write_json(args.json, data)
+    return 0
