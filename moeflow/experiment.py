@@ -39,6 +39,10 @@ class SimOptions:
     # whether the device runs the layout's communication threads/streams concurrently with its
     # compute; False where they share one CPU core with the experts (this machine)
     comm_overlap: bool = True
+    seed: int = 0  # the simulator's own random draws (dwdp: contention levels of naive pulls)
+    # dep: the all-to-all sends a token once per remote device holding any of its experts (DeepEP's
+    # layout) instead of once per (token, expert) pair (moeflow's engine)
+    dedup_dispatch: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,11 @@ class Experiment:
     profile: str | None = None  # profiled cost: the JSON ``moeflow profile`` wrote
     machine: str | None = None  # hardware cpu-here: the `moeflow env --json` report of that machine
     hardware_overrides: tuple[tuple[str, float], ...] = ()
+    # workload fields swept one at a time, each value at saturation_rps (sim/sweep.py), e.g. DWDP's
+    # Table 3a/3c: {isl: [1024, ...], isl_std: {values: [0, ...], with: {kind: normal}}}; per sweep:
+    # (field, values, other workload fields it sets)
+    sweeps: tuple[tuple[str, tuple[float, ...], tuple[tuple[str, object], ...]], ...] = ()
+    roofline_isl: tuple[int, ...] = ()  # dwdp systems: DWDP §3's per-layer roofline at these prompt lengths
 
     def point_workload(self, rate: float, seed: int, num_requests: int | None = None) -> WorkloadConfig:
         """The workload of one point at ``rate`` with ``seed``, for the engine and the simulator alike:
@@ -108,6 +117,14 @@ class Experiment:
         need(self.saturation_rps is None or self.saturation_rps > 0, "saturation_rps must be > 0")
         for a, b in self.compare:
             need(a in self.systems and b in self.systems, f"compare: {a!r} vs {b!r}: both must be systems")
+        workload_fields = set(WorkloadConfig.__dataclass_fields__) - {"kind", "rate_rps", "trace_path"}
+        for name, values, others in self.sweeps:
+            need(name in workload_fields, f"sweeps: {name!r} is not a workload field ({sorted(workload_fields)})")
+            need(bool(values), f"sweeps.{name}: give at least one value")
+            need(all(k in WorkloadConfig.__dataclass_fields__ for k, _ in others),
+                 f"sweeps.{name}.with: unknown workload fields {[k for k, _ in others]}")
+        need(not self.sweeps or self.saturation_rps is not None, "sweeps run at saturation_rps: set it")
+        need(all(isinstance(n, int) and n > 0 for n in self.roofline_isl), "roofline_isl: positive ints")
 
 
 def _pick(cls, d: dict, where: str, exclude: tuple[str, ...] = ()) -> dict:
@@ -153,7 +170,19 @@ def parse_experiment(d: dict) -> Experiment:
                                            for k, v in (d.get("hardware_overrides") or {}).items()))
     d["rps"] = tuple(float(r) for r in d["rps"]) if d.get("rps") is not None else (1.0,)  # []: saturation only
     d["compare"] = tuple(tuple(pair) for pair in (d.get("compare") or ()))
+    d["sweeps"] = tuple(_sweep(k, v) for k, v in (d.get("sweeps") or {}).items())
+    d["roofline_isl"] = tuple(d.get("roofline_isl") or ())
     return Experiment(**d)
+
+
+def _sweep(name: str, v) -> tuple:
+    """``field: [values]`` or ``field: {values: [...], with: {other workload fields}}``."""
+    if isinstance(v, dict):
+        extra = set(v) - {"values", "with"}
+        if extra:
+            raise ConfigError(f"experiment: sweeps.{name}: unknown keys {sorted(extra)} (known: values, with)")
+        return name, tuple(v.get("values") or ()), tuple(sorted((v.get("with") or {}).items()))
+    return name, tuple(v or ()), ()
 
 
 def load_experiment(path: str) -> Experiment:

@@ -7,8 +7,22 @@ event per step keeps the simulator fast; the trace still shows every layer of th
 """
 from __future__ import annotations
 
+import math
+
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import StepSystem
+
+
+def remote_share(model, ep: int, dedup: bool) -> float:
+    """The fraction of a token's K expert rows that leave its device in the all-to-all: (ep-1)/ep of
+    them when one row goes per (token, expert) pair (moeflow's engine); with ``dedup`` one row per
+    remote device that holds any of its experts (DeepEP's dispatch layout), under uniform routing."""
+    if not dedup:
+        return (ep - 1) / ep
+    e, k = model.num_experts, model.top_k
+    elsewhere = e - e // ep  # experts not on a given device
+    missed = math.comb(elsewhere, k) / math.comb(e, k)  # none of a token's K experts on that device
+    return (ep - 1) * (1 - missed) / k
 
 
 class DepSystem(StepSystem):
@@ -17,8 +31,11 @@ class DepSystem(StepSystem):
         self.sched = self._scheduler()
         layout = spec.layout
         self.ep = layout.dp * layout.tp  # expert devices: every device of every rank
+        self.remote_share = remote_share(cost.model, self.ep, spec.sim.dedup_dispatch)
         self.num_entities = {"rank": layout.dp}
         self.busy_s = {"rank": 0.0}
+        # summed over ranks: a step's time by what the rank did (attention includes embedding and head)
+        self.split_s = {"attention": 0.0, "ffn": 0.0, "transport": 0.0, "wait": 0.0}
 
     def run_step(self, works, now: float) -> None:
         batches = [w.batches[0] for w in works]
@@ -30,7 +47,7 @@ class DepSystem(StepSystem):
         head = [c.head_s(s, tp) for s in shapes]
         # balanced routing: every expert device gets its share of every rank's (token, expert) pairs
         experts = c.experts_s(round(sum(tokens) * m.top_k / self.ep), max(1, m.num_experts // self.ep))
-        share = (self.ep - 1) / self.ep  # the rest stays on the device
+        share = self.remote_share
         dispatch = c.all_to_all_s(max(c.dispatch_bytes(t) for t in tokens) / tp * share)
         combine = c.all_to_all_s(max(c.combine_bytes(t) for t in tokens) / tp * share)
         if not self.spec.sim.super_kernel:  # the host launches each MoE layer's kernels
@@ -41,6 +58,11 @@ class DepSystem(StepSystem):
         for i, b in enumerate(batches):
             own = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * (attn[i] + experts)
             self.busy_s["rank"] += own
+            mine = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * attn[i]
+            self.split_s["attention"] += mine
+            self.split_s["ffn"] += m.num_moe_layers * experts
+            self.split_s["transport"] += m.num_moe_layers * (dispatch + combine)
+            self.split_s["wait"] += step - mine - m.num_moe_layers * (experts + dispatch + combine)
             self.started([s.request_id for s in b.seqs], own, now)
         if now < self.trace_until_s:
             self._trace(now, attn, attn_dense, head, dispatch, experts, combine)

@@ -24,18 +24,24 @@ class AttnShape:
     num_pairs: int  # causal (query, key) pairs over the whole context: Σ q·ctx + q(q+1)/2
     num_sparse_pairs: int  # the same with each query capped at the model's index_topk keys
     num_sampled: int  # sequences that reach their end and sample a token
+    # keys each sequence's attention reads from the KV cache, summed: its context (decode reads it
+    # all for one token, so this, not pairs, prices decode), and the same capped at index_topk
+    num_keys: int = 0
+    num_sparse_keys: int = 0
 
     @classmethod
     def of(cls, spans: list[tuple[int, int, bool]], topk: int = 0) -> "AttnShape":
         """spans: (start, num_tokens, samples) per sequence."""
-        tokens = pairs = sparse = sampled = 0
+        tokens = pairs = sparse = sampled = keys = sparse_keys = 0
         for start, n, samples in spans:
             end = start + n
             tokens += n
             pairs += _capped_pairs(end, 0) - _capped_pairs(start, 0)
             sparse += _capped_pairs(end, topk) - _capped_pairs(start, topk) if topk else 0
             sampled += samples
-        return cls(tokens, len(spans), pairs, sparse if topk else pairs, sampled)
+            keys += end
+            sparse_keys += min(end, topk) if topk else end
+        return cls(tokens, len(spans), pairs, sparse if topk else pairs, sampled, keys, sparse_keys)
 
     @classmethod
     def of_batch(cls, batch: Batch, topk: int = 0) -> "AttnShape":
@@ -44,4 +50,5 @@ class AttnShape:
     @classmethod
     def sum(cls, shapes: list["AttnShape"]) -> "AttnShape":
         return cls(*(sum(getattr(s, f) for s in shapes) for f in
-                     ("num_tokens", "num_seqs", "num_pairs", "num_sparse_pairs", "num_sampled")))
+                     ("num_tokens", "num_seqs", "num_pairs", "num_sparse_pairs", "num_sampled", "num_keys",
+                      "num_sparse_keys")))
