@@ -13,12 +13,15 @@ profile``) comes the experts op's time against routed pairs for a daemon's numbe
 Then per MoE layer, with A the attention side's time and F the daemon's (m micro-batches, each
 reading the experts' weights again):
 
-    T_AFD = sum over layers of  max(A, F) + min(A, F) / m      (m = 1: A + F)
+    T_AFD = L_moe * max(A, F) + min(A, F) / m       (m >= 2)
+    T_AFD = L_moe * (A + F)                          (m = 1: nothing overlaps)
 
-(DBO: one micro-batch's attention overlaps another's FFN; the first attention and the last FFN
-of a layer do not). DBO hides the FFN only while A >= F, i.e. T_attn(ub) >= T_FFN(ub) + T_comm:
-a prediction where it does not is flagged. With overlap scheduling the engine's per-step
-overhead is hidden; without it, it is added. Pure Python.
+(DBO: micro-batch u's FFN runs while u+1's attention does, and the next layer's first
+micro-batch needs only the first micro-batch's combine, so the pipeline runs across layers: the
+longer side is busy throughout and only the first attention / last FFN of the step is exposed).
+DBO hides the FFN only while A >= F, i.e. T_attn(ub) >= T_FFN(ub) + T_comm: a prediction where
+it does not is flagged. With overlap scheduling the engine's per-step overhead is hidden;
+without it, it is added. Pure Python.
 """
 from __future__ import annotations
 
@@ -104,7 +107,8 @@ def predict(base: Baseline, profile: dict, *, m: int, attn_workers: int, ffn_wor
     # per MoE layer: its experts and its combine-sends (the baseline's transport is over all MoE layers)
     f = m * (experts_s(profile, ub_pairs, local_experts) + ub_pairs / top_k * per_tok_transport / 2 / num_moe_layers)
     dense = num_layers - num_moe_layers
-    t_afd = num_moe_layers * (max(a, f) + min(a, f) / m) + dense * a
+    moe = num_moe_layers * (a + f) if m == 1 else num_moe_layers * max(a, f) + min(a, f) / m
+    t_afd = moe + dense * a
     if not overlap_scheduling:
         t_afd += t_base * base.overhead
     node = attn_workers / (attn_workers + ffn_workers)

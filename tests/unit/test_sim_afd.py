@@ -80,7 +80,7 @@ def test_fastafd_speedup_within_20pct_and_its_three_factors():
         p = closed_form(afd, base[c], layout, COST)
         assert p["b_afd"] == afd["batch_per_group"] and p["t_base_s"] == base[c]["tpot_s"]
         assert p["fastafd_t_afd_s"] == pytest.approx(afd["tpot_s"], rel=0.05)
-        assert p["speedup"] < f["speedup"]  # its per-layer fill and drain: see docs/simulator.md
+        assert p["speedup"] == pytest.approx(f["speedup"], rel=0.05)  # the pipeline across layers, as simulated
 
 
 def test_micro_batch_table_shape():
