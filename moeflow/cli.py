@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from moeflow.bench import (
         comm,
         compare,
+        decode_attention,
         demo,
         env,
         experts,
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for m in (prefill, comm, experts, serve, compare, plot, trace_summary):
+    for m in (prefill, decode_attention, comm, experts, serve, compare, plot, trace_summary):
         m.add_parser(bsub)
 
     args = parser.parse_args(argv)
