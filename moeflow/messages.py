@@ -68,6 +68,7 @@ class WorkDone:
     work_id: int
     outputs: dict[int, dict[str, SeqOutput]]  # batch id -> request id -> output
     timings: list[BatchTiming]
+    errors: dict[int, str] = field(default_factory=dict)  # batch id -> why it failed (no outputs then)
 
 
 @dataclass

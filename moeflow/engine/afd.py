@@ -120,7 +120,7 @@ class AfdEngine(ProcessEngine):
         for r in finished:
             self._forget(r.request_id)
         busy_s = {f"attention{g}": sum(t.compute_s for t in d.timings) for g, d in done.items()}
-        return StepResult(outputs, finished, busy_s)
+        return StepResult(outputs, finished + self._failed_batches(), busy_s)
 
     def drain(self, timeout_s: float = 120.0) -> None:
         deadline = clock() + timeout_s

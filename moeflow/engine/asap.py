@@ -99,12 +99,12 @@ class AsapEngine(ProcessEngine):
                 out = self._attach_timing(msg, work.batches)
                 for b in work.batches:
                     finished += self.scheduler.update(msg.group, b, {s.request_id: out[s.request_id].token_id
-                                                                    for s in b.seqs})
+                                                                    for s in b.seqs if s.request_id in out})
                 self.scheduler.release(msg.group)
                 outputs.update(out)
         for r in finished:
             self._forget(r.request_id)
-        return StepResult(outputs, finished, busy_s)
+        return StepResult(outputs, finished + self._failed_batches(), busy_s)
 
     def _on_fail(self) -> None:
         self._inflight.clear()

@@ -48,7 +48,10 @@ class ColocatedEngine(Engine):
         (work,) = works
         (batch,) = work.batches
         t0 = clock()
-        outputs = self.runner.execute(batch)
+        try:
+            outputs = self.runner.execute(batch)
+        except Exception as e:  # noqa: BLE001  (one batch's failure is its requests', not the engine's)
+            return StepResult({}, self._fail_batch(batch, f"{type(e).__name__}: {e}"))
         t1 = clock()
         timing = BatchTiming(batch.batch_id, t0, t1, t1 - t0, 0.0)
         for o in outputs.values():
@@ -58,6 +61,16 @@ class ColocatedEngine(Engine):
         for r in finished:
             self.runner.remove_request(r.request_id)
         return StepResult(outputs, finished, {"colocated": t1 - t0})
+
+    def _fail_batch(self, batch, error: str) -> list[Request]:
+        failed = []
+        for s in batch.seqs:
+            r = self.scheduler.abort(s.request_id, "error")
+            if r is not None:
+                r.error = f"batch {batch.batch_id} failed: {error}"
+                self.runner.remove_request(r.request_id)
+                failed.append(r)
+        return failed
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -86,5 +86,6 @@ class DepEngine(ProcessEngine):
             outputs.update(out)
         for req in finished:
             self._forget(req.request_id)
+        finished += self._failed_batches()
         busy_s = {f"rank{r}": sum(t.compute_s for t in d.timings) for r, d in done.items()}
         return StepResult(outputs, finished, busy_s)

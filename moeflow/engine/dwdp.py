@@ -90,7 +90,7 @@ class DwdpEngine(ProcessEngine):
                 outputs.update(out)
         for r in finished:
             self._forget(r.request_id)
-        return StepResult(outputs, finished, busy_s)
+        return StepResult(outputs, finished + self._failed_batches(), busy_s)
 
     def _rank_died(self, rank: int, reason: str) -> list:
         """Fail what ``rank`` held; keep serving on the others (or fail the deployment, if none is left)."""

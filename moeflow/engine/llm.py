@@ -3,17 +3,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
+import time
 from collections.abc import Sequence
 
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Request, RequestError, RequestOutput, SamplingParams
 from moeflow.engine.base import clock, create_engine
 from moeflow.engine.output import OutputTracker
+from moeflow.engine.restart import RestartPolicy
 from moeflow.engine.tokenizer import load_tokenizer
 from moeflow.layout import Layout, make_layout
 from moeflow.model.tiny import EMBEDDED, tiny_path
 from moeflow.settings import cache_dir, hf_hub_cache, hf_hub_offline
+from moeflow.workers.launch import WorkerDied
+
+logger = logging.getLogger("moeflow.engine")
 
 Prompt = str | list[int] | dict
 
@@ -57,7 +63,11 @@ class LLM:
                  kv_block_size: int = 16, max_model_len: int | None = None, num_threads: int = 1,
                  pin_cpus: bool = False, transport: str = "shm", trace: bool = False, revision: str | None = None,
                  memory_budget_gib: float | None = None, activation_reserve_gib: float | None = None,
+                 max_restarts: int = 0, restart_backoff_s: float = 1.0,
                  layout: Layout | None = None, **layout_kwargs):
+        """``max_restarts``: when a worker dies, its requests end with errors and, before the next
+        ``generate``, the deployment is rebuilt up to this many times in a row (back-off from
+        ``restart_backoff_s``, doubling); 0 (the default): a failed deployment raises."""
         if layout is None:
             layout = make_layout(mode, **layout_kwargs)
         elif layout_kwargs or mode not in ("colocated", layout.mode):
@@ -68,9 +78,14 @@ class LLM:
                               num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                               num_threads=num_threads, seed=seed, pin_cpus=pin_cpus, transport=transport, trace=trace,
                               memory_budget_gib=memory_budget_gib, activation_reserve_gib=activation_reserve_gib)
+        self.restart_policy = RestartPolicy(max_restarts, restart_backoff_s)
         self.model_path = resolve_model(model, revision)
         self.layout, self.mode = layout, layout.mode
+        self._requested = config
         self.engine = create_engine(layout, self.model_path, config)
+        self.restarts = 0  # deployments rebuilt after a failure
+        self._streak = 0  # attempts in the current run (reset by a deployment that stayed up)
+        self._up_since = clock()
         self.config = self.engine.config  # with "auto" resolved
         mc = self.engine.model_config
         self.tokenizer = load_tokenizer(self.model_path, mc.vocab_size)
@@ -85,6 +100,38 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def restart(self, sleep=time.sleep) -> None:
+        """Rebuild the failed deployment under the restart policy: back off, then build the same
+        layout and config again; raises the last build error (or the failure) when the attempts of
+        this run are spent. Requests of the old deployment are not carried over (they ended with
+        errors when it failed)."""
+        policy, reason = self.restart_policy, self.engine.failed
+        if clock() - self._up_since >= policy.min_uptime_s:
+            self._streak = 0
+        self.engine.shutdown()
+        while True:
+            if self._streak >= policy.max_restarts:
+                raise WorkerDied(f"the {self.mode} deployment failed ({reason}) and {policy.max_restarts} "
+                                 f"restart attempt(s) in a row did not bring it back")
+            sleep(policy.delay_s(self._streak))
+            self._streak += 1
+            try:
+                self.engine = create_engine(self.layout, self.model_path, self._requested)
+            except Exception as e:  # noqa: BLE001  (any build error is one failed attempt)
+                reason = f"restart attempt {self._streak} failed: {type(e).__name__}: {e}"
+                logger.warning(reason)
+                continue
+            self.restarts += 1
+            self._up_since = clock()
+            logger.warning("the %s deployment is back after restart %d (attempt %d of this run)",
+                           self.mode, self.restarts, self._streak)
+            return
+
+    def _heal(self) -> None:
+        """Before new work: a failed deployment is rebuilt if the policy allows."""
+        if self.engine.failed is not None and self.restart_policy.enabled:
+            self.restart()
 
     def _to_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -112,6 +159,7 @@ class LLM:
         if len(params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
         requests = [self.make_request(p, sp) for p, sp in zip(prompts, params)]
+        self._heal()
         trackers = {}
         try:
             for r in requests:

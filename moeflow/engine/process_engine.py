@@ -27,6 +27,7 @@ class ProcessEngine(Engine):
         self._known: list[set[str]] = [set() for _ in range(num_groups)]  # requests each group holds state for
         self._freed: list[list[str]] = [[] for _ in range(num_groups)]
         self._work_ids = 0
+        self._batch_failures: list[Request] = []  # requests of failed batches, not yet reported
         self.failed: str | None = None
         self.scheduler = None  # set by the subclass
 
@@ -77,10 +78,14 @@ class ProcessEngine(Engine):
 
     def _attach_timing(self, done, batches: tuple[Batch, ...]) -> dict:
         """Per request, its output of this work item with its batch's timing. A request split over
-        both batches of a pair (a halved lone batch) gets one merged output, in position order."""
+        both batches of a pair (a halved lone batch) gets one merged output, in position order.
+        The requests of a batch that failed on the worker end with its error (``_failed_batches``)."""
         timing = {t.batch_id: t for t in done.timings}
-        outputs = {}
+        outputs, failed = {}, set()
         for b in batches:
+            if b.batch_id in done.errors:
+                failed |= self._fail_batch(done.group, b, done.errors[b.batch_id])
+                continue
             for rid, o in done.outputs[b.batch_id].items():
                 o.timing = timing[b.batch_id]
                 prev = outputs.get(rid)
@@ -90,7 +95,24 @@ class ProcessEngine(Engine):
                     o.timing = BatchTiming(z.batch_id, min(a.start_s, z.start_s), max(a.end_s, z.end_s),
                                            a.compute_s + z.compute_s, a.wait_s + z.wait_s)
                 outputs[rid] = o
-        return outputs
+        return {rid: o for rid, o in outputs.items() if rid not in failed}
+
+    def _fail_batch(self, group: int, batch: Batch, error: str) -> set[str]:
+        """One batch raised on its worker: its requests end with the error, the rest go on."""
+        ids = set()
+        for s in batch.seqs:
+            r = self.scheduler.abort(s.request_id, "error")
+            if r is not None:
+                r.error = f"batch {batch.batch_id} on group {group} failed: {error}"
+                self._batch_failures.append(r)
+                self._forget(r.request_id)
+                ids.add(r.request_id)
+        return ids
+
+    def _failed_batches(self) -> list[Request]:
+        """The requests of failed batches since the last call (every mode adds them to its step's finished)."""
+        out, self._batch_failures = self._batch_failures, []
+        return out
 
     def _forget(self, request_id: str) -> None:
         for g, known in enumerate(self._known):

@@ -86,11 +86,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
         logger.exception("unhandled error in %s", request.url.path)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
-    @app.get("/health", summary="200 while the engine serves, 503 (with the reason) after a failure")
+    @app.get("/health", summary="200 while the engine serves, 503 (with the reason) after a failure or while "
+             "it restarts")
     async def health():
         s = engine.snapshot()
         if s.healthy:
             return {"status": "ok"}
+        if s.restarting:
+            return JSONResponse({"status": "restarting", "reason": s.failure}, status_code=503,
+                                headers={"Retry-After": "5"})
         return JSONResponse({"status": "unhealthy", "reason": s.failure}, status_code=503)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)

@@ -35,7 +35,16 @@ class Overloaded(Exception):
 
 
 class EngineUnavailable(Exception):
-    """The engine failed (a worker died, a step raised) or is shutting down."""
+    """The engine failed (a worker died, a step raised) or is shutting down; ``retry_after_s``
+    is set while the deployment is being restarted (the server answers 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class _Stopping(Exception):
+    """Shutdown was asked for during a restart's back-off."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class Snapshot:
     num_free_kv_blocks: int = 0
     num_kv_blocks: int = 0
     running_per_group: tuple[int, ...] = ()
+    restarting: bool = False  # a failed deployment is being rebuilt (healthy again when it is up)
 
 
 @dataclass
@@ -72,6 +82,9 @@ class AsyncEngine:
         self._num_pending = 0
         self._closed = False
         self._failure: str | None = None
+        self._restarting = False  # the engine thread is rebuilding the deployment
+        self._gave_up = False  # the restart policy's attempts were spent: failed for good
+        self._stopping = threading.Event()  # cuts a restart's back-off short at shutdown
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._snap = Snapshot(False, "starting", 0)
         self._ready = threading.Event()
@@ -97,7 +110,7 @@ class AsyncEngine:
         stream = RequestStream(request, asyncio.get_running_loop())
         with self._lock:
             if self._closed or self._failure is not None:
-                raise EngineUnavailable(self._failure or "the server is shutting down")
+                raise self._unavailable()
             if self._num_pending >= self.max_pending:
                 raise Overloaded(f"{self._num_pending} requests are unfinished (limit {self.max_pending})")
             self._num_pending += 1
@@ -118,6 +131,7 @@ class AsyncEngine:
                 return
             self._closed = True
             self._inbox.put(("stop", None))
+        self._stopping.set()
         if self._thread.is_alive():
             self._thread.join()
 
@@ -143,8 +157,8 @@ class AsyncEngine:
             self.llm.shutdown()
 
     def _serve(self) -> None:
-        engine = self.llm.engine
         while True:
+            engine = self.llm.engine  # a new one after each restart
             busy = self._failure is None and engine.has_unfinished()
             try:
                 cmd = self._inbox.get_nowait() if busy else self._inbox.get(timeout=_IDLE_POLL_S)
@@ -168,7 +182,49 @@ class AsyncEngine:
                     self._deliver(result)
                     if engine.failed is not None:
                         self._fail(engine.failed)
+                if self._failure is not None and self.llm.restart_policy.enabled and not self._gave_up:
+                    try:
+                        self._restart()
+                    except _Stopping:
+                        return
             self._update_snapshot()
+
+    def _restart(self) -> None:
+        """Rebuild the failed deployment (its requests already ended with errors); meanwhile new
+        requests get 503 with Retry-After. When the policy's attempts are spent it stays failed."""
+        reason = self._failure
+        with self._lock:
+            self._restarting = True
+        self._update_snapshot()
+        logger.warning("restarting the deployment after: %s", reason)
+        t0 = clock()
+        try:
+            self.llm.restart(sleep=self._backoff)
+        except _Stopping:
+            raise
+        except Exception as e:  # noqa: BLE001  (spent attempts, or a build that raised)
+            logger.error("the deployment stays failed: %s", e)
+            self.metrics.restarts.labels("failed").inc()
+            with self._lock:
+                self._restarting, self._gave_up = False, True
+                self._failure = f"{reason}; restart failed: {e}"
+            return
+        self.metrics.restarts.labels("ok").inc()
+        self.metrics.restart_seconds.observe(clock() - t0)
+        with self._lock:
+            self._restarting, self._failure = False, None
+        logger.warning("serving again after %.1f s", clock() - t0)
+
+    def _backoff(self, seconds: float) -> None:
+        if self._stopping.wait(seconds):
+            raise _Stopping()
+
+    def _unavailable(self) -> EngineUnavailable:
+        """The refusal for a request arriving now (caller holds the lock)."""
+        if self._restarting:
+            return EngineUnavailable(f"restarting after a failure ({self._failure})",
+                                     retry_after_s=self.llm.restart_policy.backoff_s + 5.0)
+        return EngineUnavailable(self._failure or "the server is shutting down")
 
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":
@@ -183,7 +239,9 @@ class AsyncEngine:
     def _add(self, stream: RequestStream) -> None:
         r = stream.request
         if self._failure is not None:
-            return self._refuse(stream, EngineUnavailable(self._failure))
+            with self._lock:
+                error = self._unavailable()
+            return self._refuse(stream, error)
         try:
             self.llm.engine.add_request(r)
         except RequestError as e:
@@ -249,7 +307,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._refuse(arg, EngineUnavailable(self._failure or "the server is shutting down"))
+                with self._lock:
+                    error = self._unavailable()
+                self._refuse(arg, error)
 
     def _release(self) -> None:
         with self._lock:
@@ -257,9 +317,9 @@ class AsyncEngine:
 
     def _update_snapshot(self) -> None:
         with self._lock:
-            pending, failure = self._num_pending, self._failure
+            pending, failure, restarting = self._num_pending, self._failure, self._restarting
         if failure is not None:
-            self._snap = Snapshot(False, failure, pending)
+            self._snap = Snapshot(False, failure, pending, restarting=restarting)
             return
         load = self.llm.engine.load()
         self._snap = Snapshot(True, None, pending, load.num_waiting, load.num_running,

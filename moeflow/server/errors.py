@@ -35,8 +35,11 @@ def overloaded(limit: int) -> ApiError:
                     "retry later", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
 
-def unavailable(reason: str) -> ApiError:
-    return ApiError(503, f"the engine is not serving: {reason}", type="server_error", code="engine_unavailable")
+def unavailable(reason: str, retry_after_s: float | None = None) -> ApiError:
+    """503; with ``retry_after_s`` (a restart under way) the client is told when to come back."""
+    headers = None if retry_after_s is None else {"Retry-After": str(max(1, round(retry_after_s)))}
+    return ApiError(503, f"the engine is not serving: {reason}", type="server_error", code="engine_unavailable",
+                    headers=headers)
 
 
 def engine_failed(reason: str) -> ApiError:

@@ -35,6 +35,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("moeflow_generation_tokens", "Output tokens produced", registry=r)
         self.busy_seconds = Counter("moeflow_worker_busy_seconds", "Compute seconds reported per worker",
                                     ["worker"], registry=r)
+        self.restarts = Counter("moeflow_engine_restarts", "Deployment restarts after a failure, by result (ok: "
+                                "serving again; failed: the policy's attempts were spent)", ["result"], registry=r)
+        self.restart_seconds = Histogram("moeflow_engine_restart_seconds", "Failure to serving again, per restart "
+                                         "(back-off included)", buckets=_LATENCY_BUCKETS_S, registry=r)
         self._busy_window_s = busy_window_s
         self._busy: deque[tuple[float, str, float]] = deque()  # (when, worker, seconds), oldest first
         self._workers: set[str] = set()
@@ -82,6 +86,7 @@ class _Gauges:
         s = self.metrics._snapshot()
         gauges = [
             ("moeflow_healthy", "1 while the engine serves, 0 after a failure", float(s.healthy)),
+            ("moeflow_restarting", "1 while a failed deployment is being rebuilt", float(s.restarting)),
             ("moeflow_requests_pending", "Accepted and not finished (the admission bound counts these)",
              s.num_pending),
             ("moeflow_requests_waiting", "Queue depth: accepted, not yet admitted to a group", s.num_waiting),

@@ -24,6 +24,11 @@ def add_parser(sub) -> None:
                    help="requests accepted and unfinished (queued + running); past it new ones get 429")
     s.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
                    help="larger request bodies get 413")
+    s.add_argument("--max-restarts", type=int, default=5,
+                   help="when a worker dies, rebuild the deployment up to this many times in a row "
+                        "(0: stay failed; /health answers 503 until it is back)")
+    s.add_argument("--restart-backoff-s", type=float, default=1.0,
+                   help="wait before the first restart attempt, doubled before each next one (at most 30 s)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -42,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model_name=args.served_model_name or args.model, host=args.host, port=args.port,
                           api_key=args.api_key, max_pending_requests=args.max_pending_requests,
                           max_body_bytes=args.max_body_bytes)
-    kwargs = engine_kwargs(args)
+    kwargs = {**engine_kwargs(args), "max_restarts": args.max_restarts, "restart_backoff_s": args.restart_backoff_s}
     metrics = ServerMetrics(config.busy_window_s, clock)
     engine = AsyncEngine(lambda: LLM(**kwargs), config.max_pending_requests, metrics)
     try:

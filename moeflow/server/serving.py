@@ -124,13 +124,13 @@ class OpenAIServing:
         except Overloaded:
             raise errors.overloaded(self.engine.max_pending) from None
         except EngineUnavailable as e:
-            raise errors.unavailable(str(e)) from None
+            raise errors.unavailable(str(e), e.retry_after_s) from None
         try:
             await stream.accepted()
         except RequestError as e:
             raise invalid(e) from e
         except EngineUnavailable as e:
-            raise errors.unavailable(str(e)) from None
+            raise errors.unavailable(str(e), e.retry_after_s) from None
         except BaseException:  # cancelled while queued: nobody will read the answer
             self.engine.abort(rid)
             raise

@@ -49,7 +49,7 @@ class AttentionWorker:
             s.runner.add_request(r.request_id, r.prompt_token_ids, r.params)
         flights = s.begin(work.batches, time.monotonic())
         self.schedule.run(flights)
-        outputs, timings = {}, []
+        outputs, timings, errors = {}, [], {}
         for f in flights:
             c0 = time.monotonic()
             outputs[f.batch.batch_id] = s.sample(f)
@@ -57,4 +57,7 @@ class AttentionWorker:
             f.compute_s += end - c0
             s.tracer.add("sample", c0, end, batch=f.batch.batch_id)
             timings.append(BatchTiming(f.batch.batch_id, f.start_s, end, f.compute_s, f.wait_s))
-        return WorkDone(s.group, work.work_id, outputs, timings)
+            if f.error is not None:
+                errors[f.batch.batch_id] = f.error
+                outputs[f.batch.batch_id] = {}
+        return WorkDone(s.group, work.work_id, outputs, timings, errors)

@@ -6,6 +6,7 @@ Legend: n tokens of a batch, s = this TP member's share of them, K experts per t
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from moeflow.workers.dispatch import ExpertRoutes, WorkerShare
 from moeflow.workers.runner import ModelRunner
 from moeflow.workers.tracer import Tracer
 from moeflow.workers.world import TPGroup
+
+logger = logging.getLogger("moeflow.worker")
 
 
 def _nbytes(obj) -> int:
@@ -57,6 +60,22 @@ class InFlight:
     start_s: float = 0.0
     compute_s: float = 0.0
     wait_s: float = 0.0
+    # why this batch failed (its first exception); a failed batch still walks every layer on zeros,
+    # sending and receiving what its peers expect, so that only its own requests fail
+    error: str | None = None
+
+
+def guarded(f: InFlight, what: str, compute, fallback):
+    """``compute()``, unless the batch already failed or this raises: then ``fallback()`` (zeros of
+    the right shape) and the batch is marked failed. Failure isolation: the batch keeps its place
+    in the protocol (peers wait for its dispatches and combines), only its requests fail."""
+    if f.error is None:
+        try:
+            return compute()
+        except Exception as e:  # noqa: BLE001  (any error of one batch's compute is that batch's)
+            f.error = f"{what} failed: {type(e).__name__}: {e}"
+            logger.warning("batch %d: %s", f.batch.batch_id, f.error)
+    return fallback()
 
 
 class AttentionStages:
@@ -108,18 +127,32 @@ class AttentionStages:
         for b in batches:
             tokens, meta = self.runner.prepare(b)
             n, t = tokens.shape[0], self.tp_size
-            flights.append(InFlight(b, meta, self.model.embed(tokens), self.member * n // t,
-                                    (self.member + 1) * n // t, start_s=t0))
+            f = InFlight(b, meta, None, self.member * n // t, (self.member + 1) * n // t, start_s=t0)
+            f.hidden = guarded(f, "embedding", lambda: self.model.embed(tokens), lambda: self._zeros(n))
+            flights.append(f)
         return flights
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, self.cfg.hidden_size, dtype=TORCH_DTYPES[self.setup.engine.dtype])
+
+    def _route(self, layer: int, f: InFlight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's top-k ids and weights [n, K]; a failed batch sends every pair to expert 0."""
+        k = self.cfg.num_experts_per_tok
+        return guarded(f, f"router of layer {layer}", lambda: self.model.route(layer, x),
+                       lambda: (torch.zeros(x.shape[0], k, dtype=torch.int64), torch.zeros(x.shape[0], k)))
 
     def attention_and_dispatch(self, layer: int, f: InFlight) -> None:
         c0 = time.monotonic()
         m = self.model
-        f.attn = m.attention(layer, f.hidden, f.meta, self.runner.kv_cache)
+        n = f.hidden.shape[0]
+        f.attn = guarded(f, f"attention of layer {layer}",
+                         lambda: m.attention(layer, f.hidden, f.meta, self.runner.kv_cache),
+                         lambda: AttentionOut(self._zeros(n), self._zeros(n)))
         c1 = time.monotonic()
         self.tracer.add("attention", c0, c1, layer=layer, batch=f.batch.batch_id)
         if not self.cfg.sparse_layers[layer]:
-            f.hidden = m.dense_mlp(layer, f.attn)
+            f.hidden = guarded(f, f"dense MLP of layer {layer}", lambda: m.dense_mlp(layer, f.attn),
+                               lambda: self._zeros(n))
             f.compute_s += time.monotonic() - c0
             return
         c2 = self._dispatch(layer, f)
@@ -130,7 +163,7 @@ class AttentionStages:
 
     def _dispatch(self, layer: int, f: InFlight) -> float:
         """Route the batch and send this member's pairs; returns when routing ended (the rest is sending)."""
-        ids, wts = self.model.route(layer, f.attn.moe_input)  # [n, K] each, identical on every TP member
+        ids, wts = self._route(layer, f, f.attn.moe_input)  # [n, K] each, identical on every TP member
         # the whole batch's set: every member sends to it
         f.workers = self.send_to if self.send_to is not None else self.routes.workers_for(ids)
         ids, f.topk_w = ids[f.lo:f.hi], wts[f.lo:f.hi]
@@ -165,9 +198,10 @@ class AttentionStages:
         payloads = self._receive(f)
         c0 = time.monotonic()
         self.tracer.add("wait-combine", w0, c0, layer=layer, batch=f.batch.batch_id)
-        routed = self._routed(f, payloads)
         a = f.attn
-        share = self.model.combine(layer, AttentionOut(a.residual[f.lo:f.hi], a.moe_input[f.lo:f.hi]), routed)
+        share = guarded(f, f"combine of layer {layer}", lambda: self.model.combine(
+            layer, AttentionOut(a.residual[f.lo:f.hi], a.moe_input[f.lo:f.hi]), self._routed(f, payloads)),
+            lambda: self._zeros(f.hi - f.lo))
         if self.tp is not None:
             n, t = f.hidden.shape[0], self.tp.size
             share = self.tp.all_gather_rows(share, [(i + 1) * n // t - i * n // t for i in range(t)])
@@ -178,12 +212,24 @@ class AttentionStages:
         f.compute_s += c1 - c0
 
     def sample(self, f: InFlight) -> dict[str, SeqOutput]:
-        if self.tp is None:
+        """The batch's outputs; none for a failed batch (its requests end with ``f.error``)."""
+        def run():
             return self.runner.sample(f.batch, f.hidden)
+
+        def skip():
+            # NOTE: a placeholder token keeps the failed requests' positions where the scheduler
+            # put them: a work item already sent (afd's next step) may hold them; the engine
+            # drops what comes back for them
+            rs = self.runner.requests
+            self.runner.append_tokens({s.request_id: 0 for s in f.batch.seqs if s.is_last_chunk
+                                       and len(rs[s.request_id].token_ids) == s.start + s.num_tokens})
+            return {}
+        if self.tp is None:
+            return guarded(f, "sampling", run, skip)
         # NOTE: member 0 samples and broadcasts, so seeded and unseeded sampling stay identical
         # across members without relying on bitwise-equal logits.
         last = [s for s in f.batch.seqs if s.is_last_chunk]
-        out = self.runner.sample(f.batch, f.hidden) if self.member == 0 else {}
+        out = guarded(f, "sampling", run, skip) if self.member == 0 else {}
         tokens = torch.tensor([out[s.request_id].token_id if out else 0 for s in last], dtype=torch.int64)
         self.tp.broadcast(tokens)
         if self.member != 0:

@@ -9,6 +9,7 @@ import pytest
 
 from moeflow.core import Request, RequestError, SamplingParams
 from moeflow.engine.base import EngineLoad, StepResult, clock
+from moeflow.engine.restart import RestartPolicy
 from moeflow.server.async_engine import AsyncEngine, EngineUnavailable, Overloaded
 from moeflow.server.metrics import ServerMetrics
 
@@ -60,9 +61,20 @@ class FakeEngine:
 
 
 class FakeLLM:
+    restart_policy = RestartPolicy()  # off, as in the Python API
+
     def __init__(self):
         self.engine = FakeEngine()
         self.is_shut_down = False
+        self.restarts = 0
+        self.hold = threading.Event()  # a restart waits for it (the test looks at the server meanwhile)
+        self.hold.set()
+
+    def restart(self, sleep):
+        sleep(self.restart_policy.delay_s(0))
+        self.hold.wait(5)
+        self.engine = FakeEngine()
+        self.restarts += 1
 
     def make_request(self, prompt, params, request_id):
         return Request(request_id, list(prompt["prompt_token_ids"]), params, arrival_s=clock())
@@ -140,6 +152,41 @@ def test_a_step_that_raises_fails_every_request_and_health():
     results = asyncio.run(main())
     assert all(last.finish_reason == "error" and "boom" in last.error for _, last in results)
     assert not e.snapshot().healthy and "boom" in e.snapshot().failure
+    e.shutdown()
+
+
+class HealingLLM(FakeLLM):
+    restart_policy = RestartPolicy(max_restarts=2, backoff_s=0.0)
+
+
+def test_a_failed_engine_is_restarted_and_serves_again():
+    e = AsyncEngine(HealingLLM, 8, ServerMetrics(10.0, clock))
+    e.start()
+    e.llm.engine.gate.clear()
+    e.llm.hold.clear()  # the restart holds until the test has seen the server restarting
+
+    async def main():
+        s = e.submit(_request(e, "r", max_tokens=50))
+        await s.accepted()
+        e.llm.engine.explode = True
+        e.llm.engine.gate.set()
+        _, last = await _drain(s)
+        while not e.snapshot().restarting:
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineUnavailable, match="restarting") as refused:
+            e.submit(_request(e, "during"))
+        assert refused.value.retry_after_s > 0
+        e.llm.hold.set()
+        while not e.snapshot().healthy:
+            await asyncio.sleep(0.01)
+        after = e.submit(_request(e, "after", max_tokens=2))
+        return last, await _drain(after)
+
+    last, (tokens, done) = asyncio.run(main())
+    assert last.finish_reason == "error" and "boom" in last.error  # the affected request still ends with the error
+    assert tokens == [7, 7] and done.finish_reason == "length"
+    assert e.llm.restarts == 1 and e.metrics.restarts.labels("ok")._value.get() == 1
+    assert e.snapshot().num_pending == 0
     e.shutdown()
 
 
