@@ -195,8 +195,9 @@ def parse_experiment(d: dict) -> Experiment:
 
 
 def load_experiment(path: str, overrides: tuple[str, ...] = ()) -> Experiment:
-    """``overrides``: ``KEY=VALUE`` (a top-level key), ``workload.KEY=VALUE`` or ``sim.KEY=VALUE``
-    (every system's simulator option), each VALUE read as YAML; applied before validation."""
+    """``overrides``: ``KEY=VALUE`` (a top-level key), ``workload.KEY=VALUE``, ``sim.KEY=VALUE``
+    (every system's simulator option) or ``systems.NAME.KEY=VALUE`` (one system's), each VALUE
+    read as YAML; applied before validation."""
     with open(path) as f:
         d = yaml.safe_load(f)
     return parse_experiment(apply_overrides(d, overrides))
@@ -217,8 +218,12 @@ def apply_overrides(d: dict, overrides: tuple[str, ...]) -> dict:
         elif scope == "sim":  # NOTE: YAML anchors share mappings; each system gets its own copy here
             d["systems"] = {n: {**s, "sim": {**(s.get("sim") or {}), name: v}} if isinstance(s, dict) else s
                             for n, s in (d.get("systems") or {}).items()}
+        elif scope.startswith("systems.") and scope[len("systems."):] in (d.get("systems") or {}):
+            n = scope[len("systems."):]
+            d["systems"] = {**d["systems"], n: {**d["systems"][n], name: v}}
         else:
-            raise ConfigError(f"override {text!r}: the key must be KEY, workload.KEY or sim.KEY")
+            raise ConfigError(f"override {text!r}: the key must be KEY, workload.KEY, sim.KEY or "
+                              f"systems.NAME.KEY with NAME among {list(d.get('systems') or {})}")
     return d
 
 

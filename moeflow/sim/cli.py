@@ -35,8 +35,8 @@ def add_parser(sub) -> None:
                    help="what meets the SLO, as in bench serve (mean, p50, p90, p99, attainment:F); several, "
                         "comma-separated, or all: the search runs for each (default: the config's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override the config: KEY (top level), workload.KEY, or sim.KEY for every system "
-                        "(repeatable; VALUE read as YAML), e.g. --set sim.expert_load_cv=0.5")
+                   help="override the config: KEY (top level), workload.KEY, sim.KEY for every system, or "
+                        "systems.NAME.KEY (repeatable; VALUE read as YAML), e.g. --set sim.expert_load_cv=0.5")
     p.set_defaults(func=run)
 
 

@@ -195,6 +195,10 @@ def test_overrides_and_per_metric_slo_search():
     assert res["points"][0].get("sim_expert_imbalance", 0) > 1
     with pytest.raises(ValueError, match="KEY=VALUE"):
         apply_overrides(d, ("sim.expert_load_cv",))
+    assert parse_experiment(apply_overrides(d, ("systems.dep.placement=round_robin",))).systems[
+        "dep"].layout.placement == "round_robin"
+    with pytest.raises(ValueError, match="NAME among"):
+        apply_overrides(d, ("systems.nope.dp=2",))
 
 
 @pytest.mark.parametrize("system", ["asap", "dep", "chunked"])
