@@ -16,7 +16,6 @@ NOTE: the embedded models have random weights; their routing says little about a
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
@@ -102,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} devices, per prompt, most loaded / mean: measured {d['measured_max_over_mean']:.3f}, "
               f"the simulator's model at CV {res['expert_cv_mean']:.2f}: {d['model_max_over_mean']:.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        from moeflow.bench.provenance import write_json
+
+        write_json(args.json, res)
     return 0
 
 
