@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         comm,
         compare,
         decode,
+        decode_attention,
         demo,
         env,
         experts,
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for m in (prefill, decode, comm, experts, serve, compare, plot, trace_summary):
+    for m in (prefill, decode, decode_attention, comm, experts, serve, compare, plot, trace_summary):
         m.add_parser(bsub)
 
     args = parser.parse_args(argv)

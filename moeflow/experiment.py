@@ -60,19 +60,24 @@ class SimOptions:
     # SGLang, vllm-ascend shard DeepSeek so); False: everything split T ways
     tp_replicates: bool = True
     a2a_bw_GBps: float | None = None  # the baselines' all-to-all (None: the hardware preset's a2a_bw_Bps)
+    seed: int = 0  # the simulator's own random draws (dwdp: contention levels of naive pulls)
+    # dep: the all-to-all sends a token once per remote device holding any of its experts (DeepEP's
+    # layout) instead of once per (token, expert) pair (moeflow's engine)
+    dedup_dispatch: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ConfigError(f"sim: {msg}")
 
-        for f in ("super_kernel", "comm_overlap", "tp_replicates"):
+        for f in ("super_kernel", "comm_overlap", "tp_replicates", "dedup_dispatch"):
             need(isinstance(getattr(self, f), bool), f"{f} must be true or false, got {getattr(self, f)!r}")
         need(isinstance(self.expert_load_cv, (int, float)) and 0 <= self.expert_load_cv < 8,
              f"expert_load_cv must be in [0, 8), got {self.expert_load_cv!r}")
         need(self.expert_placement in EXPERT_PLACEMENTS,
              f"expert_placement must be one of {EXPERT_PLACEMENTS}, got {self.expert_placement!r}")
-        need(isinstance(self.expert_seed, int), f"expert_seed must be an integer, got {self.expert_seed!r}")
+        for f in ("expert_seed", "seed"):
+            need(isinstance(getattr(self, f), int), f"{f} must be an integer, got {getattr(self, f)!r}")
         need(self.dsa_attention in DSA_ATTENTION,
              f"dsa_attention must be one of {DSA_ATTENTION}, got {self.dsa_attention!r}")
         need(self.a2a_bw_GBps is None or (isinstance(self.a2a_bw_GBps, (int, float)) and self.a2a_bw_GBps > 0),
@@ -118,6 +123,11 @@ class Experiment:
     profile: str | None = None  # profiled cost: the JSON ``moeflow profile`` wrote
     machine: str | None = None  # hardware cpu-here: the `moeflow env --json` report of that machine
     hardware_overrides: tuple[tuple[str, float], ...] = ()
+    # workload fields swept one at a time, each value at saturation_rps (sim/sweep.py), e.g. DWDP's
+    # Table 3a/3c: {isl: [1024, ...], isl_std: {values: [0, ...], with: {kind: normal}}}; per sweep:
+    # (field, values, other workload fields it sets)
+    sweeps: tuple[tuple[str, tuple[float, ...], tuple[tuple[str, object], ...]], ...] = ()
+    roofline_isl: tuple[int, ...] = ()  # dwdp systems: DWDP §3's per-layer roofline at these prompt lengths
 
     def point_workload(self, rate: float, seed: int, num_requests: int | None = None) -> WorkloadConfig:
         """The workload of one point at ``rate`` with ``seed``, for the engine and the simulator alike:
@@ -146,6 +156,14 @@ class Experiment:
         need(self.saturation_rps is None or self.saturation_rps > 0, "saturation_rps must be > 0")
         for a, b in self.compare:
             need(a in self.systems and b in self.systems, f"compare: {a!r} vs {b!r}: both must be systems")
+        workload_fields = set(WorkloadConfig.__dataclass_fields__) - {"kind", "rate_rps", "trace_path"}
+        for name, values, others in self.sweeps:
+            need(name in workload_fields, f"sweeps: {name!r} is not a workload field ({sorted(workload_fields)})")
+            need(bool(values), f"sweeps.{name}: give at least one value")
+            need(all(k in WorkloadConfig.__dataclass_fields__ for k, _ in others),
+                 f"sweeps.{name}.with: unknown workload fields {[k for k, _ in others]}")
+        need(not self.sweeps or self.saturation_rps is not None, "sweeps run at saturation_rps: set it")
+        need(all(isinstance(n, int) and n > 0 for n in self.roofline_isl), "roofline_isl: positive ints")
 
 
 def _pick(cls, d: dict, where: str, exclude: tuple[str, ...] = ()) -> dict:
@@ -191,7 +209,19 @@ def parse_experiment(d: dict) -> Experiment:
                                            for k, v in (d.get("hardware_overrides") or {}).items()))
     d["rps"] = tuple(float(r) for r in d["rps"]) if d.get("rps") is not None else (1.0,)  # []: saturation only
     d["compare"] = tuple(tuple(pair) for pair in (d.get("compare") or ()))
+    d["sweeps"] = tuple(_sweep(k, v) for k, v in (d.get("sweeps") or {}).items())
+    d["roofline_isl"] = tuple(d.get("roofline_isl") or ())
     return Experiment(**d)
+
+
+def _sweep(name: str, v) -> tuple:
+    """``field: [values]`` or ``field: {values: [...], with: {other workload fields}}``."""
+    if isinstance(v, dict):
+        extra = set(v) - {"values", "with"}
+        if extra:
+            raise ConfigError(f"experiment: sweeps.{name}: unknown keys {sorted(extra)} (known: values, with)")
+        return name, tuple(v.get("values") or ()), tuple(sorted((v.get("with") or {}).items()))
+    return name, tuple(v or ()), ()
 
 
 def load_experiment(path: str, overrides: tuple[str, ...] = ()) -> Experiment:

@@ -22,3 +22,22 @@ def hf_hub_offline() -> bool:
 def hf_hub_cache() -> str | None:
     """$HF_HUB_CACHE (huggingface_hub's cache of downloaded repositories), None: its default."""
     return os.environ.get("HF_HUB_CACHE") or None
+
+
+def extension_dir() -> str:
+    """Where C++ extensions are built: $TORCH_EXTENSIONS_DIR (torch's own switch) or ~/.cache/moeflow/ext.
+
+    NOTE: not under $MOEFLOW_CACHE_DIR: tests point that at temporary directories, and every one of
+    their processes would rebuild (builds are keyed by source and CPU, so sharing them is safe)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moeflow", "ext")
+
+
+def cxx_compiler() -> str:
+    """The C++ compiler torch's extension builder runs: $CXX or c++."""
+    return os.environ.get("CXX") or "c++"
+
+
+def paged_attention_mode() -> str:
+    """$MOEFLOW_PAGED_ATTENTION: how decode attention reads the KV cache (``model/paged_attention.py``):
+    auto (default), gather (force the per-request gather, for before/after runs) or kernel (require it)."""
+    return os.environ.get("MOEFLOW_PAGED_ATTENTION", "auto").strip().lower() or "auto"

@@ -63,6 +63,12 @@ class DecodeBench:
     # per system, environment variables its deployment starts with (e.g. MOEFLOW_PAGED_ATTENTION=gather
     # for the before/after of the decode attention kernel)
     env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # simulator only (``moeflow simulate`` of a decode file): as in an experiment file
+    hardware: str | None = None
+    cost: str = "analytic"
+    profile: str | None = None
+    machine: str | None = None
+    hardware_overrides: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("steps", "repeats"):
@@ -89,6 +95,7 @@ def load_bench(path: str) -> DecodeBench:
     d["systems"] = {n: system_from_dict(n, s, model, dtype) for n, s in entries.items()}
     d["contexts"] = tuple(d.get("contexts") or (2048, 8192))
     d["compare"] = tuple(tuple(p) for p in d.get("compare") or ())
+    d["hardware_overrides"] = tuple(sorted((k, float(v)) for k, v in (d.get("hardware_overrides") or {}).items()))
     return DecodeBench(**{**d, "model": model, "dtype": dtype})
 
 

@@ -13,6 +13,8 @@ the gaps is 1/sqrt(burstiness), so < 1 is burstier). Prompt lengths come from on
   that remain after the 32k cut; ``raw`` fits the mean of the whole trace before it, which is how
   §2.3 states it (the kept mean is then ~4.2k).
 - ``uniform``: integers in [r·ISL, ISL] (DWDP's "ISL ratio" r).
+- ``normal``: mean ISL, standard deviation ``isl_std`` (DWDP Table 3c's "ISL/STD"), rounded;
+  draws outside [1, 2·ISL] are redrawn, so the mean stays ISL.
 - ``fixed``: every prompt ``fixed_len`` tokens.
 - ``trace``: a JSONL file, one request per line: ``arrival_s``, ``prompt_len``, optional ``output_len``.
 
@@ -29,7 +31,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-KINDS = ("production", "uniform", "fixed", "trace")
+KINDS = ("production", "uniform", "normal", "fixed", "trace")
 
 PRODUCTION_MIN_LEN = 31  # shortest prompt in ASAP's trace (§2.3)
 PRODUCTION_MAX_LEN = 32768  # ASAP §5.1 leaves out requests above 32k
@@ -62,6 +64,7 @@ class WorkloadConfig:
     length_scale: float = 1.0
     isl: int | None = None  # uniform: the longest prompt
     isl_ratio: float = 0.5  # uniform: the shortest prompt is isl_ratio * isl
+    isl_std: float = 0.0  # normal: standard deviation of the prompt length around isl
     fixed_len: int | None = None
     production_mean: str = "kept"  # production: which mean is 5k, "kept" (after the 32k cut) or "raw" (§2.3)
     trace_path: str | None = None
@@ -89,6 +92,9 @@ class WorkloadConfig:
             need(0 <= self.isl_ratio <= 1, f"isl_ratio must be in [0, 1], got {self.isl_ratio}")
         need(self.production_mean in PRODUCTION_MEANS,
              f"production_mean must be one of {PRODUCTION_MEANS}, got {self.production_mean!r}")
+        if self.kind == "normal":
+            need(self.isl is not None and self.isl >= 1, f"normal needs isl >= 1, got {self.isl}")
+            need(self.isl_std >= 0, f"isl_std must be >= 0, got {self.isl_std}")
         if self.kind == "fixed":
             need(self.fixed_len is not None and self.fixed_len >= 1,
                  f"fixed needs fixed_len >= 1, got {self.fixed_len}")
@@ -136,6 +142,9 @@ def _lengths(rng: np.random.Generator, cfg: WorkloadConfig, n: int) -> np.ndarra
     if cfg.kind == "uniform":
         lo = max(1, math.ceil(cfg.isl_ratio * cfg.isl))
         return rng.integers(lo, cfg.isl, n, endpoint=True)
+    if cfg.kind == "normal":
+        # outside [1, 2·ISL] redrawn: symmetric, so the mean stays ISL
+        return _restricted(lambda k: rng.normal(cfg.isl, cfg.isl_std, k), 1, 2 * cfg.isl, n)
     return sample_production_lens(rng, n, cfg.production_mean)
 
 
@@ -150,10 +159,15 @@ def production_params(mean_of: str = "kept") -> tuple[float, float]:
 def sample_production_lens(rng: np.random.Generator, n: int, mean_of: str = "kept") -> np.ndarray:
     """``n`` lengths from the fitted lognormal, rounded; outside [31, 32768] redrawn (left out)."""
     mu, sigma = production_params(mean_of)
+    return _restricted(lambda k: rng.lognormal(mu, sigma, k), PRODUCTION_MIN_LEN, PRODUCTION_MAX_LEN, n)
+
+
+def _restricted(draw, lo: int, hi: int, n: int) -> np.ndarray:
+    """``n`` rounded values of ``draw(k)`` (k samples at a time), those outside [lo, hi] redrawn."""
     out = np.empty(0, dtype=np.int64)
     while len(out) < n:
-        x = np.rint(rng.lognormal(mu, sigma, max(2 * (n - len(out)), 64)))
-        x = x[(x >= PRODUCTION_MIN_LEN) & (x <= PRODUCTION_MAX_LEN)].astype(np.int64)
+        x = np.rint(draw(max(2 * (n - len(out)), 64)))
+        x = x[(x >= lo) & (x <= hi)].astype(np.int64)
         out = np.concatenate([out, x[:n - len(out)]])
     return out
 

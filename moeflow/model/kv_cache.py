@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from moeflow.config import ModelConfig
 from moeflow.model.attention import KVLayout, attention_for
+from moeflow.model.paged_attention import DecodeBatch
 
 
 class KVCache:
@@ -43,8 +45,12 @@ class KVCache:
             cache[layer].index_copy_(0, slots, x.to(cache.dtype))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """slots: [S] int64 -> one [S, *e] per entry, in layout order (GQA: k, v)."""
+        """slots: [S] int64 -> one [S, *e] per entry, in layout order (GQA: k, v). A copy."""
         return tuple(cache[layer].index_select(0, slots) for cache in self.entries.values())
+
+    def layer_entries(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """One layer's whole cache, one [N, *e] view per entry (no copy), for decode attention to read in place."""
+        return tuple(cache[layer] for cache in self.entries.values())
 
 
 def slots_for(block_ids: tuple[int, ...] | list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
@@ -90,6 +96,14 @@ class AttentionMetadata:
         for q, c in zip(self.query_lens, self.context_lens):
             yield start, q, c
             start += q
+
+    @cached_property
+    def decode(self) -> DecodeBatch | None:
+        """The decode requests' block tables and lengths, built on the first layer's call and kept for the
+        others (None: no request decodes, or no cache)."""
+        if self.slot_mapping is None:
+            return None
+        return DecodeBatch.build(self.query_lens, self.context_lens, self.block_tables, self.block_size)
 
     def context_slots(self, i: int) -> torch.Tensor:
         """Slots of all positions a request's queries attend to (cached + new)."""

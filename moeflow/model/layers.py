@@ -1,4 +1,5 @@
-"""RMSNorm, ragged attention over a paged KV cache, dense SwiGLU MLP (RoPE: ``rope.py``).
+"""RMSNorm, ragged attention over a paged KV cache, dense SwiGLU MLP (RoPE: ``rope.py``; decode
+attention that reads the cache in place: ``paged_attention.py``).
 
 Shape legend: T tokens in the batch (all requests concatenated, no padding), H hidden size,
 Hq / Hkv query / key-value heads, D head_dim, F intermediate size.
@@ -9,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from moeflow.model.paged_attention import DecodeBatch, decode_attention
 
 if TYPE_CHECKING:  # NOTE: kv_cache imports the attention kinds, which import this file
     from moeflow.model.kv_cache import AttentionMetadata, KVCache
@@ -27,14 +30,20 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atte
     """Causal attention per request over a ragged batch.
 
     q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq, D].
-    New k/v are written to the cache first; a request with earlier tokens in the cache reads them
-    back through its block table.
+    New k/v are written to the cache first. The decode requests (one token over cached context)
+    go through one ``decode_attention`` call, which reads the cache in place; a prefill attends to
+    itself, a chunk over cached context reads that context back through its block table.
     """
     if kv_cache is not None:
         kv_cache.write(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
+    decode = meta.decode
+    if decode is not None:
+        assert kv_cache is not None, "a request with cached context needs a KV cache"
+        k_cache, v_cache = kv_cache.layer_entries(layer)  # [N, Hkv, D] each
+        out[decode.rows] = decode_attention(q[decode.rows], k_cache, v_cache, decode)
     for i, (q_start, q_len, ctx_len) in enumerate(meta.iter_seqs()):
-        if q_len == 0:
+        if q_len == 0 or DecodeBatch.takes(q_len, ctx_len):
             continue
         # NOTE: SDPA takes its fused (flash) CPU kernel only for 4-D inputs; 3-D falls back to the
         # math path, ~5x slower at 2k tokens.
@@ -47,9 +56,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atte
             assert kv_cache is not None, "a request with cached context needs a KV cache"
             ki, vi = kv_cache.gather(layer, meta.context_slots(i))  # [ctx+q_len, Hkv, D]
             ki, vi = ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0)
-            if q_len == 1:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, enable_gqa=True)
-            elif qi.device.type == "cpu":
+            if qi.device.type == "cpu":
                 oi = _context_then_causal(qi, ki, vi, ctx_len)
             else:
                 # query j sits at absolute position ctx_len + j and sees keys 0..ctx_len + j

@@ -17,6 +17,7 @@ from moeflow.model.attention import attention_for
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
 from moeflow.model.layers import rms_norm, swiglu
 from moeflow.model.moe import experts_grouped, experts_loop, plan_pairs, weighted_sum
+from moeflow.model.paged_attention import uses_kernel
 from moeflow.model.router import router_for
 from moeflow.model.weights import ModelWeights
 
@@ -37,6 +38,8 @@ class MoETransformer:
         self.attn_kind = attention_for(cfg)
         self.router = router_for(cfg)
         self._experts_op = experts_grouped if use_grouped_experts else experts_loop
+        if weights.attention:  # build or load the decode attention kernel now, not in the first decode step
+            uses_kernel(next(iter(weights.attention.values())).input_norm.device)
 
     # -- stages -------------------------------------------------------------------------------
 

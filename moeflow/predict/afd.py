@@ -13,12 +13,15 @@ profile``) comes the experts op's time against routed pairs for a daemon's numbe
 Then per MoE layer, with A the attention side's time and F the daemon's (m micro-batches, each
 reading the experts' weights again):
 
-    T_AFD = sum over layers of  max(A, F) + min(A, F) / m      (m = 1: A + F)
+    T_AFD = L_moe * max(A, F) + min(A, F) / m       (m >= 2)
+    T_AFD = L_moe * (A + F)                          (m = 1: nothing overlaps)
 
-(DBO: one micro-batch's attention overlaps another's FFN; the first attention and the last FFN
-of a layer do not). DBO hides the FFN only while A >= F, i.e. T_attn(ub) >= T_FFN(ub) + T_comm:
-a prediction where it does not is flagged. With overlap scheduling the engine's per-step
-overhead is hidden; without it, it is added. Pure Python.
+(DBO: micro-batch u's FFN runs while u+1's attention does, and the next layer's first
+micro-batch needs only the first micro-batch's combine, so the pipeline runs across layers: the
+longer side is busy throughout and only the first attention / last FFN of the step is exposed).
+DBO hides the FFN only while A >= F, i.e. T_attn(ub) >= T_FFN(ub) + T_comm: a prediction where
+it does not is flagged. With overlap scheduling the engine's per-step overhead is hidden;
+without it, it is added. Pure Python.
 """
 from __future__ import annotations
 
@@ -92,16 +95,20 @@ def experts_s(profile: dict, pairs: float, local: int) -> float:
 
 def predict(base: Baseline, profile: dict, *, m: int, attn_workers: int, ffn_workers: int, served: int,
             local_experts: int, b_afd: int, num_layers: int, num_moe_layers: int, top_k: int,
-            overlap_scheduling: bool = True) -> AfdPrediction:
-    """``served``: attention instances one daemon aggregates; ``local_experts``: experts it holds."""
+            overlap_scheduling: bool = True, pair_share: float = 1.0) -> AfdPrediction:
+    """``served``: attention instances one daemon aggregates; ``local_experts``: experts it holds;
+    ``pair_share``: the share of a served token's (token, expert) pairs one daemon computes (1 when
+    each daemon holds every expert, 1/N when the experts are split over N daemons)."""
     t_base, b_base = base.tpot_s, base.resident
     per_req_attention = t_base * base.attention / b_base  # per step, all layers
     per_tok_transport = t_base * base.transport / b_base  # dispatch and combine-send of one token's rows
     a = (b_afd * per_req_attention + b_afd * per_tok_transport / 2) / num_layers  # attention side, per layer
-    ub_tokens = served * b_afd / m
-    f = m * (experts_s(profile, ub_tokens * top_k, local_experts) + ub_tokens * per_tok_transport / 2)
+    ub_pairs = served * b_afd / m * top_k * pair_share  # one daemon's pairs of one micro-batch
+    # per MoE layer: its experts and its combine-sends (the baseline's transport is over all MoE layers)
+    f = m * (experts_s(profile, ub_pairs, local_experts) + ub_pairs / top_k * per_tok_transport / 2 / num_moe_layers)
     dense = num_layers - num_moe_layers
-    t_afd = num_moe_layers * (max(a, f) + min(a, f) / m) + dense * a
+    moe = num_moe_layers * (a + f) if m == 1 else num_moe_layers * max(a, f) + min(a, f) / m
+    t_afd = moe + dense * a
     if not overlap_scheduling:
         t_afd += t_base * base.overhead
     node = attn_workers / (attn_workers + ffn_workers)

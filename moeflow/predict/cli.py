@@ -74,7 +74,8 @@ def run_afd(args: argparse.Namespace) -> int:
             pred = predict(base, profile, m=m, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
                            served=len(layout.served_by(0)), local_experts=len(layout.placement_of_experts(mc.num_experts)[0]),
                            b_afd=b_afd, num_layers=mc.num_layers, num_moe_layers=mc.num_moe_layers,
-                           top_k=mc.num_experts_per_tok, overlap_scheduling=layout.overlap_scheduling)
+                           top_k=mc.num_experts_per_tok, overlap_scheduling=layout.overlap_scheduling,
+                           pair_share=1 / len(layout.ffns_of(0)))
             row = {"context": c, **pred.to_dict()}
             if measured is not None:
                 row["measured"] = _measured(measured, layout, c, base)

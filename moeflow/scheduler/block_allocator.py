@@ -29,7 +29,9 @@ class BlockAllocator:
         need = self.blocks_for(num_tokens) - len(table)
         if need > len(self._free):
             raise OutOfBlocks(f"request {request_id} needs {need} more KV blocks, {len(self._free)} free")
-        table.extend(self._free.pop() for _ in range(max(need, 0)))
+        if need > 0:  # the last ``need`` free ids, last first: what ``need`` pops would hand out
+            table.extend(reversed(self._free[-need:]))
+            del self._free[-need:]
         return tuple(table)
 
     def table(self, request_id: str) -> tuple[int, ...]:

@@ -6,13 +6,29 @@ and goes on to u+1 while the daemons compute u; a daemon starts (layer, u) once 
 it serves has dispatched it and it finished (layer, u-1); an instance starts (layer+1, u) once
 (layer, u) is combined back and its own previous attention is done. The step's timeline is a
 closed form over layers x micro-batches (one event per step), as the engine's lockstep makes it.
-The engine's overlap scheduling hides its own per-step overhead, which the simulator does not
-charge anyway.
+
+With the router on the attention side an instance sends one row per (token, expert) pair and gets
+pairs back; with ``router: ffn`` it sends each token row once to every daemon it uses and gets a
+weighted sum back from each (FastAFD's daemons route, §3). Overlap scheduling hides the host's
+per-step work (``host_step_s``); without it every step pays it (FastAFD §5's ablation).
 """
 from __future__ import annotations
 
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import StepSystem
+
+
+def _uniform_shift(before: list[float] | None, after: list[float]) -> float | None:
+    """The common increment when ``after`` is ``before`` moved uniformly (else None).
+
+    NOTE: one MoE layer maps the timeline's state (instances, returns, daemons) by maxes and sums
+    of fixed costs, so it commutes with a uniform shift: once a layer moves every entry by the same
+    amount, every later layer moves it by that amount again, and the rest is a closed form."""
+    if before is None:
+        return None
+    d = [a - b for a, b in zip(after, before)]
+    tol = 1e-9 * max(abs(d[0]), 1e-9)
+    return d[0] if all(abs(x - d[0]) <= tol for x in d) else None
 
 
 class AfdSystem(StepSystem):
@@ -37,11 +53,12 @@ class AfdSystem(StepSystem):
         share = [1 / len(f) for f in self.ffns]  # "all": a daemon gets its 1/N of each token's experts
         ffn = [[c.experts_s(round(sum(tokens[i][u] * m.top_k * share[i] for i in srv)), self.local[j])
                 for u in range(nub)] for j, srv in enumerate(self.served)]
-        move = [[c.transfer_s(c.dispatch_bytes(t)) for t in ts] for ts in tokens]  # one way, per micro-batch
-        back = [[c.transfer_s(c.combine_bytes(t)) for t in ts] for ts in tokens]
+        move = [[c.transfer_s(self._sent_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]  # per micro-batch
+        back = [[c.transfer_s(self._back_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]
         inst = [now] * len(ubs)  # when each instance is free
         ready = [[now] * nub for _ in ubs]  # when (layer, u)'s input is back on the instance
         daemon = [now] * len(ffn)
+        before = None
         for layer in range(m.num_layers):
             is_dense = layer < m.num_dense_layers
             sent = [[0.0] * nub for _ in ubs]
@@ -58,8 +75,18 @@ class AfdSystem(StepSystem):
                     daemon[j] = max([daemon[j]] + [sent[i][u] for i in srv]) + ffn[j][u]
                 for i in range(len(ubs)):
                     ready[i][u] = max(daemon[j] for j in self.ffns[i]) + back[i][u]
+            state = [*inst, *(x for r in ready for x in r), *daemon]
+            shift = _uniform_shift(before, state)
+            if shift is not None:  # periodic: every later MoE layer moves all of it by the same shift
+                k = m.num_layers - layer - 1
+                inst = [x + k * shift for x in inst]
+                ready = [[x + k * shift for x in r] for r in ready]
+                break
+            before = state
         end = max(max(inst[i], *ready[i]) for i in range(len(ubs)))
         end += max(c.head_s(s, 1) for ss in shapes for s in ss)
+        if not self.layout.overlap_scheduling:
+            end += c.host_step_s
         for i, bs in enumerate(ubs):
             own = sum(m.num_dense_layers * dense[i][u] + m.num_moe_layers * attn[i][u] for u in range(nub))
             self.busy_s["attention"] += own
@@ -69,6 +96,19 @@ class AfdSystem(StepSystem):
             for i in range(len(ubs)):
                 self.span(f"attention{i}/main", "step", now, end)
         self.loop.at(end, self._step_done, works)
+
+    def _sent_bytes(self, instance: int, num_tokens: int) -> float:
+        """What ``instance`` sends its daemons for one micro-batch of one layer."""
+        c, m = self.cost, self.model
+        if self.layout.router == "ffn":  # token rows, once to each daemon
+            return num_tokens * m.hidden_size * m.act_bytes * len(self.ffns[instance])
+        return c.dispatch_bytes(num_tokens)
+
+    def _back_bytes(self, instance: int, num_tokens: int) -> float:
+        c, m = self.cost, self.model
+        if self.layout.router == "ffn":  # one weighted sum per token from each daemon
+            return num_tokens * m.hidden_size * 2 * len(self.ffns[instance])
+        return c.combine_bytes(num_tokens)
 
     def _step_done(self, works) -> None:
         now = self.loop.now

@@ -1,7 +1,8 @@
 """One layer's attention block under the roofline, part by part, and the choices that implementations
 make differently (``AttentionOptions``, set per system from its ``SimOptions``).
 
-Parts: projections (GEMMs), the core attention, the DSA indexer, elementwise traffic, the TP
+Parts: projections (GEMMs), the core attention (its FLOPs, or the KV cache read once per sequence,
+whichever is longer), the DSA indexer (its key cache read likewise), elementwise traffic, the TP
 all-reduce after the o-projection, and the router + shared experts (or the dense MLP and its
 all-reduce). ``AnalyticCost.attention_s`` is their sum; the Fig. 5 cross-check reads them apart.
 
@@ -52,7 +53,10 @@ def attention_parts(cost, shape: AttnShape, tp: int, dense_layer: bool) -> dict[
     replicated = m.tp_replicated_params if o.tp_replicates and tp > 1 else 0
     parts = {"projections": cost._gemm_s(t, m.attn_proj_params - replicated, tp)
              + (cost._gemm_s(t, replicated, 1) if replicated else 0.0)}
-    parts["core"] = roof.op_s(core_flops(m, shape, o.dsa_attention) / tp, 0, attention=True)
+    # the core reads the KV cache once per sequence (a GQA cache is split over TP, MLA's latent is
+    # not): decode, one query per sequence, is priced by this read
+    kv = shape.num_sparse_keys * m.attn_kv_bytes_per_token_layer / (tp if m.attention == "gqa" else 1)
+    parts["core"] = roof.op_s(core_flops(m, shape, o.dsa_attention) / tp, kv, attention=True)
     if m.index_pair_flops:
         split = 1 if o.tp_replicates else tp
         cube_s = m.index_pair_flops * shape.num_pairs / split / (hw.flops_int8 * hw.attn_eff)
@@ -61,7 +65,9 @@ def attention_parts(cost, shape: AttnShape, tp: int, dense_layer: bool) -> dict[
             ops = ((2 * m.index_heads + TOPK_OPS_PER_KEY) * shape.num_pairs
                    + TOPK_OPS_PER_SELECTED * m.index_topk * shape.num_long_queries)
             vector_s = ops / split / (hw.vector_flops * hw.attn_eff)
-        parts["indexer"] = hw.launch_s + max(cube_s, vector_s)
+        # every rank reads the whole indexer key cache (one 8-bit key per token, shared by the heads)
+        read_s = shape.num_keys * m.index_head_dim / (hw.mem_bw_Bps * hw.mem_eff)
+        parts["indexer"] = hw.launch_s + max(cube_s, vector_s, read_s)
     parts["elementwise"] = roof.op_s(0, cost.ELEMENTWISE_ACTS * t * m.hidden_size * 2 / tp)
     allreduce = cost.links.transfer_s(2 * (tp - 1) / tp * t * m.hidden_size * 2) if tp > 1 else 0.0
     parts["tp_allreduce"] = allreduce  # after the row-parallel o-projection

@@ -41,6 +41,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    with open(args.config) as f:
+        if "contexts" in (yaml.safe_load(f) or {}):  # a `bench decode` file: steady-state decode
+            return _run_decode(args)
     from moeflow.bench.metrics import format_point
     from moeflow.experiment import load_experiment as load_config
     from moeflow.sim.run import build_cost, run_system
@@ -69,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     cost = build_cost(cfg)
     out: dict[str, dict] = {}
     spans = []
-    for name in names:
+    for name in names if rates or find_slo else ():
         t0 = time.perf_counter()
         res = run_system(name, cfg, cost, rates, find_slo, trace_rate, args.trace_window_s, args.repeats, metrics)
         wall = time.perf_counter() - t0
@@ -103,12 +108,19 @@ def run(args: argparse.Namespace) -> int:
         with open(path) as f:
             comparisons[name] = compare(out[name], json.load(f))
         print(format_comparison(name, comparisons[name], comparisons[name]["measured_slo_rps"]))
-    data = out[names[0]] if len(names) == 1 else {"systems": out}
+    data = {} if not out else out[names[0]] if len(names) == 1 else {"systems": out}
+    if cfg.sweeps or cfg.roofline_isl:
+        from moeflow.sim.sweep import run_roofline, run_sweeps
+
+        if cfg.roofline_isl:
+            data["roofline"] = run_roofline(cfg, cost, names)
+        if cfg.sweeps:
+            data["sweeps"] = run_sweeps(cfg, cost, names)
     if comparisons:
         data = {**data, "comparison": comparisons} if "systems" in data else {"systems": out, "comparison": comparisons}
     if args.json:
         write_json(args.json, data)
-    if args.plot:
+    if args.plot and out:
         from moeflow.bench.plot import plot_results
 
         plot_results(list(out.values()), args.plot)
@@ -146,3 +158,15 @@ def print_slo_table(out: dict, names: list[str], metrics: tuple, slo_s: float) -
             if a != b and ra[0] and rb[0] and ra[0] > rb[0]:
                 print(f"  {a + ' / ' + b:>24}" + "".join(
                     f"{(x / y if x and y else float('nan')):>16.2f}" for x, y in zip(ra, rb)))
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from moeflow.sim.decode import run_decode
+
+    for flag in ("rps", "find_slo_rps", "plot", "trace", "compare_with", "slo_metric", "set"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')}: not for a decode file ({args.config} has contexts:)")
+    data = run_decode(args.config, args.system)
+    if args.json:
+        write_json(args.json, data)
+    return 0

@@ -61,6 +61,10 @@ class CostModel(abc.ABC):
     def all_to_all_s(self, nbytes: float) -> float:
         """One synchronous all-to-all in which each device sends ``nbytes`` (the baselines' collective)."""
 
+    @abc.abstractmethod
+    def device_copy_s(self, nbytes: float) -> float:
+        """A copy of ``nbytes`` from one buffer to another in the same device's memory."""
+
     @property
     @abc.abstractmethod
     def link_bw_Bps(self) -> float:
@@ -70,6 +74,16 @@ class CostModel(abc.ABC):
     @abc.abstractmethod
     def host_dispatch_s(self) -> float:
         """Host-side launch of one MoE layer's kernels (paid when there is no super kernel)."""
+
+    @property
+    def copy_slowdown(self) -> float:
+        """How much slower a device computes while its copy engine pulls weights (1: not at all)."""
+        return 1.0
+
+    @property
+    def host_step_s(self) -> float:
+        """The host's work between two steps (schedule, prepare inputs) when it is not overlapped."""
+        return 0.0
 
     def dispatch_bytes(self, num_tokens: int) -> float:
         """Hidden states sent to the experts: one copy per (token, expert) pair (the ASAP §5.5
@@ -86,9 +100,10 @@ class CostModel(abc.ABC):
 class Roofline:
     hw: Hardware
 
-    def op_s(self, flops: float, nbytes: float, low_precision: bool = False, attention: bool = False) -> float:
+    def op_s(self, flops: float, nbytes: float, low_precision: bool = False, attention: bool = False,
+             fp4: bool = False) -> float:
         hw = self.hw
-        peak = hw.flops_int8 if low_precision else hw.flops
+        peak = hw.flops_fp4 if fp4 and hw.flops_fp4 else hw.flops_int8 if low_precision or fp4 else hw.flops
         eff = hw.attn_eff if attention else hw.gemm_eff
         return hw.launch_s + max(flops / (peak * eff), nbytes / (hw.mem_bw_Bps * hw.mem_eff))
 
@@ -116,6 +131,8 @@ class AnalyticCost(CostModel):
         self.model, self.hw, self.options = model, hw, options
         self.roof, self.links = Roofline(hw), Links(hw)
         self.low = model.weight_bytes < 2  # 8-bit weights run on the int8 peak
+        expert_bytes = model.expert_weight_bytes or model.weight_bytes
+        self.expert_low, self.expert_fp4 = expert_bytes < 2, expert_bytes < 1  # 4-bit experts: the fp4 peak
 
     def for_system(self, sim):
         hw = self.hw if sim.a2a_bw_GBps is None else self.hw.with_overrides(a2a_bw_Bps=sim.a2a_bw_GBps * 1e9)
@@ -139,8 +156,8 @@ class AnalyticCost(CostModel):
         # experts that receive at least one of num_routed uniformly routed pairs read their weights
         active = num_local_experts * (1 - (1 - 1 / num_local_experts) ** num_routed)
         flops = 2 * num_routed * m.expert_params
-        nbytes = active * m.expert_params * m.weight_bytes + num_routed * m.hidden_size * (m.act_bytes + 2)
-        return self.roof.op_s(flops, nbytes, self.low)
+        nbytes = active * m.expert_bytes + num_routed * m.hidden_size * (m.act_bytes + 2)
+        return self.roof.op_s(flops, nbytes, self.expert_low, fp4=self.expert_fp4)
 
     def experts_s_many(self, num_routed, num_local_experts):
         # experts_s over an array, the same formula (a unit test holds them equal)
@@ -148,8 +165,8 @@ class AnalyticCost(CostModel):
         n = np.asarray(num_routed, dtype=float)
         active = num_local_experts * (1 - (1 - 1 / num_local_experts) ** n)
         flops = 2 * n * m.expert_params
-        nbytes = active * m.expert_params * m.weight_bytes + n * m.hidden_size * (m.act_bytes + 2)
-        peak = hw.flops_int8 if self.low else hw.flops
+        nbytes = active * m.expert_bytes + n * m.hidden_size * (m.act_bytes + 2)
+        peak = hw.flops_fp4 if self.expert_fp4 and hw.flops_fp4 else hw.flops_int8 if self.expert_low else hw.flops
         t = hw.launch_s + np.maximum(flops / (peak * hw.gemm_eff), nbytes / (hw.mem_bw_Bps * hw.mem_eff))
         return np.where(n > 0, t, 0.0)
 
@@ -159,6 +176,9 @@ class AnalyticCost(CostModel):
 
     def transfer_s(self, nbytes):
         return self.links.transfer_s(nbytes)
+
+    def device_copy_s(self, nbytes):
+        return self.roof.op_s(0, 2 * nbytes)  # read and write
 
     def all_to_all_s(self, nbytes):
         hw = self.hw
@@ -173,3 +193,11 @@ class AnalyticCost(CostModel):
     @property
     def host_dispatch_s(self):
         return self.hw.host_dispatch_s
+
+    @property
+    def copy_slowdown(self):
+        return self.hw.copy_slowdown
+
+    @property
+    def host_step_s(self):
+        return self.hw.host_step_s

@@ -9,8 +9,22 @@ event per step keeps the simulator fast; the trace still shows every layer of th
 """
 from __future__ import annotations
 
+import math
+
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import StepSystem
+
+
+def remote_share(model, ep: int, dedup: bool) -> float:
+    """The fraction of a token's K expert rows that leave its device in the all-to-all: (ep-1)/ep of
+    them when one row goes per (token, expert) pair (moeflow's engine); with ``dedup`` one row per
+    remote device that holds any of its experts (DeepEP's dispatch layout), under uniform routing."""
+    if not dedup:
+        return (ep - 1) / ep
+    e, k = model.num_experts, model.top_k
+    elsewhere = e - e // ep  # experts not on a given device
+    missed = math.comb(elsewhere, k) / math.comb(e, k)  # none of a token's K experts on that device
+    return (ep - 1) * (1 - missed) / k
 
 
 class DepSystem(StepSystem):
@@ -20,8 +34,11 @@ class DepSystem(StepSystem):
         layout = spec.layout
         self.ep = layout.dp * layout.tp  # expert devices: every device of every rank
         self.loads = self.expert_loads(self.ep)
+        self.remote_share = remote_share(cost.model, self.ep, spec.sim.dedup_dispatch)
         self.num_entities = {"rank": layout.dp}
         self.busy_s = {"rank": 0.0}
+        # summed over ranks: a step's time by what the rank did (attention includes embedding and head)
+        self.split_s = {"attention": 0.0, "ffn": 0.0, "transport": 0.0, "wait": 0.0}
 
     def run_step(self, works, now: float) -> None:
         batches = [w.batches[0] for w in works]
@@ -38,6 +55,12 @@ class DepSystem(StepSystem):
         for i, b in enumerate(batches):
             own = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * attn[i] + experts_mean
             self.busy_s["rank"] += own
+            mine = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * attn[i]
+            self.split_s["attention"] += mine
+            # a rank's own expert device computes the mean load; waiting for the most loaded one is wait
+            self.split_s["ffn"] += experts_mean
+            self.split_s["transport"] += sum(dispatch) + sum(combine)
+            self.split_s["wait"] += step - mine - experts_mean - sum(dispatch) - sum(combine)
             self.started([s.request_id for s in b.seqs], own, now)
         if now < self.trace_until_s:
             self._trace(now, attn, attn_dense, head, dispatch, experts, combine)
@@ -48,7 +71,7 @@ class DepSystem(StepSystem):
         all-to-all combine; and one rank's expert compute summed over the layers (for busy)."""
         m, c, ep, n = self.model, self.cost, self.ep, self.model.num_moe_layers
         local = max(1, m.num_experts // ep)
-        share = (ep - 1) / ep  # the rest stays on the device
+        share = self.remote_share  # the rows that leave the device (per pair, or per device with dedup)
         # each TP member of a rank sends 1/tp of its tokens' pairs; the busiest sender bounds the collective
         send = max(c.dispatch_bytes(t) for t in tokens) / self.layout.tp * share
         send_back = max(c.combine_bytes(t) for t in tokens) / self.layout.tp * share

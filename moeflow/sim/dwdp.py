@@ -3,16 +3,30 @@ every layer itself, its lacking experts pulled one MoE layer ahead into a two-sl
 
 Per rank, a copy engine works through the MoE layers in the order every pass visits them (one pull
 per MoE layer, endlessly): pull k starts once the copy engine is free and its slot was released
-(the experts of pull k-2 have run), and lasts the transfer of the lacking experts' bytes. A layer's
-experts start when both its attention is done and its pull is in: per layer
-max(compute, prefetch) in steady state, as DWDP models it. Ranks never wait for one another; one
-event per batch (its layer timeline has a closed form).
+(the experts of pull k-2 have run), and lasts the transfer of the lacking experts' bytes over the
+rank's NVLink, stretched by source contention (``contention.py``): the engine's own copy plan
+(``scheduler/copy_plan.py``) says which peer serves which bytes; a ``naive`` plan pulls source
+after source, each pull at a drawn contention level, a ``sliced`` plan pays the mean factor of two
+slices in flight. A layer's experts start when both its attention is done and its pull is in
+(with ``merge``, after a device copy of every expert into one buffer, DWDP §4.2's ablation): per
+layer max(compute, prefetch) in steady state, as DWDP models it. Ranks never wait for one
+another; one event per batch (its layer timeline has a closed form).
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from moeflow.core import Request
+from moeflow.scheduler.copy_plan import copy_plan
+from moeflow.sim.contention import ContentionDraws, expected_slowdown
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import System
+
+
+def unit_bytes(model) -> dict[str, int]:
+    """One expert's tensors as the copy plan sees them: gate+up (2F x H) and down (H x F)."""
+    return {"w13": round(model.expert_bytes * 2 / 3), "w2": round(model.expert_bytes / 3)}
 
 
 class DwdpSystem(System):
@@ -21,16 +35,27 @@ class DwdpSystem(System):
         layout, m = spec.layout, cost.model
         self.sched = self._scheduler()
         placement = layout.resident(m.num_experts)
-        self.pull_bytes = [(m.num_experts - len(ids)) * m.expert_params * m.weight_bytes for ids in placement]
         n = layout.dp
+        # per rank: the bytes each source serves it per MoE layer, in the plan's order
+        self.by_source: list[dict[int, int]] = []
+        for r in range(n):
+            per: dict[int, int] = {}
+            for s in copy_plan(placement, r, m.num_experts, unit_bytes(m), layout.copy_plan, layout.slice_bytes):
+                per[s.src] = per.get(s.src, 0) + s.nbytes
+            self.by_source.append(per)
+        self.draws = ContentionDraws(n, spec.sim.seed) if n > 2 else None
+        self.sliced_factor = expected_slowdown(n, "sliced") if n > 2 else 1.0
+        self.merge_s = cost.device_copy_s(m.num_experts * m.expert_bytes) if layout.merge else 0.0
+        self.slowdown = cost.copy_slowdown
+        self.windows: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # per rank: issued pulls' spans
         self.copy_free = [0.0] * n  # when each rank's copy engine is next free
         self.released = [[0.0, 0.0] for _ in range(n)]  # per rank and slot: when its last layer's experts ended
         self.cycle = [0] * n  # per rank: pulls issued so far (k)
         self.pulled_at: list[dict[int, float]] = [{} for _ in range(n)]  # per rank: pull k -> when it is in
         self.next_pass = [0] * n  # per rank: the pull index of its next pass's first MoE layer
-        self.num_entities = {"rank": n}
-        self.busy_s = {"rank": 0.0}
-        self.pull_wait_s = 0.0  # summed over ranks: experts waiting on a late pull
+        # per rank: computing (slowed while pulling), its copy engine pulling, its experts waiting on a pull
+        self.num_entities = {"rank": n, "copy_engine": n, "pull_wait": n}
+        self.busy_s = {"rank": 0.0, "copy_engine": 0.0, "pull_wait": 0.0}
 
     def add(self, request: Request) -> None:
         self.sched.add(request)
@@ -40,36 +65,71 @@ class DwdpSystem(System):
         for work in self.sched.schedule(self.loop.now):
             self._run(work.group, work.batches[0])
 
-    def _pull_done(self, rank: int, k: int) -> float:
-        """When pull k of ``rank`` is in (issuing the pulls up to it, in order, as the copy engine does)."""
-        while self.cycle[rank] <= k:
+    def pull_time_s(self, rank: int) -> float:
+        """One MoE layer's pull on ``rank``'s copy engine, contention included."""
+        per, c = self.by_source[rank], self.cost
+        if not per:
+            return 0.0
+        if self.layout.copy_plan == "sliced":  # slices interleave the sources: one stream, pipelined
+            return c.transfer_s(sum(per.values())) * self.sliced_factor
+        return sum(c.transfer_s(b) * (self.draws.draw() if self.draws else 1) for b in per.values())
+
+    def _issue(self, rank: int, upto: int) -> None:
+        """Issue ``rank``'s pulls up to index ``upto``, in order, as its copy engine does: pull j starts
+        once the engine is free and its slot was released (the experts of pull j-2 have run)."""
+        while self.cycle[rank] <= upto:
             j = self.cycle[rank]
             start = max(self.copy_free[rank], self.released[rank][j % 2])
-            self.copy_free[rank] = start + self.cost.transfer_s(self.pull_bytes[rank])
+            took = self.pull_time_s(rank)
+            self.busy_s["copy_engine"] += took
+            self.copy_free[rank] = start + took
             self.pulled_at[rank][j] = self.copy_free[rank]
+            self.windows[rank].append((start, start + took))
             self.cycle[rank] += 1
-        return self.pulled_at[rank].pop(k)
+
+    def _compute(self, rank: int, t: float, d: float) -> float:
+        """When ``d`` seconds of kernels started at ``t`` end: slower while the copy engine pulls
+        (``copy_slowdown``, DWDP Appendix A: power-capped clocks and shared HBM)."""
+        f, windows = self.slowdown, self.windows[rank]
+        while windows and windows[0][1] <= t:  # a rank's time only moves forward
+            windows.pop(0)
+        for a, b in windows:
+            if d <= 0:
+                break
+            if a > t:  # full speed until the pull starts
+                run = min(d, a - t)
+                t, d = t + run, d - run
+            run = min(d, max(0.0, b - t) / f)
+            t, d = t + run * f, d - run
+        return t + d
 
     def _run(self, rank: int, batch) -> None:
         m, c = self.model, self.cost
         shape = AttnShape.of_batch(batch, m.index_topk)
         attn, attn_dense = c.attention_s(shape, 1, False), c.attention_s(shape, 1, True)
-        experts = c.experts_s(round(shape.num_tokens * m.top_k), m.num_experts)  # every expert runs here
+        experts = c.experts_s(round(shape.num_tokens * m.top_k), m.num_experts) + self.merge_s  # every expert runs here
+        pulls = bool(self.by_source[rank])
         t = now = self.loop.now
+        waited = 0.0
         k0 = self.next_pass[rank]
+        if pulls:
+            self._issue(rank, k0 + 1)
         for layer in range(m.num_layers):
             if layer < m.num_dense_layers:
-                t += attn_dense
+                t = self._compute(rank, t, attn_dense)
                 continue
-            t += attn
             k = k0 + layer - m.num_dense_layers
-            ready = self._pull_done(rank, k) if self.pull_bytes[rank] else t
-            self.pull_wait_s += max(0.0, ready - t)
-            t = max(t, ready) + experts
+            if pulls:
+                self._issue(rank, k + 1)  # the experts of k-1 ran: pull k+1's slot is free
+            t = self._compute(rank, t, attn)
+            ready = self.pulled_at[rank].pop(k) if pulls else t
+            waited += max(0.0, ready - t)
+            t = self._compute(rank, max(t, ready), experts)
             self.released[rank][k % 2] = t
         self.next_pass[rank] = k0 + m.num_moe_layers
-        t += c.head_s(shape, 1)
-        compute = m.num_dense_layers * attn_dense + m.num_moe_layers * (attn + experts) + c.head_s(shape, 1)
+        t = self._compute(rank, t, c.head_s(shape, 1))
+        compute = t - now - waited
+        self.busy_s["pull_wait"] += waited
         self.busy_s["rank"] += compute
         self.started([s.request_id for s in batch.seqs], compute, now)
         if now < self.trace_until_s:
@@ -81,3 +141,46 @@ class DwdpSystem(System):
         self.sampled(batch, finished, self.loop.now)
         self.sched.release(rank)
         self._schedule()
+
+
+@dataclass(frozen=True)
+class LayerRoofline:
+    """DWDP §3's per-layer model for one batch: T_DWDP = max(T_compute, T_prefetch) against
+    T_DEP = T_compute + T_all2all, with the cost model's operators."""
+
+    isl: int
+    compute_s: float  # attention block + experts of the batch (the same work in both)
+    prefetch_s: float  # the lacking experts over the link, uncontended
+    all2all_s: float  # DEP's dispatch + combine of the batch
+
+    @property
+    def hidden(self) -> float:
+        """T_compute / T_prefetch: above 1 the pull hides behind compute."""
+        return self.compute_s / self.prefetch_s
+
+    @property
+    def speedup(self) -> float:
+        """T_DEP / T_DWDP."""
+        return (self.compute_s + self.all2all_s) / max(self.compute_s, self.prefetch_s)
+
+
+def layer_roofline(cost, dp: int, isl: int, batch: int = 1) -> LayerRoofline:
+    """One MoE layer of ``batch`` prompts of ``isl`` tokens per rank, DWDP``dp`` vs DEP``dp``."""
+    m = cost.model
+    shape = AttnShape.of([(0, isl, True)] * batch, m.index_topk)
+    tokens = batch * isl
+    compute = cost.attention_s(shape, 1, False) + cost.experts_s(tokens * m.top_k, m.num_experts)
+    lacking = m.num_experts - -(-m.num_experts // dp)
+    share = (dp - 1) / dp
+    a2a = cost.all_to_all_s(cost.dispatch_bytes(tokens) * share) + cost.all_to_all_s(cost.combine_bytes(tokens) * share)
+    return LayerRoofline(isl, compute, cost.transfer_s(lacking * m.expert_bytes), a2a)
+
+
+def crossover(points: list[LayerRoofline], metric: str = "hidden") -> float | None:
+    """The ISL where ``metric`` crosses 1 going up (log-linear between the points), or None."""
+    for a, b in zip(points, points[1:]):
+        ya, yb = getattr(a, metric), getattr(b, metric)
+        if ya < 1 <= yb:
+            f = (1 - ya) / (yb - ya)
+            return math.exp(math.log(a.isl) + f * (math.log(b.isl) - math.log(a.isl)))
+    return None

@@ -29,6 +29,12 @@ class Hardware:
     # vector (non-matrix) peak, FLOP/s: the DSA indexer's head reduction and top-k run there
     # (0: not modelled, that work is left out)
     vector_flops: float = 0.0
+    flops_fp4: float = 0.0  # dense fp4 peak (4-bit experts run on it); 0: none, they run on flops_int8
+    hbm_bytes: float = 0.0  # device memory, for memory budgets (0: not modelled)
+    # kernels run this much slower while the copy engine moves weights over the links (power-capped
+    # clocks, shared HBM); 1: not modelled
+    copy_slowdown: float = 1.0
+    host_step_s: float = 0.0  # host work between steps that overlap scheduling hides (0: not modelled)
 
     def __post_init__(self) -> None:
         for f in self.__dataclass_fields__:
@@ -38,10 +44,13 @@ class Hardware:
         for f in ("flops", "flops_int8", "mem_bw_Bps", "link_bw_Bps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
+        if self.copy_slowdown < 1:
+            raise ValueError(f"Hardware {self.name!r}: copy_slowdown must be >= 1, got {self.copy_slowdown}")
         for f in ("gemm_eff", "attn_eff", "mem_eff", "link_eff"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be in (0, 1], got {getattr(self, f)}")
-        for f in ("link_latency_s", "launch_s", "host_dispatch_s", "a2a_bw_Bps", "a2a_latency_s", "vector_flops"):
+        for f in ("link_latency_s", "launch_s", "host_dispatch_s", "a2a_bw_Bps", "a2a_latency_s", "vector_flops",
+                  "flops_fp4", "hbm_bytes", "host_step_s"):
             if getattr(self, f) < 0:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be >= 0, got {getattr(self, f)}")
 
@@ -80,16 +89,23 @@ PRESETS: dict[str, Hardware] = {
     # NVIDIA H200 SXM: 989.5 TFLOPS dense bf16, 1,979 dense fp8 (datasheet figures halved: they
     # are quoted with sparsity), 4.8 TB/s HBM3e, NVLink 4 900 GB/s both ways.
     "h200": Hardware(
-        "h200", flops=989.5e12, flops_int8=1979e12, mem_bw_Bps=4.8e12, link_bw_Bps=450e9,
+        "h200", flops=989.5e12, flops_int8=1979e12, mem_bw_Bps=4.8e12, link_bw_Bps=450e9, hbm_bytes=141e9,
         link_latency_s=2e-6,  # no NVIDIA figure; the ~1-2 us commonly quoted for NVLink, upper end
         launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S,
         gemm_eff=0.7,  # msmodeling's compute efficiency
         attn_eff=0.667,  # CM384 paper's comparison: FlashMLA on H800 at 66.7% of peak
         mem_eff=_MEM_EFF, link_eff=_LINK_EFF),
-    # One B200 of a GB200 NVL72: 360 PFLOPS sparse bf16 per rack / 72 / 2 = 2.5 PFLOPS dense;
-    # 8 TB/s HBM3e; NVLink 5 1.8 TB/s both ways.
+    # One B200 of a GB200 NVL72 (NVIDIA's GB200 NVL72 page, per rack, sparse figures halved, / 72):
+    # 360 PFLOPS bf16 -> 2.5 PFLOPS dense, 720 fp8 -> 5, 1,440 fp4 -> 10; 576 TB/s -> 8 TB/s HBM3e;
+    # 13.4 TB HBM3e -> 186 GB (372 GB per GB200 superchip of two GPUs); NVLink 5 1.8 TB/s both ways.
     "gb200": Hardware(
-        "gb200", flops=2.5e15, flops_int8=5e15, mem_bw_Bps=8e12, link_bw_Bps=900e9, link_latency_s=2e-6,
+        "gb200", flops=2.5e15, flops_int8=5e15, flops_fp4=10e15, hbm_bytes=186e9, mem_bw_Bps=8e12,
+        link_bw_Bps=900e9, link_latency_s=2e-6,
+        # DWDP Appendix A, Table 7: an attention kernel under short copy-engine overlaps (the pattern
+        # of DWDP's pulls) takes 1.226x as long, at 0.798x the clock
+        copy_slowdown=1.226,
+        # FastAFD §5 (Qwen3-235B, 8K prompts): overlap scheduling takes 9.8 ms off every decode step
+        host_step_s=9.8e-3,
         launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S, gemm_eff=0.7, attn_eff=0.667,
         mem_eff=_MEM_EFF, link_eff=_LINK_EFF),
 }

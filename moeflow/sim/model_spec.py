@@ -40,6 +40,10 @@ class ModelSpec:
     dense_intermediate_size: int = 0
     weight_bytes: float = 2.0  # bytes per weight as served (2: bf16, 1: int8/fp8)
     act_bytes: float = 2.0  # bytes per activation element sent to the experts (dispatch)
+    # bytes per routed-expert weight when the experts are quantized apart from the rest (NVFP4:
+    # 4 bits + one FP8 scale per 16 = 0.5625); 0: weight_bytes
+    expert_weight_bytes: float = 0.0
+    kv_bytes: float = 2.0  # bytes per cached key/value element (2: bf16, 1: fp8)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -64,8 +68,8 @@ class ModelSpec:
         need((self.index_heads > 0) == (self.index_head_dim > 0), "index_heads and index_head_dim go together")
 
     @classmethod
-    def from_model_config(cls, name: str, mc: ModelConfig, weight_bytes: float = 2.0,
-                          act_bytes: float = 2.0) -> "ModelSpec":
+    def from_model_config(cls, name: str, mc: ModelConfig, weight_bytes: float = 2.0, act_bytes: float = 2.0,
+                          expert_weight_bytes: float = 0.0, kv_bytes: float = 2.0) -> "ModelSpec":
         if mc.attention_kind not in ("gqa", "mla", "dsa"):
             raise ValueError(f"ModelSpec {name!r}: attention kind {mc.attention_kind!r} has no cost model")
         f = mc.moe_intermediate_size
@@ -81,7 +85,8 @@ class ModelSpec:
                    top_k=max(1, mc.num_experts_per_tok), moe_intermediate_size=f,
                    shared_intermediate_size=mc.shared_expert_intermediate_size,
                    dense_intermediate_size=mc.intermediate_size,
-                   weight_bytes=weight_bytes, act_bytes=act_bytes)
+                   weight_bytes=weight_bytes, act_bytes=act_bytes, expert_weight_bytes=expert_weight_bytes,
+                   kv_bytes=kv_bytes)
 
     @classmethod
     def from_hf_config(cls, name: str, hf: dict, **kw) -> "ModelSpec":
@@ -155,6 +160,36 @@ class ModelSpec:
         return 3 * self.hidden_size * self.moe_intermediate_size
 
     @property
+    def expert_bytes(self) -> float:
+        """One routed expert of one layer as served."""
+        return self.expert_params * (self.expert_weight_bytes or self.weight_bytes)
+
+    @property
+    def attn_kv_bytes_per_token_layer(self) -> float:
+        """What attention reads per cached token in one layer: K and V of every KV head (gqa), or the
+        latent and its rope key (mla)."""
+        if self.attention == "gqa":
+            return 2 * self.num_kv_heads * self.head_dim * self.kv_bytes
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_bytes
+
+    @property
+    def kv_bytes_per_token_layer(self) -> float:
+        """What one cached token costs in one layer: attention's share plus the DSA indexer's key (8
+        bits per element, as DeepSeek-V3.2 caches it)."""
+        return self.attn_kv_bytes_per_token_layer + self.index_head_dim
+
+    @property
+    def attention_side_bytes(self) -> float:
+        """Every weight but the routed experts: attention, norms, routers, shared experts, dense MLPs,
+        embeddings and LM head. NOTE: quantized checkpoints keep embeddings, LM head, norms and
+        routers in bf16 (the FP8 Qwen3 and DeepSeek checkpoints do), so those count 2 bytes."""
+        h, moe = self.hidden_size, self.num_moe_layers
+        quantized = self.num_layers * self.attn_proj_params + moe * self.shared_params \
+            + self.num_dense_layers * self.dense_mlp_params
+        bf16 = 2 * self.vocab_size * h + self.num_layers * 2 * h + moe * h * self.num_experts
+        return quantized * self.weight_bytes + 2 * bf16
+
+    @property
     def shared_params(self) -> int:
         return 3 * self.hidden_size * self.shared_intermediate_size
 
@@ -188,6 +223,15 @@ DEEPSEEK_V32_HF = {
 }
 
 
+# deepseek-ai/DeepSeek-R1 config.json on the Hugging Face Hub (DeepSeek-V3's architecture, no indexer).
+DEEPSEEK_R1_HF = {k: v for k, v in DEEPSEEK_V32_HF.items() if not k.startswith("index_")} | {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc"}
+
+# NVFP4 (NVIDIA's 4-bit format): 16 FP4 elements share one FP8 scale, 4.5 bits per weight.
+NVFP4_BYTES = 4.5 / 8
+
+
 def _derived() -> dict[str, ModelSpec]:
     from moeflow.model.tiny_config import TINY_HF_CONFIG, TINY_MLA_HF_CONFIG
 
@@ -195,6 +239,14 @@ def _derived() -> dict[str, ModelSpec]:
             # Served W8A8 on Ascend (CloudMatrix384 paper, §4): int8 weights and int8 dispatch.
             "deepseek-v3.2": ModelSpec.from_hf_config("deepseek-v3.2", DEEPSEEK_V32_HF, weight_bytes=1.0,
                                                       act_bytes=1.0),
+            # Qwen/Qwen3-235B-A22B-FP8 (FastAFD's model, §1 and §6): FP8 weights and dispatch, KV in
+            # bf16 (vLLM's kv_cache_dtype "auto"; FastAFD's attention runs bf16 FMHA, §1)
+            "qwen3-235b-a22b-fp8": ModelSpec.from_hf_config("qwen3-235b-a22b-fp8", QWEN3_235B_A22B_HF,
+                                                            weight_bytes=1.0, act_bytes=1.0),
+            # DeepSeek-R1 as DWDP serves it (§A4): routed experts in NVFP4, the rest FP8 as DeepSeek
+            # released it, FP8 KV cache; tokens dispatched in FP8
+            "deepseek-r1": ModelSpec.from_hf_config("deepseek-r1", DEEPSEEK_R1_HF, weight_bytes=1.0, act_bytes=1.0,
+                                                    expert_weight_bytes=NVFP4_BYTES, kv_bytes=1.0),
             # moeflow's embedded models (moeflow/model/tiny_config.py)
             "tiny": ModelSpec.from_hf_config("tiny", TINY_HF_CONFIG),
             "tiny-mla": ModelSpec.from_hf_config("tiny-mla", TINY_MLA_HF_CONFIG)}

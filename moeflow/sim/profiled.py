@@ -121,6 +121,9 @@ class ProfiledCost(CostModel):
         latency, bw = self.transport["dep"]
         return latency + nbytes / bw
 
+    def device_copy_s(self, nbytes):
+        return self.transfer_s(nbytes)  # a shared-memory transfer here is a memcpy too
+
     @property
     def link_bw_Bps(self):
         return self.transport["asap"][1]

@@ -146,6 +146,9 @@ class StepSystem(System):
     as the last one ends, idle while the scheduler has nothing."""
 
     busy = False
+    # a list: every step's (start time, work items, busy_s and split_s before it) is appended (sim/decode.py)
+    step_log: list | None = None
+    split_s: dict[str, float] = {}  # summed over entities: step time by kind, where a system keeps it
 
     def add(self, request: Request) -> None:
         self.sched.add(request)
@@ -156,6 +159,8 @@ class StepSystem(System):
         works = self.sched.schedule(self.loop.now)
         self.busy = bool(works)
         if works:
+            if self.step_log is not None:
+                self.step_log.append((self.loop.now, works, {**self.busy_s, **self.split_s}))
             self.run_step(works, self.loop.now)
 
     @abc.abstractmethod

@@ -69,3 +69,24 @@ def test_bench_experts_reports_an_inflection(checkpoints, run_cli, tmp_path):
 
     data = json.loads(out.read_text())
     assert data["inflection_tokens"] in [p["tokens"] for p in data["points"]]
+
+
+@pytest.mark.parametrize("shape", [("--heads", "4", "--kv-heads", "2", "--head-dim", "32"), ("--model", "tiny-mla")])
+def test_bench_decode_attention_reports_both_paths_against_the_bound(run_cli, tmp_path, shape):
+    import json
+
+    out = tmp_path / "d.json"
+    res = run_cli("bench", "decode-attention", *shape, "--context", "40", "--batch", "2", "--block-size", "16",
+                  "--dtype", "float32", "--repeats", "2", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "of bound" in res.stdout
+    data = json.loads(out.read_text())
+    assert data["provenance"]["commit"] and data["dtype"] == "float32" and data["batch"] == 2
+    assert data["shape"]["latent"] == (shape[1] == "tiny-mla")
+    (p,) = data["points"]
+    assert p["context"] == 40 and p["kv_bytes"] > 0 and p["copy_gbps"] > 0 and p["bound_s"] > 0
+    paths = ["gather"] + (["kernel"] if data["kernel"]["available"] else [])
+    for path in paths:
+        assert p[path]["seconds"] > 0 and p[path]["fraction_of_bound"] > 0 and p[path]["gbps"] > 0
+    if data["kernel"]["available"]:
+        assert p["speedup"] > 0 and p["max_abs_diff"] < 1e-4

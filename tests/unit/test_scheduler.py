@@ -68,6 +68,36 @@ def _shape(batch) -> list[tuple[str, int, int, bool]]:
     return [(q.request_id, q.start, q.num_tokens, q.is_last_chunk) for q in batch.seqs]
 
 
+def test_allocator_hands_out_blocks_as_one_pop_at_a_time_would():
+    """Oracle: the allocation spelled out, one ``pop`` per block (the fast path takes a slice)."""
+    import random
+
+    class OnePopAtATime(BlockAllocator):
+        def allocate(self, request_id, num_tokens):
+            table = self._tables.setdefault(request_id, [])
+            need = self.blocks_for(num_tokens) - len(table)
+            if need > len(self._free):
+                raise OutOfBlocks(request_id)
+            table.extend(self._free.pop() for _ in range(max(need, 0)))
+            return tuple(table)
+
+    rng = random.Random(0)
+    fast, slow = BlockAllocator(100, 4), OnePopAtATime(100, 4)
+    for _ in range(2000):
+        rid = f"r{rng.randrange(10)}"
+        if rng.random() < 0.3:
+            fast.free(rid), slow.free(rid)
+            continue
+        n = rng.randrange(60)
+        got = []
+        for a in (fast, slow):
+            try:
+                got.append(a.allocate(rid, n))
+            except OutOfBlocks:
+                got.append(OutOfBlocks)
+        assert got[0] == got[1] and fast.num_free == slow.num_free
+
+
 def test_long_prompt_is_chunked_by_token_budget():
     s = _sched(budget=10)
     r = _req("a", 25, max_tokens=3)

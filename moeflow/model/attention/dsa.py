@@ -39,6 +39,9 @@ class DSAWeights(MLAWeights):
 
 class DSA(MLA):
     name = "dsa"
+    # NOTE: decode keeps the per-request gather: the indexer scores every cached index key anyway, and
+    # attention reads only the index_topk latents it selects; the paged kernel has no selection.
+    decode_in_place = False
 
     def __init__(self, cfg):
         super().__init__(cfg)

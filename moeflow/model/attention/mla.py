@@ -8,7 +8,9 @@ instead of 2 x 128 heads x 192. Two ways to attend, equal in exact arithmetic (a
 - expanded (prefill and chunks): up-project the latents of every key with kv_b into per-head
   k_nope and v, concatenate the shared rope key, attend as usual;
 - absorbed (decode, one query): fold kv_b's key half into the query (q_nope . W_UK) and its value
-  half into the output (p . c_kv, then W_UV), so the cached latents are read as they are.
+  half into the output (p . c_kv, then W_UV), so the cached latents are read as they are. The
+  decode requests of a batch go through one ``decode_attention`` call that reads the latent cache
+  in place (keys [c_kv | k_pe], values a view of c_kv); DSA keeps the per-request ``absorbed``.
 
 Under TP a member keeps num_heads/size heads (its rows of q or q_b and kv_b, its columns of o);
 the latent and the rope key are computed and cached whole by every member. Legend: T tokens, H
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from moeflow.config import ConfigError, ModelConfig
 from moeflow.model.attention.base import AttentionKind, AttentionWeights, KVLayout
 from moeflow.model.layers import rms_norm
+from moeflow.model.paged_attention import DecodeBatch, decode_attention
 from moeflow.model.rope import Rotary, softmax_scale
 
 if TYPE_CHECKING:
@@ -65,6 +68,7 @@ class Projected:
 
 class MLA(AttentionKind):
     name = "mla"
+    decode_in_place = True  # decode reads the latent cache in place, one call per layer (paged_attention.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -146,8 +150,13 @@ class MLA(AttentionKind):
         if kv_cache is not None:
             kv_cache.write(layer, meta.slot_mapping, *entries)
         o = x.new_empty(t, self.cfg.num_heads, self.dv)  # [T, Hn, dv]
+        decode = meta.decode if self.decode_in_place else None
+        if decode is not None:
+            assert kv_cache is not None, "a request with cached context needs a KV cache"
+            rows = decode.rows
+            o[rows] = self.absorbed_paged(w, p.q_nope[rows], p.q_pe[rows], kv_cache.layer_entries(layer)[0], decode)
         for i, (start, n, ctx) in enumerate(meta.iter_seqs()):
-            if n == 0:
+            if n == 0 or (decode is not None and DecodeBatch.takes(n, ctx)):
                 continue
             rows = slice(start, start + n)
             if ctx == 0:
@@ -197,3 +206,16 @@ class MLA(AttentionKind):
             scores = scores.masked_fill(~keep, float("-inf"))
         probs = scores.float().softmax(-1).to(latent.dtype)
         return torch.einsum("hr,hvr->hv", probs @ c_kv, w_kv[:, self.dn:])  # [Hn, dv]
+
+    def absorbed_paged(self, w: MLAWeights, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor,
+                       decode: DecodeBatch) -> torch.Tensor:
+        """``absorbed`` for a batch's decode queries [B, Hn, *] over one layer's latent cache [N, Rkv + dr],
+        read in place -> [B, Hn, dv]."""
+        hn = self.cfg.num_heads
+        w_kv = w.kv_b.view(hn, self.dn + self.dv, self.rkv)
+        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_kv[:, :self.dn])  # [B, Hn, Rkv]
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, Hn, Rkv + dr]: one dot product with [c_kv | k_pe]
+        k = latents.unsqueeze(1)  # [N, 1, Rkv + dr]: one kv head that every query head shares
+        v = latents[:, None, :self.rkv]  # [N, 1, Rkv]: c_kv, a view of the same rows
+        o_lat = decode_attention(q, k, v, decode, self.scale)  # [B, Hn, Rkv]
+        return torch.einsum("bhr,hvr->bhv", o_lat, w_kv[:, self.dn:])  # [B, Hn, dv]

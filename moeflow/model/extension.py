@@ -1,0 +1,108 @@
+"""C++ CPU extensions (torch operators) built on first use, keyed by their source and this CPU.
+
+NOTE: ``-march=native`` code built on one processor can crash on another (an AVX-512 build runs
+into SIGILL on an AVX2 machine), and the processor changes between sessions while the cache
+directory stays. So the build directory's name hashes the source, the flags, the CPU model and
+flags, torch and Python: another CPU or source builds afresh, the same one loads what is cached.
+
+Worker processes may build at once. torch serializes them with a lock file, but a builder that
+was killed leaves that file behind and every later process would wait on it forever; so each
+builder first takes an ``flock`` (which the kernel releases when its holder dies) and, holding
+it, deletes a lock file nobody can own any more. A failed build leaves ``FAILED`` with the
+compiler's output; later processes report it instead of rebuilding (delete the directory to retry).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.hardware.cpuinfo import cpu_flags, cpu_model
+from moeflow.logs import get_logger
+from moeflow.settings import cxx_compiler, extension_dir
+
+log = get_logger("moeflow.model.extension")
+
+# -ffp-contract=fast: fuse a * b + c into one FMA (torch builds with -std=c++17, where GCC's default is off);
+# -fopenmp: at::parallel_for is inline OpenMP, and the library then shares torch's libgomp.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+
+class ExtensionError(RuntimeError):
+    """The extension cannot be built or loaded here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Extension:
+    library: str  # path of the loaded shared library
+    build_dir: str
+    load_s: float  # time to build (on first use for this source and CPU) or to load the cached build
+    built: bool  # this process compiled it; False: a cached build was loaded
+
+
+def build_key(source: str, cflags: tuple[str, ...], cxx: str) -> str:
+    """What the compiled code depends on: source, flags, compiler, CPU (for -march=native), torch, Python."""
+    parts = [source, " ".join(cflags), cxx, cpu_model(), " ".join(sorted(cpu_flags())), torch.__version__,
+             platform.python_version(), platform.machine()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+@contextmanager
+def _flock(path: str):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies while building
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def load_extension(name: str, source_path: str) -> Extension:
+    """Build (once per source and CPU) and load the operators of ``source_path``; raises ExtensionError."""
+    from torch.utils import cpp_extension
+
+    cxx = cxx_compiler()
+    if shutil.which(cxx) is None:
+        raise ExtensionError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX or install g++)")
+    if shutil.which("ninja") is None:
+        raise ExtensionError("ninja is not on PATH (torch builds extensions with it)")
+    with open(source_path) as f:
+        source = f.read()
+    build_dir = os.path.join(extension_dir(), f"{name}_{build_key(source, CFLAGS, cxx)[:16]}")
+    os.makedirs(build_dir, exist_ok=True)
+    failed = os.path.join(build_dir, "FAILED")
+    library = os.path.join(build_dir, f"{name}.so")
+    with _flock(os.path.join(build_dir, "build.flock")):
+        if os.path.exists(failed):
+            with open(failed) as f:
+                first = f.readline().strip()
+            raise ExtensionError(f"an earlier build failed ({failed}; delete {build_dir} to retry): {first}")
+        baton = os.path.join(build_dir, "lock")
+        if os.path.exists(baton):  # NOTE: we hold the flock, so its builder is gone
+            log.warning("removing the lock file %s left by a build that did not finish", baton)
+            os.remove(baton)
+        built = not os.path.exists(library)
+        if built:
+            log.info("building the %s extension for this CPU (first use; tens of seconds) in %s", name, build_dir)
+        t0 = time.perf_counter()
+        try:
+            cpp_extension.load(name=name, sources=[source_path], extra_cflags=list(CFLAGS),
+                               extra_ldflags=list(LDFLAGS), build_directory=build_dir, is_python_module=False,
+                               verbose=False)
+        except Exception as e:  # a compiler error, a missing header, a library that will not load
+            with open(failed, "w") as f:
+                f.write(f"{type(e).__name__}: {e}\n")
+            raise ExtensionError(f"building {name} failed (output in {failed}): "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
+        load_s = time.perf_counter() - t0
+    if built:
+        log.info("built the %s extension in %.1f s", name, load_s)
+    return Extension(library, build_dir, load_s, built)

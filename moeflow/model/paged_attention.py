@@ -1,0 +1,138 @@
+"""Decode attention that reads the paged KV cache where it lies, one call per layer for a batch.
+
+The requests of a batch that decode (one new token over cached context) go through one call:
+the C++ kernel (``paged_attention.cpp``, built on first use by ``extension.py``) follows each
+request's block table into the layer's cache views and copies nothing; the slow path and oracle,
+``gathered_decode_attention``, gathers each request's context (index_select) and runs SDPA
+request by request, as attention did before the kernel.
+
+Which runs is ``$MOEFLOW_PAGED_ATTENTION`` (read in ``settings``): ``auto`` (default) takes the
+kernel on CPU where it builds and the gather path elsewhere (one warning naming why, when it does
+not build); ``gather`` forces the slow path (the "before" of before/after runs); ``kernel``
+requires the kernel and raises where it cannot run. Only the choice knows about CPUs: the caller
+passes tensors on any device.
+
+Legend: B decode requests, Hq / Hkv query / kv heads, Dk / Dv key / value dims, N cache slots.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeflow.logs import get_logger
+from moeflow.model.extension import ExtensionError, load_extension
+from moeflow.settings import paged_attention_mode
+
+log = get_logger("moeflow.model.paged_attention")
+
+MODES = ("auto", "gather", "kernel")
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.cpp")
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The decode requests of one batch in the kernel's terms; built once per batch, read by every layer."""
+
+    rows: torch.Tensor  # [B] int64: their (single) token rows in the batch
+    block_tables: torch.Tensor  # [B, max_blocks] int32: each request's blocks, padded with block 0
+    context_lens: torch.Tensor  # [B] int32: keys per request, the new token's included (written first)
+    block_size: int
+
+    @staticmethod
+    def takes(query_len: int, context_len: int) -> bool:
+        """Whether a request decodes: one new token over a cached context (prefill and chunks do not)."""
+        return query_len == 1 and context_len > 0
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[tuple[int, ...]],
+              block_size: int) -> DecodeBatch | None:
+        """None when no request decodes."""
+        rows, tables, lens = [], [], []
+        start = 0
+        for q, c, table in zip(query_lens, context_lens, block_tables):
+            if cls.takes(q, c):
+                rows.append(start)
+                tables.append(table)
+                lens.append(c + 1)
+            start += q
+        if not rows:
+            return None
+        padded = torch.zeros(len(rows), max(len(t) for t in tables), dtype=torch.int32)  # [B, max_blocks]
+        for i, t in enumerate(tables):
+            padded[i, :len(t)] = torch.as_tensor(t, dtype=torch.int32)
+        return cls(torch.as_tensor(rows, dtype=torch.int64), padded, torch.as_tensor(lens, dtype=torch.int32),
+                   block_size)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: DecodeBatch,
+                     scale: float | None = None) -> torch.Tensor:
+    """q: [B, Hq, Dk] one query per decode request; k: [N, Hkv, Dk], v: [N, Hkv, Dv] one layer's cache
+    (strided views, last dim contiguous); scale: None = Dk^-0.5. -> [B, Hq, Dv] in q's dtype."""
+    op = paged_decode_attention if uses_kernel(q.device) else gathered_decode_attention
+    return op(q, k, v, batch.block_tables, batch.context_lens, batch.block_size, scale)
+
+
+def uses_kernel(device: torch.device) -> bool:
+    """Whether decode attention on ``device`` runs the in-place kernel (see the module docstring)."""
+    mode = paged_attention_mode()
+    if mode not in MODES:
+        raise ValueError(f"MOEFLOW_PAGED_ATTENTION={mode!r}: must be one of {MODES}")
+    if mode == "gather":
+        return False
+    if device.type != "cpu":
+        if mode == "kernel":
+            raise RuntimeError(f"MOEFLOW_PAGED_ATTENTION=kernel: the paged attention kernel is CPU-only, "
+                               f"the tensors are on {device}")
+        return False
+    status = kernel_status()
+    if not status.available and mode == "kernel":
+        raise RuntimeError(f"MOEFLOW_PAGED_ATTENTION=kernel, but the kernel is unavailable: {status.reason}")
+    return status.available
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    available: bool
+    reason: str  # why not, or where the library is
+    load_s: float | None = None  # build (first use on this CPU) or load time
+    built: bool = False  # this process compiled it
+
+
+@functools.cache
+def kernel_status() -> KernelStatus:
+    """Build or load the kernel once per process; a failure is logged once and the gather path is used."""
+    try:
+        ext = load_extension("moeflow_paged_attention", _SOURCE)
+    except ExtensionError as e:
+        log.warning("paged attention kernel unavailable, decode attention gathers the KV cache instead: %s", e)
+        return KernelStatus(False, str(e))
+    return KernelStatus(True, ext.library, ext.load_s, ext.built)
+
+
+def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, block_size: int, scale: float | None = None) -> torch.Tensor:
+    """The kernel (arguments as ``decode_attention``'s, its batch unpacked); raises where it cannot run."""
+    status = kernel_status()
+    if not status.available:
+        raise RuntimeError(f"the paged attention kernel is unavailable: {status.reason}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.moeflow.paged_decode_attention(q, k, v, block_tables, context_lens, block_size, scale)
+
+
+def gathered_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+                              context_lens: torch.Tensor, block_size: int,
+                              scale: float | None = None) -> torch.Tensor:
+    """The slow path and oracle: per request, copy its keys and values out of the cache, then SDPA."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])  # [B, Hq, Dv]
+    for i, n in enumerate(context_lens.tolist()):
+        pos = torch.arange(n, device=k.device)
+        slots = block_tables[i].to(k.device, torch.int64)[pos // block_size] * block_size + pos % block_size
+        ki = k.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, Dk]
+        vi = v.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, Dv]
+        qi = q[i].unsqueeze(0).unsqueeze(2)  # [1, Hq, 1, Dk]
+        out[i] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=True)[0, :, 0]
+    return out

@@ -1,0 +1,140 @@
+"""Steady-state decode in the simulator: what ``moeflow bench decode`` measures, for a deployment we
+do not have. The same YAML drives both (``bench/decode.py``'s file plus ``hardware:``).
+
+Per (system, context): B requests per attention group, B from the memory budget (``memory.py``:
+what the device's budget leaves for KV after the weights it holds and the activation reserve),
+arrive at once with ``context``-token prompts; the engine's own scheduler prefills them and they
+decode. The window is ``steps`` consecutive steps in which every request decodes one token, after
+``warmup_steps`` such steps. TPOT = the window / steps; decode tokens/s per device = all requests /
+TPOT / devices. Only the step systems (dep, afd) are measured this way.
+
+FastAFD's factors come out of any (afd, baseline) pair whose baseline runs one attention group per
+device: speed-up = (B_afd / B_base) · (T_base / T_afd) · M / (M + N). The same pair is also fed to
+the closed form of ``moeflow predict afd`` (``predict/afd.py``): the baseline's simulated TPOT,
+B and step split stand for its measured profile, the cost model's experts op for the stage profile.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from moeflow.bench.workload import WorkloadRequest
+from moeflow.sim.memory import GIB, plan_kv
+
+STEP_MODES = ("dep", "afd")
+
+
+def _capacity(kv_blocks: int, block: int, per_request_tokens: int, max_num_seqs: int) -> int:
+    return min(max_num_seqs, kv_blocks // -(-per_request_tokens // block))
+
+
+def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes: float = 0.0) -> dict:
+    """One system's steady-state decode at ``context``: B, TPOT, tokens/s per device, the step split."""
+    from moeflow.sim.run import make_system
+
+    layout, e, m = spec.layout, spec.engine, cost.model
+    if layout.mode not in STEP_MODES:
+        raise ValueError(f"system {spec.name!r}: the simulator measures decode for {STEP_MODES}, not {layout.mode!r}")
+    if e.memory_budget_gib is None:
+        raise ValueError(f"system {spec.name!r}: decode needs engine.memory_budget_gib (B comes from the budget)")
+    reserve = None if e.activation_reserve_gib is None else e.activation_reserve_gib * GIB
+    plan = plan_kv(m, layout, e.memory_budget_gib * GIB, layout.max_batch_tokens, e.max_num_seqs, reserve, hbm_bytes)
+    blocks = plan.kv_tokens // e.kv_block_size
+    gen = warmup + steps + 4
+    b = _capacity(blocks, e.kv_block_size, context + gen, e.max_num_seqs)
+    if b < 1:
+        raise ValueError(f"system {spec.name!r}: the KV cache ({plan.kv_tokens} tokens) holds no request of "
+                         f"{context + gen} tokens")
+    # NOTE: prefill is not what is measured: each group prefills all its requests in one step (the
+    # batch limit raised for that), so the window starts at once and the simulation stays short.
+    # The memory plan above used the layout's own limit; decode steps are far below either.
+    one_step = dataclasses.replace(layout, max_batch_tokens=b * (context + gen), chunked_prefill_size=None)
+    engine = dataclasses.replace(e, num_kv_blocks=blocks, max_model_len=context + gen)
+    sim = make_system(dataclasses.replace(spec, layout=one_step, engine=engine), cost)
+    sim.step_log = []
+    total = b * layout.num_groups
+    sim.run([WorkloadRequest(0.0, context, gen)] * total)
+    log = sim.step_log
+    full = [i for i, (_, works, _) in enumerate(log)
+            if sum(len(bt.seqs) for w in works for bt in w.batches) == total
+            and all(s.num_tokens == 1 for w in works for bt in w.batches for s in bt.seqs)]
+    if len(full) < warmup + steps + 1 or full[warmup + steps] - full[warmup] != steps:
+        raise RuntimeError(f"system {spec.name!r}: no window of {steps} full decode steps after {warmup} (got {len(full)})")
+    i, j = full[warmup], full[warmup + steps]
+    wall = log[j][0] - log[i][0]
+    tpot = wall / steps
+    devices = layout.num_processes
+    acc0, acc1 = log[i][2], log[j][2]
+    busy = {r: (acc1[r] - acc0[r]) / (sim.num_entities[r] * wall) for r in sim.num_entities}
+    split = {k: (acc1[k] - acc0[k]) / (layout.num_groups * wall) for k in sim.split_s}
+    return {"system": spec.name, "mode": layout.mode, "context": context, "batch_per_group": b,
+            "groups": layout.num_groups, "devices": devices, "tpot_s": tpot, "tok_s_per_device": total / tpot / devices,
+            "busy": busy, "split": split, "decode_tokens_per_request": gen, "memory": plan.to_dict()}
+
+
+def factors(afd: dict, base: dict, layout) -> dict:
+    """FastAFD's three factors of ``afd`` over ``base`` (both ``simulate_decode`` results)."""
+    b_ratio, t_ratio = afd["batch_per_group"] / base["batch_per_group"], base["tpot_s"] / afd["tpot_s"]
+    node = layout.attn_workers / (layout.attn_workers + layout.ffn_workers)
+    return {"b_ratio": b_ratio, "t_ratio": t_ratio, "node_factor": node, "speedup": b_ratio * t_ratio * node,
+            "tok_s_ratio": afd["tok_s_per_device"] / base["tok_s_per_device"]}
+
+
+def closed_form(afd: dict, base: dict, layout, cost) -> dict:
+    """``moeflow predict afd`` on the same inputs: the simulated baseline as its profile."""
+    from moeflow.predict.afd import Baseline, predict
+
+    m = cost.model
+    sp = base["split"]
+    baseline = Baseline(base["tpot_s"], base["batch_per_group"], sp["attention"], sp["ffn"], sp["transport"], 0.0)
+    local = len(layout.placement_of_experts(m.num_experts)[0])
+    grid = sorted({round(1.5 ** k) for k in range(40)})  # 1 .. ~1e7 routed pairs
+    profile = {"experts": {str(local): [[p, cost.experts_s(p, local)] for p in grid]}}
+    pred = predict(baseline, profile, m=layout.micro_batches, attn_workers=layout.attn_workers,
+                   ffn_workers=layout.ffn_workers, served=len(layout.served_by(0)), local_experts=local,
+                   b_afd=afd["batch_per_group"], num_layers=m.num_layers, num_moe_layers=m.num_moe_layers,
+                   top_k=m.top_k, overlap_scheduling=layout.overlap_scheduling, pair_share=1 / len(layout.ffns_of(0)))
+    # FastAFD's own predictor: T_AFD taken as the baseline profile's attention-only step (§6)
+    fastafd = pred.b_ratio * pred.t_base_s / pred.fastafd_t_afd_s * pred.node_factor
+    return {**pred.to_dict(), "fastafd_speedup": fastafd}
+
+
+def run_decode(path: str, names: list[str] | None = None) -> dict:
+    """``moeflow simulate --config DECODE.yaml``: every system at every context, the pairs compared."""
+    from moeflow.bench.decode import load_bench
+    from moeflow.sim.run import build_cost
+
+    bench = load_bench(path)
+    cost = build_cost(bench)
+    hbm = getattr(getattr(cost, "hw", None), "hbm_bytes", 0.0)
+    names = names or list(bench.systems)
+    results = {n: {c: simulate_decode(bench.systems[n], cost, c, bench.steps, bench.warmup_steps, hbm)
+                   for c in bench.contexts} for n in names}
+    print(f"{'system':>16} {'context':>8} {'B/group':>8} {'TPOT ms':>8} {'tok/s/device':>13}  busy")
+    for n in names:
+        for c, r in results[n].items():
+            busy = ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())
+            print(f"{n:>16} {c:>8} {r['batch_per_group']:>8} {r['tpot_s'] * 1e3:>8.2f} {r['tok_s_per_device']:>13.1f}  {busy}")
+    compared = {}
+    for a, b in bench.compare:
+        if a not in results or b not in results:
+            continue
+        layout = bench.systems[a].layout
+        for c in bench.contexts:
+            ra, rb = results[a][c], results[b][c]
+            row = {"context": c, "simulated": factors(ra, rb, layout) if layout.mode == "afd" else
+                   {"tok_s_ratio": ra["tok_s_per_device"] / rb["tok_s_per_device"]}}
+            if layout.mode == "afd" and bench.systems[b].layout.mode == "dep":
+                row["closed_form"] = closed_form(ra, rb, layout, cost)
+            compared.setdefault(f"{a}/{b}", []).append(row)
+            f = row["simulated"]
+            line = f"{a} / {b} at {c}: tokens/s per device x{f['tok_s_ratio']:.2f}"
+            if "b_ratio" in f:
+                line += f" = B {f['b_ratio']:.2f} x T {f['t_ratio']:.2f} x M/(M+N) {f['node_factor']:.2f}"
+            if "closed_form" in row:
+                p = row["closed_form"]
+                line += (f"; predict afd: x{p['speedup']:.2f} (T {p['t_ratio']:.2f}"
+                         f"{'' if p['overlap_holds'] else ', overlap fails'}), {p['speedup'] / f['tok_s_ratio'] - 1:+.1%}; "
+                         f"attention-only T: x{p['fastafd_speedup']:.2f}, {p['fastafd_speedup'] / f['tok_s_ratio'] - 1:+.1%}")
+            print(line)
+    return {"model": bench.model, "hardware": bench.hardware, "steps": bench.steps, "warmup_steps": bench.warmup_steps,
+            "results": {n: {str(c): r for c, r in rs.items()} for n, rs in results.items()}, "compare": compared}
