@@ -31,18 +31,57 @@ COSTS = ("analytic", "profiled")
 _ENGINE_KEYS_ELSEWHERE = ("model", "dtype")  # set once for the whole experiment
 
 
+EXPERT_PLACEMENTS = ("contiguous", "eplb")
+DSA_ATTENTION = ("mqa", "mha_short_batch", "mha_short_seqs")
+
+
 @dataclass(frozen=True)
 class SimOptions:
-    """Modelling choices only the simulator has (the engine always does the real thing)."""
+    """Modelling choices only the simulator has (the engine always does the real thing). Defaults
+    are ASAP's stated setup where the paper states one; docs/simulator.md gives each one's source."""
 
     super_kernel: bool = True  # layer-oblivious MoE kernel; False pays host_dispatch_s per MoE layer
     # whether the device runs the layout's communication threads/streams concurrently with its
     # compute; False where they share one CPU core with the experts (this machine)
     comm_overlap: bool = True
+    # Expert-load skew (sim/expert_load.py). 0: every expert device gets exactly its share of every
+    # layer's (token, expert) pairs (ASAP Fig. 3b's "perfect expert load balancing"). > 0: per MoE
+    # layer, expert popularity ~ Dirichlet with this coefficient of variation across experts, each
+    # batch's pairs ~ Multinomial over the devices; every all-to-all and MoE step is priced by its
+    # most loaded receiver.
+    expert_load_cv: float = 0.0
+    expert_placement: str = "contiguous"  # or "eplb": DeepSeek-V3 §3.4, one redundant expert per device
+    expert_seed: int = 0  # popularity and per-batch draws (the same popularity for every system)
+    # DSA's core attention (sim/attention_cost.py): "mqa" absorbed MLA over the selected keys at every
+    # length (vllm-ascend SFA, CANN's DeepSeek-V3.2 recipe); "mha_short_batch" masked MHA for a batch
+    # whose longest context <= index_topk (SGLang); "mha_short_seqs" the same decided per sequence
+    dsa_attention: str = "mqa"
+    # under attention TP the MLA down-projections and the DSA indexer run on every TP rank (vLLM,
+    # SGLang, vllm-ascend shard DeepSeek so); False: everything split T ways
+    tp_replicates: bool = True
+    a2a_bw_GBps: float | None = None  # the baselines' all-to-all (None: the hardware preset's a2a_bw_Bps)
     seed: int = 0  # the simulator's own random draws (dwdp: contention levels of naive pulls)
     # dep: the all-to-all sends a token once per remote device holding any of its experts (DeepEP's
     # layout) instead of once per (token, expert) pair (moeflow's engine)
     dedup_dispatch: bool = False
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"sim: {msg}")
+
+        for f in ("super_kernel", "comm_overlap", "tp_replicates", "dedup_dispatch"):
+            need(isinstance(getattr(self, f), bool), f"{f} must be true or false, got {getattr(self, f)!r}")
+        need(isinstance(self.expert_load_cv, (int, float)) and 0 <= self.expert_load_cv < 8,
+             f"expert_load_cv must be in [0, 8), got {self.expert_load_cv!r}")
+        need(self.expert_placement in EXPERT_PLACEMENTS,
+             f"expert_placement must be one of {EXPERT_PLACEMENTS}, got {self.expert_placement!r}")
+        for f in ("expert_seed", "seed"):
+            need(isinstance(getattr(self, f), int), f"{f} must be an integer, got {getattr(self, f)!r}")
+        need(self.dsa_attention in DSA_ATTENTION,
+             f"dsa_attention must be one of {DSA_ATTENTION}, got {self.dsa_attention!r}")
+        need(self.a2a_bw_GBps is None or (isinstance(self.a2a_bw_GBps, (int, float)) and self.a2a_bw_GBps > 0),
+             f"a2a_bw_GBps must be a number > 0, got {self.a2a_bw_GBps!r}")
 
 
 @dataclass(frozen=True)
@@ -185,9 +224,37 @@ def _sweep(name: str, v) -> tuple:
     return name, tuple(v or ()), ()
 
 
-def load_experiment(path: str) -> Experiment:
+def load_experiment(path: str, overrides: tuple[str, ...] = ()) -> Experiment:
+    """``overrides``: ``KEY=VALUE`` (a top-level key), ``workload.KEY=VALUE``, ``sim.KEY=VALUE``
+    (every system's simulator option) or ``systems.NAME.KEY=VALUE`` (one system's), each VALUE
+    read as YAML; applied before validation."""
     with open(path) as f:
-        return parse_experiment(yaml.safe_load(f))
+        d = yaml.safe_load(f)
+    return parse_experiment(apply_overrides(d, overrides))
+
+
+def apply_overrides(d: dict, overrides: tuple[str, ...]) -> dict:
+    d = dict(d or {})
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {text!r}: want KEY=VALUE")
+        v = yaml.safe_load(value)
+        scope, _, name = key.rpartition(".")
+        if scope == "":
+            d[name] = v
+        elif scope == "workload":
+            d["workload"] = {**(d.get("workload") or {}), name: v}
+        elif scope == "sim":  # NOTE: YAML anchors share mappings; each system gets its own copy here
+            d["systems"] = {n: {**s, "sim": {**(s.get("sim") or {}), name: v}} if isinstance(s, dict) else s
+                            for n, s in (d.get("systems") or {}).items()}
+        elif scope.startswith("systems.") and scope[len("systems."):] in (d.get("systems") or {}):
+            n = scope[len("systems."):]
+            d["systems"] = {**d["systems"], n: {**d["systems"][n], name: v}}
+        else:
+            raise ConfigError(f"override {text!r}: the key must be KEY, workload.KEY, sim.KEY or "
+                              f"systems.NAME.KEY with NAME among {list(d.get('systems') or {})}")
+    return d
 
 
 def system_to_dict(spec: SystemSpec) -> dict:

@@ -8,7 +8,10 @@ the gaps is 1/sqrt(burstiness), so < 1 is burstier). Prompt lengths come from on
 
 - ``production``: ASAP §2.3's heavy-tailed trace (mean ~5k, minimum 31, tail toward 100k) with
   requests above 32k left out (§5.1): a lognormal restricted to [31, 32768]; fit in
-  ``fit_production_lognormal`` and docs/bench_serve.md.
+  ``fit_production_lognormal`` and docs/bench_serve.md. ``production_mean`` says which mean is
+  5k: ``kept`` (the default, what every committed measurement used) fits the mean of the requests
+  that remain after the 32k cut; ``raw`` fits the mean of the whole trace before it, which is how
+  §2.3 states it (the kept mean is then ~4.2k).
 - ``uniform``: integers in [r·ISL, ISL] (DWDP's "ISL ratio" r).
 - ``normal``: mean ISL, standard deviation ``isl_std`` (DWDP Table 3c's "ISL/STD"), rounded;
   draws outside [1, 2·ISL] are redrawn, so the mean stays ISL.
@@ -36,9 +39,12 @@ PRODUCTION_MEAN_LEN = 5000  # mean prompt length of ASAP's trace (§2.3)
 PRODUCTION_TAIL_LEN = 100_000  # "a heavy tail extending up to 100k" ...
 PRODUCTION_TAIL_QUANTILE = 0.999  # ... read as: 0.1% of the raw trace lies above it
 # ln(tokens) ~ Normal(mu, sigma) before the restriction to [31, 32768]; fitted by
-# fit_production_lognormal() (a unit test re-runs the fit): median e^mu = 3140 tokens.
-PRODUCTION_LOG_MU = 8.052101
+# fit_production_lognormal(mean_of) (a unit test re-runs both fits).
+PRODUCTION_LOG_MU = 8.052101  # "kept": the mean after the 32k cut is 5k; median e^mu = 3140 tokens
 PRODUCTION_LOG_SIGMA = 1.119924
+PRODUCTION_RAW_LOG_MU = 7.792208  # "raw": the mean of the whole trace is 5k (kept mean 4221); median e^mu = 2422
+PRODUCTION_RAW_LOG_SIGMA = 1.204025
+PRODUCTION_MEANS = ("kept", "raw")
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class WorkloadConfig:
     isl_ratio: float = 0.5  # uniform: the shortest prompt is isl_ratio * isl
     isl_std: float = 0.0  # normal: standard deviation of the prompt length around isl
     fixed_len: int | None = None
+    production_mean: str = "kept"  # production: which mean is 5k, "kept" (after the 32k cut) or "raw" (§2.3)
     trace_path: str | None = None
     output_len: int = 1  # trace lines may override it
     seed: int = 0
@@ -83,6 +90,8 @@ class WorkloadConfig:
         if self.kind == "uniform":
             need(self.isl is not None and self.isl >= 1, f"uniform needs isl >= 1, got {self.isl}")
             need(0 <= self.isl_ratio <= 1, f"isl_ratio must be in [0, 1], got {self.isl_ratio}")
+        need(self.production_mean in PRODUCTION_MEANS,
+             f"production_mean must be one of {PRODUCTION_MEANS}, got {self.production_mean!r}")
         if self.kind == "normal":
             need(self.isl is not None and self.isl >= 1, f"normal needs isl >= 1, got {self.isl}")
             need(self.isl_std >= 0, f"isl_std must be >= 0, got {self.isl_std}")
@@ -136,13 +145,21 @@ def _lengths(rng: np.random.Generator, cfg: WorkloadConfig, n: int) -> np.ndarra
     if cfg.kind == "normal":
         # outside [1, 2·ISL] redrawn: symmetric, so the mean stays ISL
         return _restricted(lambda k: rng.normal(cfg.isl, cfg.isl_std, k), 1, 2 * cfg.isl, n)
-    return sample_production_lens(rng, n)
+    return sample_production_lens(rng, n, cfg.production_mean)
 
 
-def sample_production_lens(rng: np.random.Generator, n: int) -> np.ndarray:
+def production_params(mean_of: str = "kept") -> tuple[float, float]:
+    """(mu, sigma) of the production lognormal whose ``mean_of`` mean is PRODUCTION_MEAN_LEN."""
+    if mean_of not in PRODUCTION_MEANS:
+        raise ValueError(f"production_mean must be one of {PRODUCTION_MEANS}, got {mean_of!r}")
+    return ((PRODUCTION_LOG_MU, PRODUCTION_LOG_SIGMA) if mean_of == "kept"
+            else (PRODUCTION_RAW_LOG_MU, PRODUCTION_RAW_LOG_SIGMA))
+
+
+def sample_production_lens(rng: np.random.Generator, n: int, mean_of: str = "kept") -> np.ndarray:
     """``n`` lengths from the fitted lognormal, rounded; outside [31, 32768] redrawn (left out)."""
-    return _restricted(lambda k: rng.lognormal(PRODUCTION_LOG_MU, PRODUCTION_LOG_SIGMA, k),
-                       PRODUCTION_MIN_LEN, PRODUCTION_MAX_LEN, n)
+    mu, sigma = production_params(mean_of)
+    return _restricted(lambda k: rng.lognormal(mu, sigma, k), PRODUCTION_MIN_LEN, PRODUCTION_MAX_LEN, n)
 
 
 def _restricted(draw, lo: int, hi: int, n: int) -> np.ndarray:
@@ -156,7 +173,7 @@ def _restricted(draw, lo: int, hi: int, n: int) -> np.ndarray:
 
 
 def restricted_lognormal_mean(mu: float, sigma: float, lo: float, hi: float) -> float:
-    """E[X | lo <= X <= hi] for ln X ~ Normal(mu, sigma) (closed form)."""
+    """E[X | lo <= X <= hi] for ln X ~ Normal(mu, sigma) (closed form; hi may be math.inf)."""
     phi = NormalDist().cdf
     a, b = math.log(lo), math.log(hi)
     num = phi((b - mu - sigma ** 2) / sigma) - phi((a - mu - sigma ** 2) / sigma)
@@ -164,21 +181,24 @@ def restricted_lognormal_mean(mu: float, sigma: float, lo: float, hi: float) -> 
     return math.exp(mu + sigma ** 2 / 2) * num / den
 
 
-def fit_production_lognormal() -> tuple[float, float]:
+def fit_production_lognormal(mean_of: str = "kept") -> tuple[float, float]:
     """(mu, sigma) with (1) the raw PRODUCTION_TAIL_QUANTILE at PRODUCTION_TAIL_LEN and (2) the mean
-    restricted to [PRODUCTION_MIN_LEN, PRODUCTION_MAX_LEN] at PRODUCTION_MEAN_LEN.
+    at PRODUCTION_MEAN_LEN: restricted to [PRODUCTION_MIN_LEN, PRODUCTION_MAX_LEN] (``kept``: the
+    requests §5.1 keeps) or to [PRODUCTION_MIN_LEN, inf) (``raw``: the whole trace of §2.3).
 
     (1) fixes mu = ln(tail) - z·sigma; along that line the restricted mean falls monotonically
-    with sigma (more mass moves below the tail anchor), so (2) is one root, found by bisection.
+    with sigma (more mass moves below the tail anchor; for the raw mean while sigma < z), so (2)
+    is one root, found by bisection.
     """
+    production_params(mean_of)  # validates mean_of
     z = NormalDist().inv_cdf(PRODUCTION_TAIL_QUANTILE)
     top = math.log(PRODUCTION_TAIL_LEN)
+    upper = PRODUCTION_MAX_LEN if mean_of == "kept" else math.inf
 
     def excess(sigma: float) -> float:
-        return restricted_lognormal_mean(top - z * sigma, sigma, PRODUCTION_MIN_LEN,
-                                         PRODUCTION_MAX_LEN) - PRODUCTION_MEAN_LEN
+        return restricted_lognormal_mean(top - z * sigma, sigma, PRODUCTION_MIN_LEN, upper) - PRODUCTION_MEAN_LEN
 
-    lo, hi = 0.3, 4.0  # excess(0.3) > 0 > excess(4.0)
+    lo, hi = 0.3, (4.0 if mean_of == "kept" else z)  # excess(lo) > 0 > excess(hi)
     for _ in range(100):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)

@@ -24,9 +24,9 @@ class _Flight:
     batch: Batch
     attn_s: float  # one MoE layer's attention block on the group
     attn_dense_s: float
-    dispatch_bytes: float  # to each MoE worker
-    combine_bytes: float  # from each MoE worker
-    experts_s: float  # one layer on one MoE worker
+    # per MoE layer (one row for all layers when expert loads are balanced), per MoE worker:
+    pairs: list[list[float]]  # (token, expert) pairs sent to the worker (its dispatch and combine size)
+    experts_s: list[list[float]]  # the layer's experts on the worker
     layer: int = 0
 
 
@@ -51,8 +51,12 @@ class AsapSystem(System):
         self.moe_in_free = [0.0] * e  # receive port
         self.moe_free = [0.0] * e  # compute stream
         self.moe_out_free = [0.0] * e  # send port
-        self.bw = cost.link_bw_Bps
-        self.latency = cost.transfer_s(0)
+        self.loads = self.expert_loads(e)
+        self.bw = self.cost.link_bw_Bps
+        # seconds one (token, expert) pair takes on a link, sent to the experts and back
+        self.in_s, self.out_s = (self.cost.dispatch_bytes(1) / self.model.top_k / self.bw,
+                                 self.cost.combine_bytes(1) / self.model.top_k / self.bw)
+        self.latency = self.cost.transfer_s(0)
         self._wakeup_at: float | None = None
         self.num_entities = {"attention": cfg.attn_dp, "moe": e}
         self.busy_s = {"attention": 0.0, "moe": 0.0}
@@ -75,13 +79,17 @@ class AsapSystem(System):
         g = self.groups[work.group]
         g.flights = len(work.batches)
         e = cfg.moe_workers
+        host = 0.0 if self.spec.sim.super_kernel else c.host_dispatch_s
         for b in work.batches:
             shape = AttnShape.of_batch(b, m.index_topk)
             t = shape.num_tokens
+            if self.loads.balanced:  # every worker its exact share
+                rows = ([[t * m.top_k / e] * e], [[c.experts_s(round(t * m.top_k / e), self.local_experts) + host] * e])
+            else:
+                loads = self.loads.draw(t * m.top_k)  # [L, E] pairs per worker
+                rows = (loads.tolist(), (c.experts_s_many(loads, self.local_experts) + host).tolist())
             f = _Flight(work.group, b, c.attention_s(shape, cfg.attn_tp, False), c.attention_s(shape, cfg.attn_tp, True),
-                        c.dispatch_bytes(t) / e, c.combine_bytes(t) / e,
-                        c.experts_s(round(t * m.top_k / e), self.local_experts)
-                        + (0.0 if self.spec.sim.super_kernel else c.host_dispatch_s))
+                        *rows)
             self.started([s.request_id for s in b.seqs], m.num_dense_layers * f.attn_dense_s
                           + m.num_moe_layers * f.attn_s, now)
             g.ready.append(f)
@@ -114,29 +122,35 @@ class AsapSystem(System):
     def _through_experts(self, f: _Flight, sent_s: float) -> float:
         """Price the dispatch, expert compute and combine of one layer on every MoE worker (FIFO
         ports and streams); returns when the last combine has reached the group."""
-        cfg, bw, lat = self.layout, self.bw, self.latency
+        cfg, lat, in_s, out_s = self.layout, self.latency, self.in_s, self.out_s
+        i = f.layer - self.model.num_dense_layers if len(f.experts_s) > 1 else 0
+        pairs, times = f.pairs[i], f.experts_s[i]
         back = 0.0
-        self.busy_s["moe"] += f.experts_s * cfg.moe_workers
+        self.busy_s["moe"] += sum(times)
+        in_free, free, out_free = self.moe_in_free, self.moe_free, self.moe_out_free
+        tracing = sent_s < self.trace_until_s
+        # NOTE: the hottest loop of the simulator: conditional expressions instead of max() calls
         for w in range(cfg.moe_workers):
             if self.overlap:
-                recv_end = max(sent_s, self.moe_in_free[w]) + f.dispatch_bytes / bw
-                self.moe_in_free[w] = recv_end
-                start = max(recv_end + lat, self.moe_free[w])
-                end = start + f.experts_s
-                self.moe_free[w] = end
-                send_end = max(end, self.moe_out_free[w]) + f.combine_bytes / bw
-                self.moe_out_free[w] = send_end
+                recv_end = (sent_s if sent_s > in_free[w] else in_free[w]) + pairs[w] * in_s
+                in_free[w] = recv_end
+                start = recv_end + lat if recv_end + lat > free[w] else free[w]
+                end = start + times[w]
+                free[w] = end
+                send_end = (end if end > out_free[w] else out_free[w]) + pairs[w] * out_s
+                out_free[w] = send_end
             else:  # one stream: receive, compute and send one after another
-                start = max(sent_s + lat, self.moe_free[w])
-                end = start + f.dispatch_bytes / bw + f.experts_s
-                send_end = end + f.combine_bytes / bw
-                self.moe_free[w] = send_end
-            if start < self.trace_until_s:
+                start = sent_s + lat if sent_s + lat > free[w] else free[w]
+                end = start + pairs[w] * in_s + times[w]
+                send_end = end + pairs[w] * out_s
+                free[w] = send_end
+            if tracing and start < self.trace_until_s:
                 self.span(f"moe{w}/main", f"experts L{f.layer} g{f.group}", start, end)
-            back = max(back, send_end + lat)
+            if send_end + lat > back:
+                back = send_end + lat
         g = self.groups[f.group]
         # the group's T devices take the combines in through its links, one message after another
-        arrive = max(back, g.in_port_free_s + f.combine_bytes * cfg.moe_workers / (bw * cfg.attn_tp))
+        arrive = max(back, g.in_port_free_s + sum(pairs) * out_s / cfg.attn_tp)
         g.in_port_free_s = arrive
         return arrive
 

@@ -31,6 +31,12 @@ def add_parser(sub) -> None:
                    help="a `bench compare` result of this same experiment: simulate its rates and seeds, and "
                         "report the error per point and system against its measured means and intervals")
     p.add_argument("--repeats", type=int, default=1, help="seeds seed, seed+1, ... (as bench compare runs them)")
+    p.add_argument("--slo-metric", default=None, metavar="M[,M...]|all",
+                   help="what meets the SLO, as in bench serve (mean, p50, p90, p99, attainment:F); several, "
+                        "comma-separated, or all: the search runs for each (default: the config's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the config: KEY (top level), workload.KEY, sim.KEY for every system, or "
+                        "systems.NAME.KEY (repeatable; VALUE read as YAML), e.g. --set sim.expert_load_cv=0.5")
     p.set_defaults(func=run)
 
 
@@ -44,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from moeflow.experiment import load_experiment as load_config
     from moeflow.sim.run import build_cost, run_system
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, tuple(args.set))
+    metrics = slo_metrics(args.slo_metric or cfg.slo_metric)
     names = args.system or list(cfg.systems)
     unknown = [n for n in names if n not in cfg.systems]
     if unknown:
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     spans = []
     for name in names if rates or find_slo else ():
         t0 = time.perf_counter()
-        res = run_system(name, cfg, cost, rates, find_slo, trace_rate, args.trace_window_s, args.repeats)
+        res = run_system(name, cfg, cost, rates, find_slo, trace_rate, args.trace_window_s, args.repeats, metrics)
         wall = time.perf_counter() - t0
         res.result["sim_speed"] = {"events": res.num_events, "wall_s": wall, "events_per_s": res.num_events / wall}
         out[name] = res.result
@@ -79,18 +86,12 @@ def run(args: argparse.Namespace) -> int:
         for p in res.result["points"]:
             print(format_point(p))
             print("  busy (computing, not waiting): "
-                  + ", ".join(f"{role} {frac:.0%}" for role, frac in p["sim_busy"].items()))
+                  + ", ".join(f"{role} {frac:.0%}" for role, frac in p["sim_busy"].items())
+                  + (f"; expert load, most loaded device / mean: {p['sim_expert_imbalance']:.2f}"
+                     if "sim_expert_imbalance" in p else ""))
         print(f"simulated {res.num_events:,} events in {wall:.1f} s ({res.num_events / wall:,.0f} events/s)")
     if find_slo:
-        print(f"\nSLO throughput ({cfg.slo_metric} TTFT <= {cfg.slo_ttft_s:g} s):")
-        for name in names:
-            r = out[name]["slo_rps"]
-            print(f"  {name:>24}: " + (f"{r:g} rps" if r is not None else "none of the probed rates"))
-        for a in names:
-            for b in names:
-                ra, rb = out[a]["slo_rps"], out[b]["slo_rps"]
-                if a != b and ra and rb and ra > rb:
-                    print(f"  {a} / {b} = {ra / rb:.2f}")
+        print_slo_table(out, names, metrics, cfg.slo_ttft_s)
     comparisons = {}
     if measured is not None:
         from moeflow.sim.compare import compare, format_comparison
@@ -133,10 +134,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def slo_metrics(text: str) -> tuple:
+    """``mean``, ``p90,p99``, ``all`` (mean, p50, p90, p99, attainment:0.95) -> SloMetrics."""
+    from moeflow.bench.slo import ALL_METRICS, SloMetric
+
+    if text == "all":
+        return ALL_METRICS
+    return tuple(dict.fromkeys(SloMetric.parse(t.strip()) for t in text.split(",")))
+
+
+def print_slo_table(out: dict, names: list[str], metrics: tuple, slo_s: float) -> None:
+    """SLO throughput of every system under every searched metric, then each ratio a / b > 1."""
+    fmt = lambda r: f"{r:g}" if r is not None else "-"  # noqa: E731
+    print(f"\nSLO throughput (rps; TTFT <= {slo_s:g} s under each metric):")
+    print(f"  {'':>24}" + "".join(f"{m.name:>16}" for m in metrics))
+    for name in names:
+        by = out[name]["slo_rps_by_metric"]
+        print(f"  {name:>24}" + "".join(f"{fmt(by[m.name]['median']):>16}" for m in metrics))
+    for a in names:
+        for b in names:
+            ra = [out[a]["slo_rps_by_metric"][m.name]["median"] for m in metrics]
+            rb = [out[b]["slo_rps_by_metric"][m.name]["median"] for m in metrics]
+            if a != b and ra[0] and rb[0] and ra[0] > rb[0]:
+                print(f"  {a + ' / ' + b:>24}" + "".join(
+                    f"{(x / y if x and y else float('nan')):>16.2f}" for x, y in zip(ra, rb)))
+
+
 def _run_decode(args: argparse.Namespace) -> int:
     from moeflow.sim.decode import run_decode
 
-    for flag in ("rps", "find_slo_rps", "plot", "trace", "compare_with"):
+    for flag in ("rps", "find_slo_rps", "plot", "trace", "compare_with", "slo_metric", "set"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')}: not for a decode file ({args.config} has contexts:)")
     data = run_decode(args.config, args.system)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
+
+from moeflow.sim.attention_cost import AttentionOptions, attention_parts
 from moeflow.sim.hardware import Hardware
 from moeflow.sim.model_spec import ModelSpec
 from moeflow.sim.shape import AttnShape
@@ -33,6 +36,18 @@ class CostModel(abc.ABC):
     @abc.abstractmethod
     def experts_s(self, num_routed: int, num_local_experts: int) -> float:
         """One MoE layer on one expert device: ``num_routed`` (token, expert) pairs over its experts."""
+
+    def experts_s_many(self, num_routed: np.ndarray, num_local_experts: int) -> np.ndarray:
+        """``experts_s`` of every element of ``num_routed`` (a cost model may vectorize it)."""
+        flat = [self.experts_s(int(n), num_local_experts) for n in np.ravel(num_routed)]
+        return np.reshape(np.array(flat, dtype=float), np.shape(num_routed))
+
+    def for_system(self, sim) -> "CostModel":
+        """This cost model as one system's ``SimOptions`` (``sim``) refine it; the same one when no
+        option concerns it."""
+        if sim.a2a_bw_GBps is not None:
+            raise ValueError(f"sim: a2a_bw_GBps applies to the analytic cost only, not {type(self).__name__}")
+        return self
 
     @abc.abstractmethod
     def head_s(self, shape: AttnShape, tp: int) -> float:
@@ -112,12 +127,17 @@ class AnalyticCost(CostModel):
     # 2 RMSNorms, rotary, residual adds, the weighted sum of K expert outputs (K + 1 reads).
     ELEMENTWISE_ACTS = 10
 
-    def __init__(self, model: ModelSpec, hw: Hardware):
-        self.model, self.hw = model, hw
+    def __init__(self, model: ModelSpec, hw: Hardware, options: AttentionOptions = AttentionOptions()):
+        self.model, self.hw, self.options = model, hw, options
         self.roof, self.links = Roofline(hw), Links(hw)
         self.low = model.weight_bytes < 2  # 8-bit weights run on the int8 peak
         expert_bytes = model.expert_weight_bytes or model.weight_bytes
         self.expert_low, self.expert_fp4 = expert_bytes < 2, expert_bytes < 1  # 4-bit experts: the fp4 peak
+
+    def for_system(self, sim):
+        hw = self.hw if sim.a2a_bw_GBps is None else self.hw.with_overrides(a2a_bw_Bps=sim.a2a_bw_GBps * 1e9)
+        options = AttentionOptions(sim.dsa_attention, sim.tp_replicates)
+        return self if (hw, options) == (self.hw, self.options) else AnalyticCost(self.model, hw, options)
 
     def _gemm_s(self, tokens: float, params: float, tp: int) -> float:
         m = self.model
@@ -125,26 +145,9 @@ class AnalyticCost(CostModel):
                               params * m.weight_bytes / tp + tokens * m.hidden_size * 2 * 2 / tp, self.low)
 
     def attention_s(self, shape, tp, dense_layer):
-        m, t = self.model, shape.num_tokens
-        if t == 0:
+        if shape.num_tokens == 0:
             return 0.0
-        s = self._gemm_s(t, m.attn_proj_params, tp)
-        # the KV cache read once per sequence (a GQA cache is split over TP, MLA's latent is not)
-        kv = shape.num_sparse_keys * m.attn_kv_bytes_per_token_layer / (tp if m.attention == "gqa" else 1)
-        s += self.roof.op_s(m.attn_pair_flops * shape.num_sparse_pairs / tp, kv, attention=True)
-        if m.index_pair_flops:
-            s += self.roof.op_s(m.index_pair_flops * shape.num_pairs / tp, shape.num_keys * m.index_head_dim,
-                                low_precision=True, attention=True)
-        s += self.roof.op_s(0, self.ELEMENTWISE_ACTS * t * m.hidden_size * 2 / tp)
-        if tp > 1:  # all-reduce of the o-projection: reduce-scatter + all-gather
-            s += self.links.transfer_s(2 * (tp - 1) / tp * t * m.hidden_size * 2)
-        if dense_layer:
-            s += self._gemm_s(t, m.dense_mlp_params, tp)
-        else:
-            s += self._gemm_s(t, m.hidden_size * m.num_experts, tp)  # router
-            if m.shared_params:
-                s += self._gemm_s(t, m.shared_params, tp)
-        return s
+        return sum(attention_parts(self, shape, tp, dense_layer).values())
 
     def experts_s(self, num_routed, num_local_experts):
         if num_routed <= 0:
@@ -155,6 +158,17 @@ class AnalyticCost(CostModel):
         flops = 2 * num_routed * m.expert_params
         nbytes = active * m.expert_bytes + num_routed * m.hidden_size * (m.act_bytes + 2)
         return self.roof.op_s(flops, nbytes, self.expert_low, fp4=self.expert_fp4)
+
+    def experts_s_many(self, num_routed, num_local_experts):
+        # experts_s over an array, the same formula (a unit test holds them equal)
+        m, hw = self.model, self.hw
+        n = np.asarray(num_routed, dtype=float)
+        active = num_local_experts * (1 - (1 - 1 / num_local_experts) ** n)
+        flops = 2 * n * m.expert_params
+        nbytes = active * m.expert_bytes + n * m.hidden_size * (m.act_bytes + 2)
+        peak = hw.flops_fp4 if self.expert_fp4 and hw.flops_fp4 else hw.flops_int8 if self.expert_low else hw.flops
+        t = hw.launch_s + np.maximum(flops / (peak * hw.gemm_eff), nbytes / (hw.mem_bw_Bps * hw.mem_eff))
+        return np.where(n > 0, t, 0.0)
 
     def head_s(self, shape, tp):
         m = self.model

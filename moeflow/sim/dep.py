@@ -2,7 +2,9 @@
 ``DepScheduler`` hands every rank one batch per global step, and every MoE layer is a barrier.
 
 Because every layer of a step ends at a barrier, a step's length has a closed form: per layer, the
-slowest rank's attention, the all-to-all dispatch, the expert compute, the all-to-all combine. One
+slowest rank's attention, the all-to-all dispatch, the most loaded expert device's compute, the
+all-to-all combine. An all-to-all takes as long as its busiest endpoint: the rank that sends the
+most or, with skewed expert loads (sim/expert_load.py), the device that receives the most. One
 event per step keeps the simulator fast; the trace still shows every layer of the window it covers.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ class DepSystem(StepSystem):
         self.sched = self._scheduler()
         layout = spec.layout
         self.ep = layout.dp * layout.tp  # expert devices: every device of every rank
+        self.loads = self.expert_loads(self.ep)
         self.remote_share = remote_share(cost.model, self.ep, spec.sim.dedup_dispatch)
         self.num_entities = {"rank": layout.dp}
         self.busy_s = {"rank": 0.0}
@@ -45,28 +48,46 @@ class DepSystem(StepSystem):
         attn = [c.attention_s(s, tp, False) for s in shapes]
         attn_dense = [c.attention_s(s, tp, True) for s in shapes]
         head = [c.head_s(s, tp) for s in shapes]
-        # balanced routing: every expert device gets its share of every rank's (token, expert) pairs
-        experts = c.experts_s(round(sum(tokens) * m.top_k / self.ep), max(1, m.num_experts // self.ep))
-        share = self.remote_share
-        dispatch = c.all_to_all_s(max(c.dispatch_bytes(t) for t in tokens) / tp * share)
-        combine = c.all_to_all_s(max(c.combine_bytes(t) for t in tokens) / tp * share)
-        if not self.spec.sim.super_kernel:  # the host launches each MoE layer's kernels
-            experts += c.host_dispatch_s
-        moe_layer = max(attn) + dispatch + experts + combine
+        dispatch, experts, combine, experts_mean = self._moe_layers(tokens)
         dense_layer = max(attn_dense)
-        step = max(head) + m.num_dense_layers * dense_layer + m.num_moe_layers * moe_layer
+        step = (max(head) + m.num_dense_layers * dense_layer + m.num_moe_layers * max(attn)
+                + sum(dispatch) + sum(experts) + sum(combine))
         for i, b in enumerate(batches):
-            own = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * (attn[i] + experts)
+            own = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * attn[i] + experts_mean
             self.busy_s["rank"] += own
             mine = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * attn[i]
             self.split_s["attention"] += mine
-            self.split_s["ffn"] += m.num_moe_layers * experts
-            self.split_s["transport"] += m.num_moe_layers * (dispatch + combine)
-            self.split_s["wait"] += step - mine - m.num_moe_layers * (experts + dispatch + combine)
+            # a rank's own expert device computes the mean load; waiting for the most loaded one is wait
+            self.split_s["ffn"] += experts_mean
+            self.split_s["transport"] += sum(dispatch) + sum(combine)
+            self.split_s["wait"] += step - mine - experts_mean - sum(dispatch) - sum(combine)
             self.started([s.request_id for s in b.seqs], own, now)
         if now < self.trace_until_s:
             self._trace(now, attn, attn_dense, head, dispatch, experts, combine)
         self.loop.at(now + step, self._step_done, batches)
+
+    def _moe_layers(self, tokens: list[int]) -> tuple[list[float], list[float], list[float], float]:
+        """Per MoE layer: the all-to-all dispatch, the slowest expert device's compute, the
+        all-to-all combine; and one rank's expert compute summed over the layers (for busy)."""
+        m, c, ep, n = self.model, self.cost, self.ep, self.model.num_moe_layers
+        local = max(1, m.num_experts // ep)
+        share = self.remote_share  # the rows that leave the device (per pair, or per device with dedup)
+        # each TP member of a rank sends 1/tp of its tokens' pairs; the busiest sender bounds the collective
+        send = max(c.dispatch_bytes(t) for t in tokens) / self.layout.tp * share
+        send_back = max(c.combine_bytes(t) for t in tokens) / self.layout.tp * share
+        host = 0.0 if self.spec.sim.super_kernel else c.host_dispatch_s  # the host launches each MoE layer
+        pairs = sum(tokens) * m.top_k
+        if self.loads.balanced:  # every expert device its exact share; receivers no busier than senders
+            experts = c.experts_s(round(pairs / ep), local) + host
+            return [c.all_to_all_s(send)] * n, [experts] * n, [c.all_to_all_s(send_back)] * n, n * experts
+        loads = self.loads.draw(pairs)  # [L, ep]
+        peak = loads.max(axis=1)  # the most loaded receiver of each layer
+        per_pair_in, per_pair_out = c.dispatch_bytes(1) / m.top_k, c.combine_bytes(1) / m.top_k
+        dispatch = [c.all_to_all_s(max(send, p * per_pair_in * share)) for p in peak.tolist()]
+        combine = [c.all_to_all_s(max(send_back, p * per_pair_out * share)) for p in peak.tolist()]
+        experts = (c.experts_s_many(peak, local) + host).tolist()
+        experts_mean = float(c.experts_s_many(loads, local).mean(axis=1).sum()) + n * host
+        return dispatch, experts, combine, experts_mean
 
     def _step_done(self, batches) -> None:
         now = self.loop.now
@@ -89,11 +110,13 @@ class DepSystem(StepSystem):
             t += max(a)
             if dense:
                 continue
+            i = layer - m.num_dense_layers
+            d, x, cb = dispatch[i], experts[i], combine[i]
             for rank in range(len(attn)):
                 tr = f"rank{rank}/main"
-                self.span(tr, "dispatch", t, t + dispatch)
-                self.span(tr, "experts", t + dispatch, t + dispatch + experts)
-                self.span(tr, "combine", t + dispatch + experts, t + dispatch + experts + combine)
-            t += dispatch + experts + combine
+                self.span(tr, "dispatch", t, t + d)
+                self.span(tr, "experts", t + d, t + d + x)
+                self.span(tr, "combine", t + d + x, t + d + x + cb)
+            t += d + x + cb
         for rank, x in enumerate(head):
             self.span(f"rank{rank}/main", "head", t, t + x)

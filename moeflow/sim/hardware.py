@@ -26,6 +26,9 @@ class Hardware:
     # the synchronous all-to-all of the baselines, as a collective library achieves it (0: the link's)
     a2a_bw_Bps: float = 0.0
     a2a_latency_s: float = 0.0
+    # vector (non-matrix) peak, FLOP/s: the DSA indexer's head reduction and top-k run there
+    # (0: not modelled, that work is left out)
+    vector_flops: float = 0.0
     flops_fp4: float = 0.0  # dense fp4 peak (4-bit experts run on it); 0: none, they run on flops_int8
     hbm_bytes: float = 0.0  # device memory, for memory budgets (0: not modelled)
     # kernels run this much slower while the copy engine moves weights over the links (power-capped
@@ -46,8 +49,8 @@ class Hardware:
         for f in ("gemm_eff", "attn_eff", "mem_eff", "link_eff"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be in (0, 1], got {getattr(self, f)}")
-        for f in ("link_latency_s", "launch_s", "host_dispatch_s", "a2a_bw_Bps", "a2a_latency_s", "flops_fp4",
-                  "hbm_bytes", "host_step_s"):
+        for f in ("link_latency_s", "launch_s", "host_dispatch_s", "a2a_bw_Bps", "a2a_latency_s", "vector_flops",
+                  "flops_fp4", "hbm_bytes", "host_step_s"):
             if getattr(self, f) < 0:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be >= 0, got {getattr(self, f)}")
 
@@ -81,7 +84,8 @@ PRESETS: dict[str, Hardware] = {
         mem_eff=_MEM_EFF, link_eff=_LINK_EFF,
         # DeepEP-Ascend (sgl-project/sgl-kernel-npu README) normal mode on the A3 384 SuperPOD, EP32,
         # 4,096 tokens: dispatch 102 GB/s, combine 95 GB/s; comm op cost 10 us (msmodeling)
-        a2a_bw_Bps=98.5e9, a2a_latency_s=10e-6),
+        a2a_bw_Bps=98.5e9, a2a_latency_s=10e-6,
+        vector_flops=22e12),  # msmodeling ATLAS_800_A3_752T_128G_DIE gp_ops, fp16/bf16 (48 vector cores)
     # NVIDIA H200 SXM: 989.5 TFLOPS dense bf16, 1,979 dense fp8 (datasheet figures halved: they
     # are quoted with sparsity), 4.8 TB/s HBM3e, NVLink 4 900 GB/s both ways.
     "h200": Hardware(

@@ -128,6 +128,29 @@ class ModelSpec:
         return 2 * self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
 
     @property
+    def attn_pair_flops_mha(self) -> int:
+        """FLOPs per (query, key) pair of MLA run as masked multi-head attention (k, v up-projected
+        per head; DeepSeek's reference prefill, SGLang below index_topk): QK^T over nope + rope
+        dims, PV over v dims. gqa: the same as attn_pair_flops."""
+        if self.attention == "gqa":
+            return self.attn_pair_flops
+        return 2 * self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+
+    @property
+    def tp_replicated_params(self) -> int:
+        """Attention weights that vLLM, SGLang and vllm-ascend replicate on every TP rank instead of
+        splitting them: MLA's q and kv down-projections (ReplicatedLinear) and the whole DSA
+        indexer ("no tensor parallel, just replicated"). 0 for gqa."""
+        if self.attention == "gqa":
+            return 0
+        h = self.hidden_size
+        p = h * self.q_lora_rank + h * (self.kv_lora_rank + self.qk_rope_head_dim)
+        if self.index_heads:
+            src = self.q_lora_rank or h
+            p += src * self.index_heads * self.index_head_dim + h * self.index_head_dim + h * self.index_heads
+        return p
+
+    @property
     def index_pair_flops(self) -> int:
         """FLOPs per (query, key) pair of the DSA indexer (0 without one); it scores every causal pair."""
         return 2 * self.index_heads * self.index_head_dim

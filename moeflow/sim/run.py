@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 from moeflow.bench.metrics import summarize
 from moeflow.bench import compare_report as report
-from moeflow.bench.slo import ALL_METRICS, SloMetric, SloSearch, StopRule, find_slo_rps, slo_rps_from_points
+from moeflow.bench.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
+                               slo_rps_from_points)
+from moeflow.bench.stats import median_range
 from moeflow.bench.workload import generate_requests
 from moeflow.experiment import Experiment, SystemSpec, system_to_dict
 from moeflow.sim.asap import AsapSystem
@@ -62,55 +64,79 @@ def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float,
     p = summarize(rate, res.records, 0.0, cfg.workload.length_scale, num_aborted=res.num_pending)
     p["sim_events"] = res.num_events
     p["sim_busy"] = res.busy  # per role: fraction of the run its devices computed (not waited)
+    if res.expert_imbalance is not None:  # skewed expert loads: the most loaded device / the mean
+        p["sim_expert_imbalance"] = res.expert_imbalance
     if res.stopped_early:
         p.update(stopped_early=True, stopped_by=stop.metric.name, ttft_mean_s=res.mean_ttft_bound_s,
                  ttft_p50_s=None, ttft_p90_s=None, ttft_p99_s=None)
     return p, res
 
 
+def _decides(point: dict, metric: SloMetric) -> bool:
+    """A probe stopped early decides only the metric that stopped it (it failed that one)."""
+    return not point.get("stopped_early") or point.get("stopped_by", "mean") == metric.name
+
+
 def run_system(name: str, cfg: Experiment, cost: CostModel, rates: tuple[float, ...], find_slo: bool,
-               trace_rate: float | None = None, trace_window_s: float = 0.0, repeats: int = 1) -> SystemRun:
+               trace_rate: float | None = None, trace_window_s: float = 0.0, repeats: int = 1,
+               slo_metrics: tuple[SloMetric, ...] | None = None) -> SystemRun:
     """The sweep (and SLO search) once per seed (seed, seed+1, ... as ``bench compare`` runs
-    them); points are averaged over the seeds, each seed's kept under ``repeats``."""
+    them); points are averaged over the seeds, each seed's kept under ``repeats``. The search runs
+    once per metric of ``slo_metrics`` (default: the config's ``slo_metric``), reusing every
+    completed probe; the first metric is the result's ``slo_rps``."""
     system = cfg.systems[name]
-    metric = SloMetric.parse(cfg.slo_metric)
+    searched = slo_metrics or (SloMetric.parse(cfg.slo_metric),)
+    metric = searched[0]
     events = 0
     spans: list = []
     reps = []
     for k in range(repeats):
         seed = cfg.workload.seed + k
-        points: dict[float, dict] = {}
+        points: dict[float, dict] = {}  # completed runs: they decide every metric
+        stopped: dict[str, dict[float, dict]] = {m.name: {} for m in searched}  # probes stopped early, per metric
 
-        def measure(rate: float, stop: StopRule | None = None) -> float:
+        def measure(rate: float, m: SloMetric | None = None) -> float:
             nonlocal events, spans
+            if rate in points:
+                return m.score(points[rate]) if m else math.nan
             tracing = k == 0 and trace_rate is not None and math.isclose(rate, trace_rate)
-            p, res = run_point(system, cost, cfg, rate, seed, stop, trace_window_s if tracing else 0.0)
+            p, res = run_point(system, cost, cfg, rate, seed, StopRule(m, cfg.slo_ttft_s) if m else None,
+                               trace_window_s if tracing else 0.0)
             events += res.num_events
             if tracing:
                 spans = res.spans
-            points[rate] = p
-            return metric.score(p)
+            (stopped[m.name] if p.get("stopped_early") else points)[rate] = p
+            return m.score(p) if m else math.nan
 
         for r in rates:
             measure(r)
-        slo = None
+        found: dict[str, SloResult] = {}
         if find_slo:
-            search = SloSearch(cfg.slo_ttft_s, cfg.slo_probes, cfg.slo_rel_tol, metric=metric)
-            measured = {r: metric.score(p) for r, p in points.items()}
-            slo = find_slo_rps(lambda r: measure(r, StopRule(metric, search.slo_ttft_s)), search, measured)
-        all_points = [points[r] for r in sorted(points)]
+            for m in searched:
+                search = SloSearch(cfg.slo_ttft_s, cfg.slo_probes, cfg.slo_rel_tol, metric=m)
+                measured = {r: m.score(p) for r, p in {**points, **stopped[m.name]}.items() if _decides(p, m)}
+                found[m.name] = find_slo_rps(lambda r, m=m: measure(r, m), search, measured)
+        own = {**{r: p for ps in reversed(list(stopped.values())) for r, p in ps.items()}, **points}
+        all_points = [own[r] for r in sorted(own)]
+        slo = {}
+        if cfg.slo_ttft_s:
+            for m in ALL_METRICS + tuple(m for m in searched if m not in ALL_METRICS):
+                res = found.get(m.name) or slo_rps_from_points(
+                    [p for p in [*points.values(), *stopped.get(m.name, {}).values()]], m, cfg.slo_ttft_s)
+                slo[m.name] = dataclasses.asdict(res)
         reps.append({"seed": seed, "sweep": [points[r] for r in rates], "probes": [p for p in all_points
                                                                                   if p["rps"] not in rates],
-                     "slo": {m.name: dataclasses.asdict(slo_rps_from_points(all_points, m, cfg.slo_ttft_s))
-                             for m in ALL_METRICS} if cfg.slo_ttft_s else {},
-                     "search": dataclasses.asdict(slo) if slo else None, "all_points": all_points})
-    by_metric = report.slo_by_metric(reps)
+                     "slo": slo, "search": dataclasses.asdict(found[metric.name]) if found else None,
+                     "all_points": all_points})
+    names = list(dict.fromkeys([m.name for m in ALL_METRICS] + [m.name for m in searched]))
+    by_metric = {n: median_range([r["slo"][n]["rps"] if n in r["slo"] else None for r in reps]) for n in names}
     points = reps[0]["all_points"] if repeats == 1 else report.aggregate_points(reps)
     result = {"mode": system.layout.mode, "simulated": True,
               "config": {"name": system.name, **system_to_dict(system), "model": cfg.model, "hardware": cfg.hardware,
                          "cost": cfg.cost, "devices": system.layout.num_processes},
               "workload": {k: v for k, v in cfg.workload.to_dict().items() if k != "rate_rps"},
               "slo_ttft_s": cfg.slo_ttft_s, "slo_metric": metric.name,
+              "slo_metrics_searched": [m.name for m in searched] if find_slo else [],
               "slo_rps": by_metric[metric.name]["median"] if find_slo else None,
               "slo_upper_rps": reps[0]["search"]["upper_rps"] if find_slo and repeats == 1 else None,
               "slo_rps_by_metric": by_metric, "points": points}

@@ -28,20 +28,32 @@ class AttnShape:
     # all for one token, so this, not pairs, prices decode), and the same capped at index_topk
     num_keys: int = 0
     num_sparse_keys: int = 0
+    # DSA only (topk > 0): pairs of the sequences whose context ends within topk (all their keys are
+    # selected, so dense MHA gives the same result), the longest context, and the queries that see
+    # more than topk keys (the indexer must pick their top-k)
+    num_short_pairs: int = 0
+    max_context: int = 0
+    num_long_queries: int = 0
 
     @classmethod
     def of(cls, spans: list[tuple[int, int, bool]], topk: int = 0) -> "AttnShape":
         """spans: (start, num_tokens, samples) per sequence."""
-        tokens = pairs = sparse = sampled = keys = sparse_keys = 0
+        tokens = pairs = sparse = sampled = keys = sparse_keys = short = longest = long_queries = 0
         for start, n, samples in spans:
             end = start + n
             tokens += n
-            pairs += _capped_pairs(end, 0) - _capped_pairs(start, 0)
+            p = _capped_pairs(end, 0) - _capped_pairs(start, 0)
+            pairs += p
             sparse += _capped_pairs(end, topk) - _capped_pairs(start, topk) if topk else 0
             sampled += samples
             keys += end
             sparse_keys += min(end, topk) if topk else end
-        return cls(tokens, len(spans), pairs, sparse if topk else pairs, sampled, keys, sparse_keys)
+            longest = max(longest, end)
+            if topk:
+                short += p if end <= topk else 0
+                long_queries += end - max(start, topk) if end > topk else 0
+        return cls(tokens, len(spans), pairs, sparse if topk else pairs, sampled, keys, sparse_keys, short, longest,
+                   long_queries)
 
     @classmethod
     def of_batch(cls, batch: Batch, topk: int = 0) -> "AttnShape":
@@ -49,6 +61,7 @@ class AttnShape:
 
     @classmethod
     def sum(cls, shapes: list["AttnShape"]) -> "AttnShape":
-        return cls(*(sum(getattr(s, f) for s in shapes) for f in
-                     ("num_tokens", "num_seqs", "num_pairs", "num_sparse_pairs", "num_sampled", "num_keys",
-                      "num_sparse_keys")))
+        summed = ("num_tokens", "num_seqs", "num_pairs", "num_sparse_pairs", "num_sampled", "num_keys",
+                  "num_sparse_keys", "num_short_pairs", "num_long_queries")
+        return cls(**{f: sum(getattr(s, f) for s in shapes) for f in summed},
+                   max_context=max((s.max_context for s in shapes), default=0))

@@ -18,6 +18,7 @@ from moeflow.messages import Span
 from moeflow.scheduler import Scheduler, make_scheduler
 from moeflow.sim.cost import CostModel
 from moeflow.sim.events import EventLoop
+from moeflow.sim.expert_load import ExpertLoads
 
 
 @dataclass
@@ -30,6 +31,7 @@ class RunResult:
     spans: list[Span] = field(default_factory=list)
     busy: dict[str, float] = field(default_factory=dict)  # per role: mean fraction of the run spent computing
     num_pending: int = 0  # requests without a result when the run stopped early
+    expert_imbalance: float | None = None  # skewed expert loads: mean (most loaded device / mean) per layer
 
 
 @dataclass
@@ -50,7 +52,9 @@ class System(abc.ABC):
     the simulator's modelling options."""
 
     def __init__(self, spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0):
+        cost = cost.for_system(spec.sim)
         self.spec, self.layout, self.cost, self.model = spec, spec.layout, cost, cost.model
+        self.loads: ExpertLoads | None = None  # set by systems with expert devices
         self.loop = EventLoop()
         self.trace_until_s = trace_until_s  # record spans that start before this time (0: none)
         self.spans: list[Span] = []
@@ -76,6 +80,9 @@ class System(abc.ABC):
 
     def run(self, workload: list[WorkloadRequest], stop: StopRule | None = None) -> RunResult:
         """Replay ``workload`` to the end (or until it has certainly missed ``stop``'s SLO)."""
+        if self.spec.sim.expert_load_cv and self.loads is None:
+            raise ValueError(f"system {self.spec.name!r}: mode {self.layout.mode!r} does not model expert-load "
+                             f"skew (sim.expert_load_cv); the modes that do: dep, asap")
         for i, w in enumerate(workload):
             # NOTE: a range stands in for the prompt's token ids: the scheduler only counts them.
             r = Request(f"r{i}", range(w.prompt_len), SamplingParams(max_tokens=w.output_len, ignore_eos=True),
@@ -89,7 +96,15 @@ class System(abc.ABC):
         end = self.loop.now
         busy = {role: s / (self.num_entities[role] * end) if end > 0 else 0.0 for role, s in self.busy_s.items()}
         bound = mean_ttft_lower_bound(*self._progress(), n, end) if stopped else None
-        return RunResult(self.records, self.loop.num_events, end, stopped, bound, self.spans, busy, self._pending)
+        imbalance = self.loads.mean_imbalance if self.loads is not None and not self.loads.balanced else None
+        return RunResult(self.records, self.loop.num_events, end, stopped, bound, self.spans, busy, self._pending,
+                         imbalance)
+
+    def expert_loads(self, num_devices: int) -> ExpertLoads:
+        """The expert-load model of this system's ``num_devices`` expert devices (SimOptions)."""
+        sim, m = self.spec.sim, self.model
+        return ExpertLoads(m.num_experts, m.num_moe_layers, num_devices, sim.expert_load_cv,
+                           sim.expert_placement, sim.expert_seed)
 
     def _progress(self) -> tuple[list[float], list[float]]:
         """TTFTs so far, and the arrival times of requests still waiting for a first token."""

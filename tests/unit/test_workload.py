@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -168,3 +169,18 @@ def test_workload_module_does_not_import_torch():
     code = "import sys, moeflow.bench.workload, moeflow.bench.metrics, moeflow.bench.slo; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_raw_mean_fit():
+    """§2.3's 5k is the whole trace's mean: fitted before §5.1's 32k cut, the kept mean is ~4.2k."""
+    mu, sigma = wl.fit_production_lognormal("raw")
+    assert (mu, sigma) == pytest.approx((wl.PRODUCTION_RAW_LOG_MU, wl.PRODUCTION_RAW_LOG_SIGMA), abs=1e-5)
+    assert wl.restricted_lognormal_mean(mu, sigma, wl.PRODUCTION_MIN_LEN, math.inf) == pytest.approx(5000, rel=1e-4)
+    kept = wl.restricted_lognormal_mean(mu, sigma, wl.PRODUCTION_MIN_LEN, wl.PRODUCTION_MAX_LEN)
+    assert kept == pytest.approx(4221, abs=1)
+    lens = np.array([r.prompt_len for r in generate_requests(WorkloadConfig(
+        kind="production", rate_rps=1.0, num_requests=20000, seed=0, production_mean="raw"))])
+    assert lens.mean() == pytest.approx(kept, rel=0.03) and lens.max() <= wl.PRODUCTION_MAX_LEN
+    assert WorkloadConfig(kind="production", rate_rps=1.0, num_requests=1).production_mean == "kept"
+    with pytest.raises(ValueError, match="production_mean"):
+        WorkloadConfig(kind="production", rate_rps=1.0, num_requests=1, production_mean="median")
