@@ -16,6 +16,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from moeflow.core import RequestError, SamplingParams
+from moeflow.engine.detokenizer import IncrementalDetokenizer
 from moeflow.server import errors
 from moeflow.server.async_engine import AsyncEngine, EngineUnavailable, Overloaded
 from moeflow.server.stream import RequestStream
@@ -25,25 +26,6 @@ from moeflow.server.errors import ApiError
 from moeflow.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class _Text:
-    """Incremental text of a growing list of token ids (re-decodes all of them: O(n) per step)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.sent = ""
-
-    def add(self, token_ids, final: bool) -> str:
-        self.token_ids += token_ids
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if not final:  # a multi-byte character cut by the last token decodes to U+FFFD until it completes
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
 
 
 def _sse(obj) -> str:
@@ -187,7 +169,7 @@ class OpenAIServing:
                 c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
             return _sse({**head, "choices": [c], **extra})
 
-        text, num_tokens = _Text(self.engine.llm.tokenizer), 0
+        text, num_tokens = IncrementalDetokenizer(self.engine.llm.tokenizer), 0
         try:
             if chat:
                 yield chunk(None, None)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import httpx
 import openai
@@ -144,6 +146,68 @@ def test_chunked_oversized_body_is_refused(server):
         yield b'"}'
     r = httpx.post(server.url + C, content=body(), headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+# Far larger than the socket buffers: a server that answered and closed without reading it would
+# reset the connection while the client is still writing (urllib then saw a broken pipe, not the 413).
+BIG_BODY = b'{"prompt": "' + b"x" * (8 << 20) + b'"}'
+
+
+def _chunks(body: bytes, size: int = 1 << 16):
+    return (body[i:i + size] for i in range(0, len(body), size))
+
+
+def _post_urllib(url: str, chunked: bool, tmp_path) -> tuple[int, bytes]:
+    data = _chunks(BIG_BODY) if chunked else BIG_BODY  # an iterable without a length goes out chunked
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _post_requests(url: str, chunked: bool, tmp_path) -> tuple[int, bytes]:
+    requests = pytest.importorskip("requests")
+    r = requests.post(url, data=_chunks(BIG_BODY) if chunked else BIG_BODY,
+                      headers={"Content-Type": "application/json"}, timeout=60)
+    return r.status_code, r.content
+
+
+def _post_httpx(url: str, chunked: bool, tmp_path) -> tuple[int, bytes]:
+    r = httpx.post(url, content=_chunks(BIG_BODY) if chunked else BIG_BODY,
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    return r.status_code, r.content
+
+
+def _post_curl(url: str, chunked: bool, tmp_path, expect: bool = True) -> tuple[int, bytes]:
+    path = tmp_path / "body.json"
+    path.write_bytes(BIG_BODY)
+    headers = ["-H", "Content-Type: application/json"]
+    headers += ["-H", "Transfer-Encoding: chunked"] if chunked else []
+    headers += [] if expect else ["-H", "Expect:"]  # curl waits for "100 Continue" before a large body unless told not to
+    res = subprocess.run(["curl", "-sS", "-o", "-", "-w", "\n%{http_code}", *headers, "--data-binary", f"@{path}", url],
+                         capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    body, _, status = res.stdout.rpartition(b"\n")
+    return int(status), body
+
+
+def _post_curl_no_expect(url: str, chunked: bool, tmp_path) -> tuple[int, bytes]:
+    return _post_curl(url, chunked, tmp_path, expect=False)
+
+
+CLIENTS = {"urllib": _post_urllib, "requests": _post_requests, "httpx": _post_httpx, "curl": _post_curl,
+           "curl-no-expect": _post_curl_no_expect}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_oversized_body_413_reaches_every_client(server, client, chunked, tmp_path):
+    status, body = CLIENTS[client](server.url + C, chunked, tmp_path)
+    assert status == 413, body[:200]
+    err = json.loads(body)["error"]
+    assert err["code"] == "body_too_large" and "65536" in err["message"], err
 
 
 def test_unknown_route_and_method(server):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
+import urllib.request
 
 import httpx
 import openai
@@ -53,6 +55,17 @@ def test_api_key_guards_every_route_but_health(server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as client:
         out = client.completions.create(model="m", prompt="hi", max_tokens=2)
     assert out.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("headers,status,code", [({}, 401, "invalid_api_key"), (AUTH, 413, "body_too_large")])
+def test_a_refused_large_body_still_gets_its_answer_to_urllib(server, headers, status, code):
+    """Either guard reads the refused body before answering: urllib writes it all before it reads."""
+    body = b'{"prompt": "' + b"x" * (8 << 20) + b'"}'  # over the default 4 MiB limit and the socket buffers
+    req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json", **headers})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == status and json.loads(e.value.read())["error"]["code"] == code
 
 
 async def _flood(url: str, n: int, max_tokens: int):
