@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from moeflow import lifecycle
 from moeflow.engine.args import add_engine_args
 
 
@@ -35,6 +36,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM/SIGHUP unwind like Ctrl-C: every command's `with`/finally (and atexit) release what it started
+    lifecycle.handle_signals()
     parser = argparse.ArgumentParser(prog="moeflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -50,7 +50,7 @@ class _Bench:
 
         ctx = mp.get_context("spawn")
         self.n_max = num_receivers
-        self.deployment = f"bench{os.getpid()}"
+        self.deployment = f"{os.getpid()}-bench"  # owner pid first: a SIGKILLed run's segments are reclaimed
         self.progress = ctx.Array("d", 2 * num_receivers, lock=False)
         init = f"tcp://127.0.0.1:{_free_port()}"
         self.pipes, self.procs = [], []

@@ -34,8 +34,10 @@ def receiver_main(index: int, num_receivers: int, init_method: str, deployment: 
     import torch
     import torch.distributed as dist
 
+    from moeflow import lifecycle
     from moeflow.comm import POLICIES, make_transport
 
+    lifecycle.die_with_parent()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=1 + index, world_size=1 + num_receivers)
     receivers: dict = {}

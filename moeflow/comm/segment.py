@@ -1,7 +1,9 @@
 """Segment: one POSIX shared-memory file in /dev/shm, mapped into this process.
 
 Names are ``moeflow-<deployment>.<what>``; ``cleanup(deployment)`` removes everything of one
-deployment, so the process that launched it can clean up after workers that were SIGKILLed.
+deployment, so the process that launched it can clean up after workers that were SIGKILLed. A
+deployment id that starts with ``<pid>-`` (an engine's, ``<pid>-<hex>``) names the process that
+owns it: ``reclaim_stale`` unlinks what a SIGKILLed owner left behind when the next one starts.
 Files are created mode 0600 (owner only) under a temporary name, initialized, then renamed into
 place: an attacher never sees a half-initialized segment, and a restart with the same deployment
 id atomically replaces stale ones. Linux only (/dev/shm is where shm_open puts them).
@@ -22,6 +24,7 @@ from typing import Callable
 SHM_DIR = "/dev/shm"
 PREFIX = "moeflow-"
 _DEPLOYMENT_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_OWNED_RE = re.compile(r"^(?P<pid>[0-9]+)-[A-Za-z0-9_-]*$")  # a deployment id that names its owner
 
 
 def check_deployment_id(deployment_id: str) -> str:
@@ -51,6 +54,32 @@ def cleanup(deployment_id: str) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def owner_pid(deployment_id: str) -> int | None:
+    """The pid of the process that owns ``deployment_id`` (ids ``<pid>-...``), else None."""
+    m = _OWNED_RE.match(deployment_id)
+    return int(m["pid"]) if m else None
+
+
+def reclaim_stale() -> dict[str, int]:
+    """Unlink every segment whose owner process is gone (a run that was SIGKILLed, or killed before
+    it could clean up); returns the bytes freed per deployment id. Only ``moeflow-<pid>-...`` names:
+    others have no owner to check and are left alone, as is everything of a live pid (even a pid
+    since reused by another program: kept until that one exits too)."""
+    freed: dict[str, int] = {}
+    for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*.*")):
+        deployment_id = os.path.basename(path)[len(PREFIX):].split(".", 1)[0]
+        pid = owner_pid(deployment_id)
+        if pid is None or pid_alive(pid):
+            continue
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except OSError:  # gone already (another starting process was first), or another user's
+            continue
+        freed[deployment_id] = freed.get(deployment_id, 0) + size
+    return freed
 
 
 def pid_alive(pid: int) -> bool:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
+from moeflow import lifecycle
 from moeflow.config import ConfigError
 from moeflow.engine.args import add_engine_args, engine_kwargs
 from moeflow.server.config import ServerConfig
@@ -50,16 +50,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs = {**engine_kwargs(args), "max_restarts": args.max_restarts, "restart_backoff_s": args.restart_backoff_s}
     metrics = ServerMetrics(config.busy_window_s, clock)
     engine = AsyncEngine(lambda: LLM(**kwargs), config.max_pending_requests, metrics)
+    # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; with
+    # SIGTERM's default action that would kill us before the workers and shared memory are
+    # released, so SIGTERM (and SIGHUP, which uvicorn leaves alone) become an exception that
+    # runs the ``finally`` below.
+    lifecycle.handle_signals()
     try:
         engine.start()  # loads the model (and starts the workers) on the engine thread
         metrics.watch(engine.snapshot)
         app = build_app(engine, config, metrics)
         print(f"moeflow: serving {config.model_name!r} (mode {args.mode}, context {engine.max_model_len}) "
               f"on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
-        # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; with
-        # SIGTERM's default action that would kill us before the workers and shared memory are
-        # released, so SIGTERM becomes an exception that runs the ``finally`` below.
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, lifespan="off",
                     timeout_graceful_shutdown=5)
     except KeyboardInterrupt:
@@ -67,7 +68,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)

@@ -1,12 +1,13 @@
 """Start, watch and stop a deployment's worker processes.
 
-Guarantees: a worker dies with its parent (PR_SET_PDEATHSIG), ignores Ctrl-C (the engine owns the
-shutdown), reports its own exceptions as ``WorkerFailed``; ``Deployment.shutdown`` leaves no
-process and no /dev/shm segment behind, whatever state the workers are in.
+Guarantees: a worker dies with its parent (PR_SET_PDEATHSIG), ignores Ctrl-C and hang-ups sent to
+its process group (the engine owns the shutdown), reports its own exceptions as ``WorkerFailed``;
+``Deployment.shutdown`` leaves no process and no /dev/shm segment behind, whatever state the
+workers are in, and runs at interpreter exit (also after SIGTERM/SIGHUP, ``moeflow.lifecycle``) if
+nobody called it. A deployment starts by unlinking the segments of dead ones (``reclaim_stale``).
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -16,8 +17,13 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
+from moeflow import lifecycle
 from moeflow.comm import cleanup
+from moeflow.comm.segment import reclaim_stale
+from moeflow.logs import get_logger
 from moeflow.messages import Shutdown, WorkerFailed, WorkerReady, WorkerSetup
+
+log = get_logger("moeflow.workers.launch")
 
 
 class WorkerDied(RuntimeError):
@@ -28,18 +34,14 @@ class WorkerDied(RuntimeError):
         self.worker = worker  # which one (None: not known)
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the engine's shutdown still reaps workers
-        pass
-
-
 def worker_main(setup: WorkerSetup, conn: Connection) -> None:
     """Entry point of every worker process."""
-    _die_with_parent()
+    lifecycle.die_with_parent()
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the line above
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if setup.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {setup.cpu})
     import torch
@@ -90,6 +92,12 @@ class Deployment:
     def __init__(self, setups: list[WorkerSetup], deployment_id: str, ready_timeout_s: float = 300.0):
         self.deployment_id = deployment_id
         self.workers: list[WorkerHandle] = []
+        freed = reclaim_stale()
+        if freed:
+            log.warning("reclaimed %.1f MiB of shared memory left by dead deployments %s",
+                        sum(freed.values()) / 2**20, sorted(freed))
+        lifecycle.handle_signals()
+        lifecycle.release_at_exit(self)
         ctx = mp.get_context("spawn")
         try:
             for s in setups:
@@ -100,6 +108,7 @@ class Deployment:
                 theirs.close()
                 self.workers.append(WorkerHandle(s.role, s.index, p, ours))
             self._wait_ready(ready_timeout_s)
+            log.debug("deployment %s: %d workers ready", deployment_id, len(self.workers))
         except BaseException:
             self.shutdown()
             raise
@@ -152,17 +161,19 @@ class Deployment:
             raise WorkerDied(f"{w.name} is gone (control pipe closed)", w) from None
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        for w in self.workers:
-            try:
-                w.conn.send(Shutdown())
-            except (BrokenPipeError, OSError):
-                pass
-        deadline = time.monotonic() + timeout_s
-        for w in self.workers:
-            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for w in self.workers:
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(timeout=2.0)
-            w.conn.close()
-        cleanup(self.deployment_id)  # segments of workers that could not unlink their own
+        with lifecycle.shielded():  # a signal meanwhile would leave processes or segments behind
+            for w in self.workers:
+                try:
+                    w.conn.send(Shutdown())
+                except (BrokenPipeError, OSError):
+                    pass
+            deadline = time.monotonic() + timeout_s
+            for w in self.workers:
+                w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            for w in self.workers:
+                if w.process.is_alive():
+                    w.process.kill()
+                    w.process.join(timeout=2.0)
+                w.conn.close()
+            cleanup(self.deployment_id)  # segments of workers that could not unlink their own
+            lifecycle.forget(self)
