@@ -92,9 +92,17 @@ def load_extension(name: str, source_path: str) -> Extension:
         built = not os.path.exists(library)
         if built:
             log.info("building the %s extension for this CPU (first use; tens of seconds) in %s", name, build_dir)
+        # NOTE: torch's build file names the source by its path, and a changed path rebuilds: two
+        # checkouts of one source (worktrees, CI clones) would rebuild each other's cache in turn.
+        # The build directory's own copy has one path for every checkout of this source.
+        local = os.path.join(build_dir, os.path.basename(source_path))
+        if not os.path.exists(local):
+            with open(local + ".tmp", "w") as f:
+                f.write(source)
+            os.replace(local + ".tmp", local)
         t0 = time.perf_counter()
         try:
-            cpp_extension.load(name=name, sources=[source_path], extra_cflags=list(CFLAGS),
+            cpp_extension.load(name=name, sources=[local], extra_cflags=list(CFLAGS),
                                extra_ldflags=list(LDFLAGS), build_directory=build_dir, is_python_module=False,
                                verbose=False)
         except Exception as e:  # a compiler error, a missing header, a library that will not load
