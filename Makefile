@@ -1,9 +1,10 @@
 # `make run`: set up and run the demo (asap vs dep over HTTP on the embedded model). `make test`: set up and pass the tests.
+# `make verify`: model-check the one-sided protocol (verify/protocol.pml) with spin; `make test` runs it too.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test verify spin lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,7 +18,17 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/moeflow demo --out-dir demo-out
 
-test: $(STAMP)
+# spin, the model checker, is a system package (Debian/Ubuntu: spin): installed here when missing
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
+spin:
+	@command -v spin >/dev/null 2>&1 || { echo "installing spin (the model checker of verify/protocol.pml)"; \
+	  $(SUDO) apt-get install -y -q spin || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q spin; }; } \
+	  || { echo "error: could not install spin; install it by hand: sudo apt-get install -y spin" >&2; exit 1; }
+
+verify: spin
+	python3 verify/check.py
+
+test: $(STAMP) spin
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 

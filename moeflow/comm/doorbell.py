@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import platform
 import threading
 import time
@@ -35,13 +36,21 @@ class Doorbell:
 
 
 class FutexDoorbell(Doorbell):
-    """A 32-bit word in a shared mapping, rung with FUTEX_WAKE, waited on with FUTEX_WAIT.
+    """A 32-bit word in a shared mapping, rung with FUTEX_WAKE_OP, waited on with FUTEX_WAIT.
 
-    Ringing bumps the word, then wakes; a waiter remembers the word when it drains, re-checks its
-    condition, then waits only while the word is unchanged (the kernel compares it under the
-    futex lock), so a ring after the drain is never lost: under TSO a waiter that still reads
-    the old word cannot have missed a flag stored before the bump, and one that reads the new
-    word does not sleep. Two ringers may bump to the same value: any change is enough.
+    Ringing adds 1 to the word and wakes every waiter, both done by the kernel under the futex's
+    bucket lock (FUTEX_WAKE_OP with FUTEX_OP_ADD: a locked add, a full barrier). A waiter remembers
+    the word when it drains, re-checks its condition, then waits only while the word is unchanged
+    (the kernel compares it under the same lock). So a ring after the drain is never lost: the
+    ringer's flag store is visible before its add, a waiter that re-checked without seeing the
+    flag drained before the add, and the word, which only grows, no longer holds what it drained.
+    verify/protocol.pml checks this exhaustively (docs/protocol_model.md).
+
+    NOTE: the add must be atomic, and Python has no atomic read-modify-write on shared memory.
+    The first version stored ``word + 1`` from Python: two ringers could read the same value, and
+    one preempted between its load and its store could move the word back to a value a waiter had
+    drained, which then slept through a ready message until its timeout (the model's counterexample
+    "old-ring"). FUTEX_WAKE_OP makes the add atomic with no C helper, and a ring stays one syscall.
 
     Chosen over a FIFO in /dev/shm (the first version): it needs no file of its own, and a futex
     wake is not a "sync" wakeup, as a pipe write is, which tells the scheduler that the waker is
@@ -55,8 +64,11 @@ class FutexDoorbell(Doorbell):
         self._seen = 0
 
     def ring(self) -> None:
-        self._cell.value = (self._cell.value + 1) & 0x7FFFFFFF
-        _futex(self._addr, _FUTEX_WAKE, 0x7FFFFFFF, None)
+        if _SYS_FUTEX is None:  # pragma: no cover - another architecture: waiters nap instead
+            return
+        if _futex(self._addr, _FUTEX_WAKE_OP, _WAKE_ALL, None, self._addr, _ADD_ONE) < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"FUTEX_WAKE_OP: {os.strerror(err)}")
 
     def drain(self) -> None:
         self._seen = self._cell.value
@@ -78,14 +90,18 @@ class _Timespec(ctypes.Structure):
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # NOTE: CDLL calls release the GIL while blocked
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
+_FUTEX_WAIT, _FUTEX_WAKE_OP = 0, 5  # not FUTEX_PRIVATE: the word is shared between processes
+_WAKE_ALL = 0x7FFFFFFF
+# FUTEX_OP(FUTEX_OP_ADD, 1, FUTEX_OP_CMP_EQ, 0): add 1 to the second word. The compare decides
+# only whether to wake waiters of the second word too; it is the same word, already woken.
+_ADD_ONE = (1 << 28) | (0 << 24) | (1 << 12) | 0
 
 
-def _futex(addr: int, op: int, val: int, timeout) -> int:
+def _futex(addr: int, op: int, val: int, timeout, addr2: int | None = None, val3: int = 0) -> int:
     if _SYS_FUTEX is None:  # pragma: no cover - another architecture: degrade to naps
         time.sleep(1e-4)
         return -1
-    return _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), op, val, timeout, None, 0)
+    return _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), op, val, timeout, ctypes.c_void_p(addr2), val3)
 
 
 class EventDoorbell(Doorbell):
