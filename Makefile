@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test verify spin lint bench clean
+.PHONY: run test verify spin lint bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,11 @@ test: $(STAMP) spin
 
 bench: $(STAMP)
 	$(VENV)/bin/moeflow bench prefill --json docs/results/prefill.json
+
+# ten minutes of HTTP load on a real server with disconnects, bad requests and a worker kill
+# (not part of make test): docs/results/soak.{json,png,summary.md}
+soak: $(STAMP)
+	$(VENV)/bin/moeflow bench soak --duration-s 600 --out docs/results/soak
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill,
         profile,
         serve,
+        soak,
         trace_summary,
     )
     from moeflow.predict import cli as predict_cli
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for m in (prefill, decode, decode_attention, comm, experts, serve, compare, plot, trace_summary):
+    for m in (prefill, decode, decode_attention, comm, experts, serve, soak, compare, plot, trace_summary):
         m.add_parser(bsub)
 
     args = parser.parse_args(argv)

@@ -1,0 +1,306 @@
+"""``moeflow bench soak``: a real ``moeflow serve`` under HTTP load for minutes, with random client
+disconnects, bad requests and one injected worker kill, watched from outside (issue 18, item 7).
+
+The load is the production workload (Poisson arrivals, heavy-tailed prompts) at a fixed rate;
+each arrival is a good request (streamed or not), a client that disconnects after its first
+chunks, or a bad request (malformed JSON, a bad field, an unknown model, an oversized body). Half
+way through, the MoE worker is SIGKILLed; the server must fail what was in flight and rebuild the
+deployment. Every ``sample_s`` the RSS and open descriptors of the server and each worker and the
+server's /dev/shm bytes are recorded. ``soak_report`` judges the run and draws it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from moeflow.bench.http_client import token_prompts
+from moeflow.bench.workload import WorkloadConfig, generate_requests
+
+KINDS = ("ok", "ok_stream", "disconnect", "bad_json", "bad_field", "bad_model", "too_big")
+WEIGHTS = (0.4, 0.4, 0.08, 0.03, 0.03, 0.03, 0.03)
+MAX_BODY_BYTES = 65536  # the server's limit in the soak: a too_big body is twice this
+
+
+@dataclass
+class Answer:
+    """What one request got: ``status`` 0 when the client gave up or disconnected on purpose."""
+
+    kind: str
+    sent_s: float  # since the start of the load
+    end_s: float
+    status: int
+    code: str | None = None  # the error body's code
+    retry_after: str | None = None
+    ttft_s: float | None = None
+    finish: str | None = None  # finish_reason of a completed request
+    note: str | None = None  # a client-side exception
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("soak", help="a server under load for minutes: leaks, errors, a worker kill (issue 18)")
+    p.add_argument("--duration-s", type=float, default=600.0)
+    p.add_argument("--rps", type=float, default=0.6, help="arrivals per second (default: ~80%% of asap D1 E1's "
+                   "SLO rate on production x 0.1 here)")
+    p.add_argument("--length-scale", type=float, default=0.1)
+    p.add_argument("--sample-s", type=float, default=5.0)
+    p.add_argument("--kill-at-s", type=float, default=None, help="when to SIGKILL the MoE worker (default: half way)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="docs/results/soak", help="writes OUT.json, OUT.png and OUT.md")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER,
+                   help="after --: moeflow serve's flags (default: --model tiny --mode asap --attn-dp 1 --moe-workers 1)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeflow.bench.provenance import write_json
+    from moeflow.bench.soak_report import judge, write_report
+
+    serve_args = [a for a in args.serve_args if a != "--"] or ["--model", "tiny", "--mode", "asap", "--attn-dp", "1",
+                                                               "--moe-workers", "1"]
+    kill_at = args.kill_at_s if args.kill_at_s is not None else args.duration_s / 2
+    result = soak(serve_args, args.duration_s, args.rps, args.length_scale, args.sample_s, kill_at, args.seed)
+    result["verdict"] = judge(result)
+    write_json(args.out + ".json", result, sys.argv)
+    write_report(result, args.out)
+    print(json.dumps(result["verdict"], indent=1))
+    return 0 if result["verdict"]["pass"] else 1
+
+
+def soak(serve_args: list[str], duration_s: float, rps: float, length_scale: float, sample_s: float,
+         kill_at_s: float, seed: int) -> dict:
+    """Start the server, run the load with its sampler and its kill, stop the server; the raw record."""
+    from moeflow.workers.launch import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "moeflow", "serve", *serve_args, "--port", str(port),
+           "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "warning"]
+    log_path = f"/tmp/moeflow-soak-{os.getpid()}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seen: set[int] = set()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        t_up = _wait_healthy(proc, url, 600.0)
+        samples, answers, kill = asyncio.run(_drive(proc.pid, url, duration_s, rps, length_scale, sample_s,
+                                                    kill_at_s, seed, seen))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    time.sleep(1.0)
+    with open(log_path) as f:
+        log_tail = f.read()[-4000:]
+    return {"command": cmd, "duration_s": duration_s, "rps": rps, "length_scale": length_scale, "seed": seed,
+            "sample_s": sample_s, "startup_s": t_up, "server_exit_code": code, "kill": kill,
+            "samples": samples, "answers": [asdict(a) for a in answers],
+            "after_shutdown": {"processes_left": sorted(p for p in seen if _alive(p)),
+                               "shm": _shm(proc.pid)}, "server_log_tail": log_tail}
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> float:
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moeflow serve exited with {proc.returncode} while starting")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"moeflow serve was not healthy within {timeout_s:.0f} s")
+
+
+async def _drive(server: int, url: str, duration_s: float, rps: float, length_scale: float, sample_s: float,
+                 kill_at_s: float, seed: int, seen: set[int]):
+    import httpx
+
+    reqs = generate_requests(WorkloadConfig(kind="production", rate_rps=rps, duration_s=duration_s,
+                                            length_scale=length_scale, seed=seed, output_len=32))
+    prompts = token_prompts(reqs, seed)
+    rng = random.Random(seed)
+    kinds = rng.choices(KINDS, WEIGHTS, k=len(reqs))
+    samples: list[dict] = []
+    kill: dict = {}
+    start = time.monotonic()
+    done = asyncio.Event()
+    async with httpx.AsyncClient(base_url=url, timeout=120.0,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=32)) as c:
+        async def sampler():
+            while not done.is_set():
+                samples.append(await _sample(c, server, time.monotonic() - start, seen))
+                try:
+                    await asyncio.wait_for(done.wait(), sample_s)
+                except asyncio.TimeoutError:
+                    pass
+            samples.append(await _sample(c, server, time.monotonic() - start, seen))
+
+        async def killer():
+            await asyncio.sleep(kill_at_s)
+            workers = [p for p, role in _children(server).items() if role == "worker"]
+            victim = min(workers)  # the expert side is started first
+            t = time.monotonic() - start
+            os.kill(victim, signal.SIGKILL)
+            kill.update(pid=victim, at_s=t)
+            while True:
+                await asyncio.sleep(0.2)
+                try:
+                    if (await c.get("/health", timeout=5)).status_code == 200:
+                        kill["healed_at_s"] = time.monotonic() - start
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - start > kill_at_s + 600:
+                    return
+
+        async def one(i: int) -> Answer:
+            await asyncio.sleep(max(0.0, start + reqs[i].arrival_s - time.monotonic()))
+            return await _send(c, kinds[i], prompts[i], reqs[i].output_len, start)
+
+        tasks = [asyncio.ensure_future(sampler()), asyncio.ensure_future(killer())]
+        answers = await asyncio.gather(*(one(i) for i in range(len(reqs))))
+        done.set()
+        await asyncio.gather(*tasks)
+    return samples, answers, kill
+
+
+async def _send(c, kind: str, prompt: list[int], max_tokens: int, start: float) -> Answer:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    t0 = time.monotonic()
+    a = Answer(kind, t0 - start, 0.0, 0)
+    try:
+        if kind in ("ok_stream", "disconnect"):
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                a.status = r.status_code
+                if r.status_code != 200:
+                    a.code = json.loads(await r.aread()).get("error", {}).get("code")
+                    a.retry_after = r.headers.get("retry-after")
+                chunks = 0
+                async for line in (r.aiter_lines() if r.status_code == 200 else _nothing()):
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        a.code = data["error"].get("code")
+                        break
+                    chunks += 1
+                    if chunks == 1:
+                        a.ttft_s = time.monotonic() - t0
+                    a.finish = data["choices"][0].get("finish_reason") or a.finish
+                    if kind == "disconnect" and chunks == 2:
+                        a.note = "disconnected"
+                        break
+        else:
+            if kind == "ok":
+                r = await c.post("/v1/completions", json=body)
+            elif kind == "bad_json":
+                r = await c.post("/v1/completions", content=b'{"prompt": [1, 2', headers={"content-type": "application/json"})
+            elif kind == "bad_field":
+                r = await c.post("/v1/completions", json={**body, "max_tokens": -5})
+            elif kind == "bad_model":
+                r = await c.post("/v1/completions", json={**body, "model": "no-such-model"})
+            else:  # too_big
+                r = await c.post("/v1/completions", content=b'{"prompt": "' + b"a" * (2 * MAX_BODY_BYTES) + b'"}',
+                                 headers={"content-type": "application/json"})
+            a.status = r.status_code
+            out = r.json()
+            if r.status_code == 200:
+                a.finish = out["choices"][0]["finish_reason"]
+            else:
+                a.code = out.get("error", {}).get("code")
+            a.retry_after = r.headers.get("retry-after")
+    except Exception as e:  # noqa: BLE001  (a client-side failure is recorded, judged by the report)
+        a.note = f"{type(e).__name__}: {e}"[:200]
+    a.end_s = time.monotonic() - start
+    return a
+
+
+async def _nothing():
+    return
+    yield
+
+
+async def _sample(c, server: int, t: float, seen: set[int]) -> dict:
+    procs = {server: "server", **_children(server)}
+    seen.update(procs)
+    stats = {}
+    for pid, role in procs.items():
+        rss, fds = _rss_mb(pid), _fds(pid)
+        if rss is not None:
+            stats[str(pid)] = {"role": role, "rss_mb": rss, "fds": fds}
+    try:
+        health = (await c.get("/health", timeout=5)).status_code
+    except Exception:  # noqa: BLE001
+        health = 0
+    return {"t": t, "procs": stats, "shm": _shm(server), "health": health}
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Direct children of ``pid``: "worker" (a deployment's process) or "other" (multiprocessing's tracker)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        out[int(entry)] = "worker" if b"spawn_main" in cmdline else "other"
+    return out
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _fds(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+def _shm(server: int) -> dict:
+    """The server's /dev/shm segments: bytes resident, files, deployments."""
+    prefix = f"moeflow-{server}-"
+    names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    size = 0
+    for n in names:
+        try:
+            size += os.stat(os.path.join("/dev/shm", n)).st_blocks * 512
+        except OSError:
+            pass
+    return {"mb": size / 2**20, "files": len(names), "deployments": len({n.split(".")[0] for n in names})}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
