@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(VENV)/bin/moeflow bench prefill --json docs/results/prefill.json
 
 # ten minutes of HTTP load on a real server with disconnects, bad requests and a worker kill
-# (not part of make test): docs/results/soak.{json,png,summary.md}
+# (not part of make test): docs/results/soak.{json,png,md}
 soak: $(STAMP)
 	$(VENV)/bin/moeflow bench soak --duration-s 600 --out docs/results/soak
 

@@ -96,7 +96,11 @@ def judge(r: dict) -> dict:
 def write_report(r: dict, out: str) -> None:
     _plot(r, out + ".png")
     v = r["verdict"]
-    lines = [f"Soak: {r['duration_s']:.0f} s at {r['rps']} rps (production x {r['length_scale']}), "
+    name = out.rsplit("/", 1)[-1]
+    lines = ["# Soak: a server under load, with disconnects, bad requests and a worker kill (issue 18, item 7)", "",
+             f"`{' '.join(r['command'][2:])}` driven by `moeflow bench soak` (provenance in `{name}.json`).", "",
+             f"![RSS, descriptors, /dev/shm and latency over time]({name}.png)", "",
+             f"Soak: {r['duration_s']:.0f} s at {r['rps']} rps (production x {r['length_scale']}), "
              f"{len(r['answers'])} requests; MoE worker pid {r['kill'].get('pid')} SIGKILLed at "
              f"{r['kill'].get('at_s', float('nan')):.0f} s, serving again after "
              f"{v['heal_s'] if v['heal_s'] is not None else float('nan'):.1f} s. Verdict: "
@@ -106,7 +110,7 @@ def write_report(r: dict, out: str) -> None:
     lines += ["", "| process | mean RSS MB | slope MB/min after warm-up | fitted growth MB |", "|---|---|---|---|"]
     lines += [f"| {m['role']} {pid} | {m['mean_mb']} | {m['slope_mb_per_min']} | {m['growth_mb']} |"
               for pid, m in v["memory"].items()]
-    with open(out + ".summary.md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

@@ -47,3 +47,15 @@ def test_judge_passes_a_clean_run_and_names_each_failure():
     assert not grown["memory"]["1"]["bounded"] and grown["memory"]["2"]["bounded"]
     left = judge(_record(2.0, leftover_files=3))
     assert not left["checks"]["nothing left after shutdown"]
+
+
+def test_report_writes_the_figure_and_the_summary(tmp_path):
+    from moeflow.bench.soak_report import write_report
+
+    r = {**_record(2.0), "command": ["python", "-m", "moeflow", "serve", "--model", "tiny"], "duration_s": 200.0,
+         "rps": 0.6, "length_scale": 0.1}
+    r["verdict"] = judge(r)
+    write_report(r, str(tmp_path / "soak"))
+    text = (tmp_path / "soak.md").read_text()
+    assert "PASS" in text and "moeflow serve --model tiny" in text and "soak.png" in text
+    assert (tmp_path / "soak.png").stat().st_size > 10_000
