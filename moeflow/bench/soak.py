@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                                                                "--moe-workers", "1"]
     kill_at = args.kill_at_s if args.kill_at_s is not None else args.duration_s / 2
     result = soak(serve_args, args.duration_s, args.rps, args.length_scale, args.sample_s, kill_at, args.seed)
+    write_json(args.out + ".json", result, sys.argv)  # the raw record first: a bug below must not lose the run
     result["verdict"] = judge(result)
     write_json(args.out + ".json", result, sys.argv)
     write_report(result, args.out)

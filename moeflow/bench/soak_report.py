@@ -71,7 +71,7 @@ def judge(r: dict) -> dict:
             mean = float(np.mean(d["rss"]))
             memory[pid] = {"role": d["role"], "mean_mb": round(mean, 1), "slope_mb_per_min": round(slope, 3),
                            "growth_mb": round(growth, 2),
-                           "bounded": growth < max(TREND_FLOOR_MB, TREND_LIMIT * mean)}
+                           "bounded": bool(growth < max(TREND_FLOOR_MB, TREND_LIMIT * mean))}
     server = next(d for d in _series(r["samples"]).values() if d["role"] == "server")
     half = len(server["fds"]) // 2
     fds_first, fds_last = max(server["fds"][:half] or [0]), max(server["fds"][half:] or [0])
@@ -87,6 +87,7 @@ def judge(r: dict) -> dict:
         "one deployment's segments at most": max_deployments <= 1,
         "nothing left after shutdown": not after["processes_left"] and after["shm"]["files"] == 0,
     }
+    checks = {k: bool(ok) for k, ok in checks.items()}
     return {"pass": all(checks.values()), "checks": checks, "answers": classes, "memory": memory,
             "server_fds": {"first_half_max": fds_first, "second_half_max": fds_last},
             "max_deployments_in_shm": max_deployments,

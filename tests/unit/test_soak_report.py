@@ -1,6 +1,8 @@
 """The soak verdict on records built by hand: what counts as expected and what fails the run."""
 from __future__ import annotations
 
+import json
+
 from moeflow.bench.soak_report import classify, judge
 
 KILL = {"pid": 9, "at_s": 100.0, "healed_at_s": 110.0}
@@ -41,6 +43,7 @@ def _record(rss_growth_mb: float, leftover_files: int = 0) -> dict:
 def test_judge_passes_a_clean_run_and_names_each_failure():
     v = judge(_record(rss_growth_mb=2.0))
     assert v["pass"], v["checks"]
+    json.dumps(v)  # plain types only: it goes into the result file
     assert v["heal_s"] == 10.0 and v["answers"] == {"ok": 1, "kill_500": 1}
     grown = judge(_record(rss_growth_mb=200.0))  # 40% of the server's RSS over the run
     assert not grown["pass"] and not grown["checks"]["bounded memory after warm-up"]
