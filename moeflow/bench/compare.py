@@ -68,9 +68,22 @@ def run(args: argparse.Namespace) -> int:
     if find_slo and not exp.slo_ttft_s:
         raise ValueError("--find-slo-rps needs slo_ttft_s in the config")
     profile = args.profile or exp.profile
+    if profile:  # NOTE: read now, not after an hour of measuring (the capacity needs it at the end)
+        from moeflow.bench.capacity import load_profile
+        if not os.path.exists(profile):
+            raise FileNotFoundError(f"the profile {profile!r} (the config's profile:, for the capacity fraction) does "
+                                    f"not exist: run `moeflow profile --model {exp.model} --json {profile}` first, "
+                                    f"or give --profile")
+        load_profile(profile)
     t0 = time.monotonic()
     runs = _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args)
-    result = _assemble(exp, names, runs, repeats, metric, profile, args.config)
+    try:
+        result = _assemble(exp, names, runs, repeats, metric, profile, args.config)
+    except Exception:  # the measurements outlive a bug in the summary: kept next to the result
+        if args.json:
+            write_json(args.json + ".raw.json", {"runs": runs})
+            print(f"bench compare: summarizing failed; the raw runs are in {args.json}.raw.json", flush=True)
+        raise
     result["wall_s"] = time.monotonic() - t0
     _write(result, args)
     return 0

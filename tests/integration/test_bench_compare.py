@@ -61,3 +61,13 @@ def test_compare_runs_every_system_interleaved_with_intervals(checkpoints, tmp_p
     assert main(["bench", "compare", "--merge", str(out), str(tmp_path / "other.json"), "--allow-mixed",
                  "--json", str(tmp_path / "m2.json")]) == 0
     assert json.loads((tmp_path / "m2.json").read_text())["provenance"]["commit"].startswith("mixed")
+
+
+def test_a_missing_profile_fails_before_any_measurement(tmp_path):
+    import pytest
+
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text(EXPERIMENT.replace("MODEL", "tiny").replace("PROFILE", str(tmp_path / "nope.json")))
+    with pytest.raises(FileNotFoundError, match="moeflow profile --model tiny"):
+        main(["bench", "compare", str(cfg), "--json", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()

@@ -186,6 +186,9 @@ def test_a_failed_engine_is_restarted_and_serves_again():
     assert last.finish_reason == "error" and "boom" in last.error  # the affected request still ends with the error
     assert tokens == [7, 7] and done.finish_reason == "length"
     assert e.llm.restarts == 1 and e.metrics.restarts.labels("ok")._value.get() == 1
+    deadline = clock() + 5  # the snapshot is refreshed after the engine thread's iteration, not with the answer
+    while e.snapshot().num_pending and clock() < deadline:
+        threading.Event().wait(0.01)
     assert e.snapshot().num_pending == 0
     e.shutdown()
 
