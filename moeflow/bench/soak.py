@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--kill-at-s", type=float, default=None, help="when to SIGKILL the MoE worker (default: half way)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/results/soak", help="writes OUT.json, OUT.png and OUT.md")
+    p.add_argument("--report-only", action="store_true",
+                   help="judge OUT.json's recorded run again (its provenance kept) and redraw OUT.png and OUT.md")
     p.add_argument("serve_args", nargs=argparse.REMAINDER,
                    help="after --: moeflow serve's flags (default: --model tiny --mode asap --attn-dp 1 --moe-workers 1)")
     p.set_defaults(func=run)
@@ -65,6 +67,15 @@ def run(args: argparse.Namespace) -> int:
 
     serve_args = [a for a in args.serve_args if a != "--"] or ["--model", "tiny", "--mode", "asap", "--attn-dp", "1",
                                                                "--moe-workers", "1"]
+    if args.report_only:
+        with open(args.out + ".json") as f:
+            result = json.load(f)
+        result["verdict"] = judge(result)
+        with open(args.out + ".json", "w") as f:
+            json.dump(result, f, indent=2)
+        write_report(result, args.out)
+        print(json.dumps(result["verdict"]["checks"], indent=1))
+        return 0 if result["verdict"]["pass"] else 1
     kill_at = args.kill_at_s if args.kill_at_s is not None else args.duration_s / 2
     result = soak(serve_args, args.duration_s, args.rps, args.length_scale, args.sample_s, kill_at, args.seed)
     write_json(args.out + ".json", result, sys.argv)  # the raw record first: a bug below must not lose the run
