@@ -71,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.out + ".json") as f:
             result = json.load(f)
         result["verdict"] = judge(result)
-        with open(args.out + ".json", "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out + ".json", result)  # the record's own provenance is kept
         write_report(result, args.out)
         print(json.dumps(result["verdict"]["checks"], indent=1))
         return 0 if result["verdict"]["pass"] else 1
