@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[float, dict]] = {}
     for name, flags, _ in SYSTEMS:
         results[name] = {}
-        with _Server(args.model, ["--dtype", args.dtype, *flags], os.path.join(args.out_dir, f"server-{name}.log")) as url:
+        with ServeProcess(args.model, ["--dtype", args.dtype, *flags], os.path.join(args.out_dir, f"server-{name}.log")) as url:
             print(f"[{time.monotonic() - t0:3.0f} s] {name}: moeflow serve {' '.join(flags)} is up at {url} "
                   f"({_dtype_line(os.path.join(args.out_dir, f'server-{name}.log'))})", flush=True)
             for rate in rates:
@@ -120,7 +120,7 @@ def side_by_side(columns: list[tuple[str, dict]], percentiles: tuple[float, ...]
     return "\n".join(lines)
 
 
-class _Server:
+class ServeProcess:
     """``moeflow serve`` in a subprocess on a free port; stopped (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self, model: str, flags: list[str], log_path: str):

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -88,27 +87,19 @@ def run(args: argparse.Namespace) -> int:
 def soak(serve_args: list[str], duration_s: float, rps: float, length_scale: float, sample_s: float,
          kill_at_s: float, seed: int) -> dict:
     """Start the server, run the load with its sampler and its kill, stop the server; the raw record."""
-    from moeflow.workers.launch import free_port
+    from moeflow.bench.demo import ServeProcess
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "moeflow", "serve", *serve_args, "--port", str(port),
-           "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "warning"]
+    model, flags = _model_of(serve_args)
     log_path = f"/tmp/moeflow-soak-{os.getpid()}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     seen: set[int] = set()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        t_up = _wait_healthy(proc, url, 600.0)
-        samples, answers, kill = asyncio.run(_drive(proc.pid, url, duration_s, rps, length_scale, sample_s,
+    t0 = time.monotonic()
+    srv = ServeProcess(model, [*flags, "--max-body-bytes", str(MAX_BODY_BYTES)], log_path)
+    cmd = srv.cmd
+    with srv as url:
+        t_up = time.monotonic() - t0
+        samples, answers, kill = asyncio.run(_drive(srv.proc.pid, url, duration_s, rps, length_scale, sample_s,
                                                     kill_at_s, seed, seen))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
+    code = srv.proc.returncode
     time.sleep(1.0)
     with open(log_path) as f:
         log_tail = f.read()[-4000:]
@@ -116,23 +107,15 @@ def soak(serve_args: list[str], duration_s: float, rps: float, length_scale: flo
             "sample_s": sample_s, "startup_s": t_up, "server_exit_code": code, "kill": kill,
             "samples": samples, "answers": [asdict(a) for a in answers],
             "after_shutdown": {"processes_left": sorted(p for p in seen if _alive(p)),
-                               "shm": _shm(proc.pid)}, "server_log_tail": log_tail}
+                               "shm": _shm(srv.proc.pid)}, "server_log_tail": log_tail}
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> float:
-    import httpx
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moeflow serve exited with {proc.returncode} while starting")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"moeflow serve was not healthy within {timeout_s:.0f} s")
+def _model_of(serve_args: list[str]) -> tuple[str, list[str]]:
+    """``--model M`` out of moeflow serve's flags (the server runner takes it apart); default tiny."""
+    if "--model" in serve_args:
+        i = serve_args.index("--model")
+        return serve_args[i + 1], serve_args[:i] + serve_args[i + 2:]
+    return "tiny", serve_args
 
 
 async def _drive(server: int, url: str, duration_s: float, rps: float, length_scale: float, sample_s: float,
@@ -161,7 +144,7 @@ async def _drive(server: int, url: str, duration_s: float, rps: float, length_sc
 
         async def killer():
             await asyncio.sleep(kill_at_s)
-            workers = [p for p, role in _children(server).items() if role == "worker"]
+            workers = [p for p, role in children(server).items() if role == "worker"]
             victim = min(workers)  # the expert side is started first
             t = time.monotonic() - start
             os.kill(victim, signal.SIGKILL)
@@ -247,7 +230,7 @@ async def _nothing():
 
 
 async def _sample(c, server: int, t: float, seen: set[int]) -> dict:
-    procs = {server: "server", **_children(server)}
+    procs = {server: "server", **children(server)}
     seen.update(procs)
     stats = {}
     for pid, role in procs.items():
@@ -261,7 +244,7 @@ async def _sample(c, server: int, t: float, seen: set[int]) -> dict:
     return {"t": t, "procs": stats, "shm": _shm(server), "health": health}
 
 
-def _children(pid: int) -> dict[int, str]:
+def children(pid: int) -> dict[int, str]:
     """Direct children of ``pid``: "worker" (a deployment's process) or "other" (multiprocessing's tracker)."""
     out = {}
     for entry in os.listdir("/proc"):

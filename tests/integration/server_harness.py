@@ -11,6 +11,8 @@ import time
 
 import httpx
 
+from moeflow.bench.soak import children
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -63,20 +65,7 @@ class ServerProcess:
 
     def worker_pids(self) -> list[int]:
         """Worker processes of the deployment (multiprocessing's spawned children of the server)."""
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read()
-            except OSError:
-                continue
-            if ppid == self.proc.pid and b"spawn_main" in cmdline:
-                pids.append(int(entry))
-        return pids
+        return [pid for pid, role in children(self.proc.pid).items() if role == "worker"]
 
     def stop(self) -> int:
         """SIGTERM (a graceful stop that releases workers and shared memory); SIGKILL if it hangs."""
