@@ -41,3 +41,11 @@ def paged_attention_mode() -> str:
     """$MOEFLOW_PAGED_ATTENTION: how decode attention reads the KV cache (``model/paged_attention.py``):
     auto (default), gather (force the per-request gather, for before/after runs) or kernel (require it)."""
     return os.environ.get("MOEFLOW_PAGED_ATTENTION", "auto").strip().lower() or "auto"
+
+
+def launcher_env() -> dict[str, str]:
+    """What a torchrun- or SLURM-style launcher says about the hosts, by ``ClusterConfig`` field:
+    $WORLD_SIZE (nnodes, one moeflow process per host), $NODE_RANK, $MASTER_ADDR, $MASTER_PORT."""
+    names = {"nnodes": "WORLD_SIZE", "node_rank": "NODE_RANK", "master_addr": "MASTER_ADDR",
+             "master_port": "MASTER_PORT"}
+    return {field: os.environ[var] for field, var in names.items() if os.environ.get(var)}

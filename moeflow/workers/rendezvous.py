@@ -1,0 +1,111 @@
+"""The rendezvous of a deployment that spans hosts: one torch.distributed TCPStore on node 0.
+
+Everything the hosts say to each other besides tensors goes through it (the issue's "no second
+ad-hoc channel"): the setups of each node's workers, their control messages both ways, heartbeats,
+and the gloo world's own rendezvous (under a key prefix, ``workers/world.py``). Node 0's engine
+process hosts it for its lifetime (restarts included); the other nodes connect as clients.
+
+A ``Channel`` is a FIFO of pickled objects (the store's queue_push / queue_pop), one writer and one
+reader. NOTE: a reader polls ``queue_len`` with a backoff (0.5 -> 10 ms) instead of a blocking pop:
+the store's blocking calls only time out with a C++ warning on stderr each time, and a reader has
+to look up now and then (a stop flag, a heartbeat).
+"""
+from __future__ import annotations
+
+import pickle
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from moeflow.config import ClusterConfig
+
+_MIN_NAP_S, _MAX_NAP_S = 0.0005, 0.01
+_servers: dict[int, dist.TCPStore] = {}  # port -> the store this process hosts (node 0)
+
+
+class RendezvousError(RuntimeError):
+    """Node 0 could not be reached, or stopped answering."""
+
+
+def host(cluster: ClusterConfig) -> dist.TCPStore:
+    """Node 0: the store on ``master_port`` (on every interface), started once per process."""
+    store = _servers.get(cluster.master_port)
+    if store is None:
+        try:
+            store = dist.TCPStore("0.0.0.0", cluster.master_port, None, True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=cluster.connect_timeout_s))
+        except (RuntimeError, OSError) as e:
+            raise RendezvousError(f"node 0 cannot host the rendezvous on port {cluster.master_port}: {e}") from None
+        _servers[cluster.master_port] = store
+    return store
+
+
+def connect(cluster: ClusterConfig, timeout_s: float | None = None) -> dist.TCPStore:
+    """A client connection to node 0's store (a thread that polls wants its own: calls serialize)."""
+    timeout_s = cluster.connect_timeout_s if timeout_s is None else timeout_s
+    try:
+        return dist.TCPStore(cluster.master_addr, cluster.master_port, None, False,
+                             timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:
+        raise RendezvousError(f"no rendezvous at {cluster.master_addr}:{cluster.master_port} after "
+                              f"{timeout_s:g} s (is node 0 up, and the address reachable from here?): {e}") from None
+
+
+class Channel:
+    """One direction of one conversation: ``put`` pickles an object onto the queue ``name``."""
+
+    def __init__(self, store: dist.TCPStore, name: str):
+        self.store, self.name = store, name
+        self._nap_s = _MIN_NAP_S
+
+    def put(self, obj) -> None:
+        try:
+            self.store.queue_push(self.name, pickle.dumps(obj))
+        except RuntimeError as e:
+            raise RendezvousError(f"rendezvous lost while sending on {self.name}: {e}") from None
+
+    def get(self, timeout_s: float):
+        """The next object, or None when nothing came within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.store.queue_len(self.name) > 0:
+                    self._nap_s = _MIN_NAP_S
+                    return pickle.loads(self.store.queue_pop(self.name, False))
+            except RuntimeError as e:
+                raise RendezvousError(f"rendezvous lost while receiving on {self.name}: {e}") from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(self._nap_s, left))
+            self._nap_s = min(2 * self._nap_s, _MAX_NAP_S)
+
+
+class Heartbeat:
+    """A counter a node bumps every ``period_s``; the other side sees it stall."""
+
+    def __init__(self, store: dist.TCPStore, node: int):
+        self.store, self.key = store, f"moeflow/heartbeat/{node}"
+        self._last, self._seen_at = -1, time.monotonic()
+
+    def beat(self) -> None:
+        self.store.add(self.key, 1)
+
+    def silent_s(self) -> float:
+        """Seconds since the counter last moved (as seen by this reader)."""
+        n = self.store.add(self.key, 0)
+        now = time.monotonic()
+        if n != self._last:
+            self._last, self._seen_at = n, now
+        return now - self._seen_at
+
+
+def node_inbox(node: int) -> str:
+    """Where the engine posts a node's StartWorkers / StopWorkers and its workers' messages."""
+    return f"moeflow/node{node}/down"
+
+
+def node_outbox(node: int) -> str:
+    """Where a node posts its workers' messages (and WorkerExited) to the engine."""
+    return f"moeflow/node{node}/up"
