@@ -94,3 +94,14 @@ def test_asap_attention_on_one_host_experts_on_the_other(checkpoints, reference,
     assert r["fail_s"] < 10
     assert r["restarts"] == 1
     _assert_same(r["healed_outputs"], reference)
+
+
+def test_dep_one_rank_per_host(checkpoints, reference, tmp_path):
+    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, dict(mode="dep", dp=2), kill=True, tag="d")
+    print(f"dep on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s, "
+          f"a request failed {r['fail_s']:.2f} s after the kill, healed generate {r['heal_s']:.2f} s")
+    assert sum(r["nodes"].values()) == 1, r["nodes"]  # rank 1 on host B
+    _assert_same(r["outputs"], reference)
+    assert r["fail_error"] and r["fail_s"] < 10, r["fail_error"]
+    assert r["restarts"] == 1
+    _assert_same(r["healed_outputs"], reference)
