@@ -10,6 +10,7 @@ which every wait of the engine sees at once.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import threading
@@ -120,8 +121,8 @@ class RemoteNode:
                 continue  # a message of an earlier deployment, late
             conn, proc = self._relay_ends[slot], self.handles[slot][1]
             if isinstance(msg, WorkerExited):
-                log.warning("node %d: %s worker %d exited (code %s)", self.node, proc.setup.role, proc.setup.index,
-                            msg.exitcode)
+                log.log(logging.DEBUG if msg.exitcode == 0 else logging.WARNING, "node %d: %s worker %d exited "
+                        "(code %s)", self.node, proc.setup.role, proc.setup.index, msg.exitcode)
                 conn.close()
                 proc.mark_dead(msg.exitcode)
                 continue

@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 from netns import two_hosts
 from parity import PARAMS, PROMPTS
+from server_harness import ServerProcess
 
 from moeflow import LLM
 
@@ -38,6 +42,28 @@ def _assert_same(outs: list, refs: list) -> None:
             assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-3
 
 
+def _worker_node(host, master_addr: str, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen(host.command(sys.executable, "-m", "moeflow", "worker-node", "--nnodes", "2", "--node-rank",
+                                         "1", "--master-addr", master_addr, "--master-port", str(port)),
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _children(pid: int) -> list[int]:
+    """The worker processes a worker node spawned (multiprocessing's spawn_main children)."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if ppid == pid and b"spawn_main" in f.read():
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
 def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, tag: str = "") -> dict:
     """Node 0 (the engine) in host A and a worker node in host B; returns node 0's result."""
     port = 29400 + os.getpid() % 500
@@ -51,11 +77,7 @@ def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, t
         procs = []
         try:
             # the worker node first: it waits for node 0, as a launcher may start them in any order
-            procs.append(subprocess.Popen(b.command(sys.executable, "-m", "moeflow", "worker-node", "--nnodes", "2",
-                                                    "--node-rank", "1", "--master-addr", a.addr,
-                                                    "--master-port", str(port)),
-                                          env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
+            procs.append(_worker_node(b, a.addr, port))
             procs.append(subprocess.Popen(a.command(sys.executable, NODE0, checkpoint, str(req), str(out)),
                                           env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
@@ -105,3 +127,48 @@ def test_dep_one_rank_per_host(checkpoints, reference, tmp_path):
     assert r["fail_error"] and r["fail_s"] < 10, r["fail_error"]
     assert r["restarts"] == 1
     _assert_same(r["healed_outputs"], reference)
+
+
+def test_the_server_survives_and_heals_a_lost_worker_node(checkpoints, tmp_path, monkeypatch):
+    """``moeflow serve --nnodes 2 --node-rank 0`` here, the MoE workers on host B: after a kill of
+    host B's workers a request ends with an error within seconds, /health stays answered, and the
+    restarted deployment (whose workers host B starts again) serves."""
+    port = 29900 + os.getpid() % 90
+    with two_hosts("s", a_is_here=True) as (a, b):
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", a.dev)  # the server's workers talk gloo on the veth
+        node = _worker_node(b, a.addr, port)
+        s = None
+        try:
+            s = ServerProcess(checkpoints("qwen3").path, "--mode", "asap", "--moe-workers", "2", "--dtype", "float32",
+                              "--nnodes", "2", "--node-rank", "0", "--master-addr", a.addr, "--master-port", str(port),
+                              "--max-restarts", "3", "--restart-backoff-s", "0.2", log_path=str(tmp_path / "s.log"))
+            body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+            assert httpx.post(s.url + "/v1/completions", json=body, timeout=30).status_code == 200, s.log()
+            victims = _children(node.pid)
+            assert len(victims) == 2, victims
+            with httpx.Client(base_url=s.url, timeout=30) as c:
+                t0 = time.monotonic()
+                for pid in victims:
+                    os.kill(pid, signal.SIGKILL)
+                r = c.post("/v1/completions", json={**body, "max_tokens": 300, "ignore_eos": True})
+                fail_s = time.monotonic() - t0
+                assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text
+                assert c.get("/health").status_code in (200, 503)  # the server is up
+                while (r := c.post("/v1/completions", json=body)).status_code != 200:
+                    assert time.monotonic() - t0 < 60, f"not healed after 60 s:\n{s.log()}"
+                    time.sleep(0.1)
+                heal_s = time.monotonic() - t0
+            print(f"server on two hosts: a request failed {fail_s:.2f} s after the kill; serving again after "
+                  f"{heal_s:.1f} s")
+            assert fail_s < 10
+            assert len(_children(node.pid)) == 2  # host B started the new deployment's workers
+        finally:
+            if s is not None:
+                assert s.stop() in (0, 143), s.log()  # 143: SIGTERM re-raised after a clean release
+            try:
+                node.wait(timeout=20)  # node 0 gone: it exits by itself
+            finally:
+                if node.poll() is None:
+                    node.kill()
+                    node.wait(10)
+        assert node.returncode == 0, node.stdout.read()
