@@ -178,7 +178,8 @@ class Deployment:
         except (EOFError, OSError):
             pass
         w.process.join(timeout=0.5)
-        raise WorkerDied(f"{w.name} exited unexpectedly (exit code {w.process.exitcode})", w)
+        why = getattr(w.process, "reason", None) or f"exit code {w.process.exitcode}"  # a RemoteProcess knows more
+        raise WorkerDied(f"{w.name} exited unexpectedly ({why})", w)
 
     def recv_any(self, conns: list[WorkerHandle], timeout_s: float,
                  watch: list[WorkerHandle] | None = None) -> list[tuple[WorkerHandle, object]]:

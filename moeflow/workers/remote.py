@@ -33,6 +33,7 @@ class RemoteProcess:
         self.node, self.slot, self.setup = node, slot, setup
         self.pid: int | None = None  # the remote pid, from its WorkerReady
         self.exitcode: int | None = None
+        self.reason: str | None = None  # why it is taken for dead when its node cannot say (node lost)
         self._dead = threading.Event()
         self._sentinel_r, self._sentinel_w = os.pipe()  # readable (EOF) once the worker is gone
 
@@ -103,16 +104,21 @@ class RemoteNode:
 
     def _relay_up(self) -> None:
         """Workers -> engine, and the node's heartbeat."""
-        timeout_s = self.cluster.heartbeat_timeout_s
+        c, hb = self.cluster, self._heartbeat
         while not self._stopping.is_set():
             try:
                 got = self._up.get(_POLL_S)
-                silent_s = self._heartbeat.silent_s()
-            except RendezvousError as e:
+                silent_s = hb.silent_s()
+            except RuntimeError as e:
                 self._all_dead(str(e))
                 return
-            if silent_s > timeout_s:
+            if hb.has_beaten and silent_s > c.heartbeat_timeout_s:
                 self._all_dead(f"node {self.node} sent no heartbeat for {silent_s:.1f} s")
+                return
+            if not hb.has_beaten and silent_s > c.connect_timeout_s:
+                self._all_dead(f"node {self.node} did not connect within {c.connect_timeout_s:g} s: start "
+                               f"'moeflow worker-node --node-rank {self.node} --nnodes {c.nnodes} --master-addr "
+                               f"{c.master_addr} --master-port {c.master_port}' there")
                 return
             if got is None:
                 continue
@@ -139,6 +145,7 @@ class RemoteNode:
             log.error("node %d lost (%s): %d worker(s) there taken for dead", self.node, reason, len(live))
         for c, (_, p) in zip(self._relay_ends, self.handles):
             if p.is_alive():
+                p.reason = reason
                 c.close()
                 p.mark_dead(None)
 

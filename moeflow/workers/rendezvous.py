@@ -92,12 +92,19 @@ class Heartbeat:
     def beat(self) -> None:
         self.store.add(self.key, 1)
 
+    @property
+    def has_beaten(self) -> bool:
+        """Whether the node ever beat (connected), as of the last ``silent_s``."""
+        return self._last > 0
+
     def silent_s(self) -> float:
-        """Seconds since the counter last moved (as seen by this reader)."""
+        """Seconds since the counter last moved (as seen by this reader; at first, since we looked)."""
         n = self.store.add(self.key, 0)
         now = time.monotonic()
         if n != self._last:
-            self._last, self._seen_at = n, now
+            if self._last >= 0:
+                self._seen_at = now
+            self._last = n
         return now - self._seen_at
 
 

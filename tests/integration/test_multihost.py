@@ -172,3 +172,15 @@ def test_the_server_survives_and_heals_a_lost_worker_node(checkpoints, tmp_path,
                     node.kill()
                     node.wait(10)
         assert node.returncode == 0, node.stdout.read()
+
+
+def test_a_node_that_never_comes_is_named(checkpoints):
+    """No worker node: node 0 gives up after connect_timeout_s and says which node and what to run."""
+    from moeflow.config import ClusterConfig
+    from moeflow.workers.launch import WorkerDied, free_port
+
+    cluster = ClusterConfig(nnodes=2, master_port=free_port(), connect_timeout_s=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match="node 1 did not connect within 3 s: start 'moeflow worker-node --node-rank 1"):
+        LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=1, cluster=cluster)
+    assert time.monotonic() - t0 < 30
