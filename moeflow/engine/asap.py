@@ -60,12 +60,15 @@ class AsapEngine(ProcessEngine):
         check_tp(mc, t)
         self.max_model_len = context_len(config, mc)
         cluster = config.cluster
-        # Across hosts: attention (and the engine) on node 0, the MoE workers over the others, so
-        # every dispatch/combine link crosses hosts and runs over torch.distributed.
-        transport = "dist" if cluster.is_multinode and config.transport == "shm" else config.transport
-        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy())
-        config = self._budget(config, model_path)
         n = layout.num_attention_workers  # world ranks: attention g*T + m first, then MoE workers
+        # Across hosts: attention (and the engine) on node 0, the MoE workers over the others; each
+        # link is shm or gloo by its two ends' hosts (here every dispatch/combine link crosses).
+        moe_node = (lambda i: 1 + i % (cluster.nnodes - 1)) if cluster.is_multinode else (lambda i: 0)
+        transport, rank_nodes = config.transport, ()
+        if cluster.is_multinode and transport == "shm":
+            transport, rank_nodes = "links", (0,) * n + tuple(moe_node(i) for i in range(e))
+        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
+        config = self._budget(config, model_path)
         world = None
         if t > 1 or transport in DIST_TRANSPORTS:
             groups = tuple(tuple(range(g * t, (g + 1) * t)) for g in range(d)) if t > 1 else ()
@@ -73,7 +76,6 @@ class AsapEngine(ProcessEngine):
         setup = functools.partial(self._setup, model_path, comm, placement, world)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
-        moe_node = (lambda i: 1 + i % (cluster.nnodes - 1)) if cluster.is_multinode else (lambda i: 0)
         # MoE workers first: they own the dispatch buffers the attention workers attach to.
         self._launch([setup("moe", i, n + i, moe_node(i)) for i in range(e)] +
                      [setup("attention", r, r) for r in range(n)])

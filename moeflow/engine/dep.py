@@ -32,10 +32,10 @@ def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
 
 
 def _transport(config: EngineConfig) -> str:
-    """shm on one host; across hosts torch.distributed for every link (a rank's link to itself
-    short-cut in process: ``comm/loopback.py``)."""
+    """shm on one host; across hosts shm or gloo per link (``comm/links.py``). ``dist`` runs gloo on
+    every link (a rank's link to itself short-cut in process: ``comm/loopback.py``)."""
     if config.cluster.is_multinode and config.transport == "shm":
-        return "dist"
+        return "links"
     if config.transport not in ("shm", "dist"):
         raise ConfigError(f"mode 'dep' runs its all-to-all over shm or dist, not {config.transport!r}")
     return config.transport
@@ -64,12 +64,13 @@ class DepEngine(ProcessEngine):
         dp = layout.dp
         experts = expert_placement(None, dp, mc.num_experts)  # rank r holds the r-th 1/N of every layer
         self.max_model_len = context_len(config, mc)
-        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy())
+        nnodes = config.cluster.nnodes  # rank r on node r mod N
+        rank_nodes = tuple(r % nnodes for r in range(dp)) if transport == "links" else ()
+        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
-        world = self._world(dp) if transport == "dist" else None
-        nnodes = config.cluster.nnodes
+        world = self._world(dp) if transport != "shm" else None
         self._launch([self._setup(model_path, comm, experts, world, "dep", r, r, r % nnodes) for r in range(dp)])
         self.ranks = list(self.deployment.workers)
 

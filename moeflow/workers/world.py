@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from moeflow.messages import WorkerSetup
 
-DIST_TRANSPORTS = ("dist", "p2p")  # comm transports that need the world
+DIST_TRANSPORTS = ("dist", "p2p", "links")  # comm transports that need the world
 
 
 class TPGroup:

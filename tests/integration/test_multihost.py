@@ -118,15 +118,20 @@ def test_asap_attention_on_one_host_experts_on_the_other(checkpoints, reference,
     _assert_same(r["healed_outputs"], reference)
 
 
-def test_dep_one_rank_per_host(checkpoints, reference, tmp_path):
-    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, dict(mode="dep", dp=2), kill=True, tag="d")
-    print(f"dep on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s, "
-          f"a request failed {r['fail_s']:.2f} s after the kill, healed generate {r['heal_s']:.2f} s")
-    assert sum(r["nodes"].values()) == 1, r["nodes"]  # rank 1 on host B
+@pytest.mark.parametrize("dp,kill", [
+    (2, True),  # one rank per host: every link but a rank's own crosses hosts
+    (4, False),  # two per host: ranks 0, 2 on A and 1, 3 on B exchange over shm within a host, gloo across
+])
+def test_dep_across_two_hosts(checkpoints, reference, tmp_path, dp, kill):
+    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, dict(mode="dep", dp=dp), kill=kill, tag=f"d{dp}")
+    print(f"dep {dp} ranks on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s" +
+          (f", a request failed {r['fail_s']:.2f} s after the kill, healed generate {r['heal_s']:.2f} s" if kill else ""))
+    assert sum(r["nodes"].values()) == dp // 2, r["nodes"]  # the odd ranks on host B
     _assert_same(r["outputs"], reference)
-    assert r["fail_error"] and r["fail_s"] < 10, r["fail_error"]
-    assert r["restarts"] == 1
-    _assert_same(r["healed_outputs"], reference)
+    if kill:
+        assert r["fail_error"] and r["fail_s"] < 10, r["fail_error"]
+        assert r["restarts"] == 1
+        _assert_same(r["healed_outputs"], reference)
 
 
 def test_the_server_survives_and_heals_a_lost_worker_node(checkpoints, tmp_path, monkeypatch):
