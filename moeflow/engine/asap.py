@@ -59,14 +59,8 @@ class AsapEngine(ProcessEngine):
         d, t, e = layout.attn_dp, layout.attn_tp, layout.moe_workers
         check_tp(mc, t)
         self.max_model_len = context_len(config, mc)
-        cluster = config.cluster
         n = layout.num_attention_workers  # world ranks: attention g*T + m first, then MoE workers
-        # Across hosts: attention (and the engine) on node 0, the MoE workers over the others; each
-        # link is shm or gloo by its two ends' hosts (here every dispatch/combine link crosses).
-        moe_node = (lambda i: 1 + i % (cluster.nnodes - 1)) if cluster.is_multinode else (lambda i: 0)
-        transport, rank_nodes = config.transport, ()
-        if cluster.is_multinode and transport == "shm":
-            transport, rank_nodes = "links", (0,) * n + tuple(moe_node(i) for i in range(e))
+        transport, rank_nodes = self._transport((0,) * n + tuple(self._expert_node(i) for i in range(e)))
         comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
         world = None
@@ -77,7 +71,7 @@ class AsapEngine(ProcessEngine):
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         # MoE workers first: they own the dispatch buffers the attention workers attach to.
-        self._launch([setup("moe", i, n + i, moe_node(i)) for i in range(e)] +
+        self._launch([setup("moe", i, n + i, self._expert_node(i)) for i in range(e)] +
                      [setup("attention", r, r) for r in range(n)])
         self.attention = [w for w in self.deployment.workers if w.role == "attention"]
         self._inflight: dict[int, Work] = {}  # by group

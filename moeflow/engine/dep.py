@@ -31,15 +31,6 @@ def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
                     dtype=config.dtype, max_local_experts=max(len(ids) for ids in experts), shared_ranks=True)
 
 
-def _transport(config: EngineConfig) -> str:
-    """shm on one host; across hosts shm or gloo per link (``comm/links.py``). ``dist`` runs gloo on
-    every link (a rank's link to itself short-cut in process: ``comm/loopback.py``)."""
-    if config.cluster.is_multinode and config.transport == "shm":
-        return "links"
-    if config.transport not in ("shm", "dist"):
-        raise ConfigError(f"mode 'dep' runs its all-to-all over shm or dist, not {config.transport!r}")
-    return config.transport
-
 
 @footprints_for("dep")
 def _footprints(layout: DepLayout, mc, config: EngineConfig):
@@ -60,12 +51,13 @@ class DepEngine(ProcessEngine):
         if layout.tp != 1:
             raise ConfigError(f"dep layout tp={layout.tp}: the engine runs dep ranks of one process (tp 1); "
                               f"tensor-parallel ranks are the simulator's")
-        transport = _transport(config)
+        if config.transport not in ("shm", "dist"):  # dist: a rank's link to itself is a Loopback
+            raise ConfigError(f"mode 'dep' runs its all-to-all over shm or dist, not {config.transport!r}")
         dp = layout.dp
         experts = expert_placement(None, dp, mc.num_experts)  # rank r holds the r-th 1/N of every layer
         self.max_model_len = context_len(config, mc)
         nnodes = config.cluster.nnodes  # rank r on node r mod N
-        rank_nodes = tuple(r % nnodes for r in range(dp)) if transport == "links" else ()
+        transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(dp)))
         comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,

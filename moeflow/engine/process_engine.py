@@ -67,6 +67,20 @@ class ProcessEngine(Engine):
         return World(size, cluster.master_port, tuple(tp_groups), cluster.master_addr,
                      f"moeflow/{self.deployment_id}/world")
 
+    def _expert_node(self, index: int) -> int:
+        """The host of expert-side worker ``index`` when attention and experts are disaggregated
+        (asap, afd): node 0 keeps the engine and the attention side, the others share the experts."""
+        n = self.config.cluster.nnodes
+        return 1 + index % (n - 1) if n > 1 else 0
+
+    def _transport(self, rank_nodes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+        """(transport, its ``rank_nodes``) for world ranks on these hosts: the configured one on one
+        host; across hosts shm or gloo per link (``links``), unless gloo everywhere was asked for."""
+        c = self.config
+        if c.cluster.is_multinode and c.transport == "shm":
+            return "links", tuple(rank_nodes)
+        return c.transport, ()
+
     def _launch(self, setups) -> None:
         cluster = self.config.cluster
         if cluster.is_multinode:

@@ -134,6 +134,14 @@ def test_dep_across_two_hosts(checkpoints, reference, tmp_path, dp, kill):
         _assert_same(r["healed_outputs"], reference)
 
 
+def test_afd_attention_on_one_host_ffn_daemons_on_the_other(checkpoints, reference, tmp_path):
+    layout = dict(mode="afd", attn_workers=2, ffn_workers=1, micro_batches=2)
+    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, layout, tag="f")
+    print(f"afd on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s")
+    assert sum(r["nodes"].values()) == 1, r["nodes"]  # the FFN daemon on host B
+    _assert_same(r["outputs"], reference)
+
+
 def test_the_server_survives_and_heals_a_lost_worker_node(checkpoints, tmp_path, monkeypatch):
     """``moeflow serve --nnodes 2 --node-rank 0`` here, the MoE workers on host B: after a kill of
     host B's workers a request ends with an error within seconds, /health stays answered, and the
