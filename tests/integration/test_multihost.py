@@ -197,3 +197,31 @@ def test_a_node_that_never_comes_is_named(checkpoints):
     with pytest.raises(WorkerDied, match="node 1 did not connect within 3 s: start 'moeflow worker-node --node-rank 1"):
         LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=1, cluster=cluster)
     assert time.monotonic() - t0 < 30
+
+
+def test_serve_with_a_node_rank_runs_a_worker_node_from_the_launchers_environment():
+    """``moeflow serve`` on a node other than 0, told by torchrun's variables: it connects to node
+    0's rendezvous and beats; when node 0 goes away, it exits 0 by itself."""
+    from moeflow.config import ClusterConfig
+    from moeflow.workers import rendezvous
+    from moeflow.workers.launch import free_port
+
+    cluster = ClusterConfig(nnodes=2, master_port=free_port())
+    store = rendezvous.host(cluster)
+    env = {**os.environ, "WORLD_SIZE": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(cluster.master_port), "PYTHONPATH": ROOT}
+    p = subprocess.Popen([sys.executable, "-m", "moeflow", "serve", "--model", "tiny"], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while store.add("moeflow/heartbeat/1", 0) < 2:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate(timeout=10)[0]
+            time.sleep(0.1)
+        del rendezvous._servers[cluster.master_port], store  # node 0 goes away
+        out = p.communicate(timeout=30)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=10)
+    assert p.returncode == 0, out
+    assert "node 1 of 2: waiting for node 0 at 127.0.0.1" in out
