@@ -103,19 +103,24 @@ def reference(checkpoints):
         return _plain(llm.generate(PROMPTS, PARAMS))
 
 
-def test_asap_attention_on_one_host_experts_on_the_other(checkpoints, reference, tmp_path):
-    layout = dict(mode="asap", attn_dp=1, attn_tp=1, moe_workers=2, min_batch_tokens=8, max_batch_tokens=128,
+@pytest.mark.parametrize("tp,moe,kill", [
+    (1, 2, True),
+    (2, 1, False),  # a TP group on host A: its gloo group meets in the same rendezvous as the links
+])
+def test_asap_attention_on_one_host_experts_on_the_other(checkpoints, reference, tmp_path, tp, moe, kill):
+    layout = dict(mode="asap", attn_dp=1, attn_tp=tp, moe_workers=moe, min_batch_tokens=8, max_batch_tokens=128,
                   max_batch_wait_s=0.005)
-    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, layout, kill=True)
-    print(f"asap on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s, "
-          f"a request failed {r['fail_s']:.2f} s after the kill, healed generate {r['heal_s']:.2f} s")
-    assert sum(r["nodes"].values()) == 2, r["nodes"]  # both MoE workers on host B
+    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, layout, kill=kill, tag=f"a{tp}")
+    print(f"asap T{tp} E{moe} on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s" +
+          (f", a request failed {r['fail_s']:.2f} s after the kill, healed generate {r['heal_s']:.2f} s" if kill else ""))
+    assert sum(r["nodes"].values()) == moe, r["nodes"]  # every MoE worker on host B
     _assert_same(r["outputs"], reference)
-    # the first to notice may be node 0's attention worker (its gloo peer reset) or the worker node
-    assert r["fail_error"] and ("exited" in r["fail_error"] or "failed" in r["fail_error"]), r["fail_error"]
-    assert r["fail_s"] < 10
-    assert r["restarts"] == 1
-    _assert_same(r["healed_outputs"], reference)
+    if kill:
+        # the first to notice may be node 0's attention worker (its gloo peer reset) or the worker node
+        assert r["fail_error"] and ("exited" in r["fail_error"] or "failed" in r["fail_error"]), r["fail_error"]
+        assert r["fail_s"] < 10
+        assert r["restarts"] == 1
+        _assert_same(r["healed_outputs"], reference)
 
 
 @pytest.mark.parametrize("dp,kill", [
