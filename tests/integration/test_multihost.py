@@ -35,6 +35,10 @@ def _plain(outs) -> list:
                                  for p in o.prompt_logprobs]} for o in outs]
 
 
+def _kill_line(r: dict) -> str:
+    return f", a request failed {r['fail_s']:.2f} s after the kill, healed generate {r['heal_s']:.2f} s" if "fail_s" in r else ""
+
+
 def _assert_same(outs: list, refs: list) -> None:
     for o, r in zip(outs, refs, strict=True):
         assert o["error"] is None and o["token_ids"] == r["token_ids"]
@@ -112,7 +116,7 @@ def test_asap_attention_on_one_host_experts_on_the_other(checkpoints, reference,
                   max_batch_wait_s=0.005)
     r = run_two_hosts(tmp_path, checkpoints("qwen3").path, layout, kill=kill, tag=f"a{tp}")
     print(f"asap T{tp} E{moe} on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s" +
-          (f", a request failed {r['fail_s']:.2f} s after the kill, healed generate {r['heal_s']:.2f} s" if kill else ""))
+          _kill_line(r))
     assert sum(r["nodes"].values()) == moe, r["nodes"]  # every MoE worker on host B
     _assert_same(r["outputs"], reference)
     if kill:
@@ -130,7 +134,7 @@ def test_asap_attention_on_one_host_experts_on_the_other(checkpoints, reference,
 def test_dep_across_two_hosts(checkpoints, reference, tmp_path, dp, kill):
     r = run_two_hosts(tmp_path, checkpoints("qwen3").path, dict(mode="dep", dp=dp), kill=kill, tag=f"d{dp}")
     print(f"dep {dp} ranks on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s" +
-          (f", a request failed {r['fail_s']:.2f} s after the kill, healed generate {r['heal_s']:.2f} s" if kill else ""))
+          _kill_line(r))
     assert sum(r["nodes"].values()) == dp // 2, r["nodes"]  # the odd ranks on host B
     _assert_same(r["outputs"], reference)
     if kill:

@@ -55,7 +55,8 @@ def test_shared_ranks_put_a_ranks_experts_on_its_own_world_rank():
     kw = dict(num_regions=3, lanes_per_region=1, num_expert_ranks=3, num_experts=6, top_k=2, hidden_size=8,
               max_batch_tokens=4)
     assert CommSpec(**kw).expert_world_rank(1) == 4 and CommSpec(**kw).world_size == 6
-    assert CommSpec(**kw, shared_ranks=True).expert_world_rank(1) == 1 and CommSpec(**kw, shared_ranks=True).world_size == 3
+    shared = CommSpec(**kw, shared_ranks=True)
+    assert shared.expert_world_rank(1) == 1 and shared.world_size == 3
     with pytest.raises(ConfigError, match="shared_ranks"):
         CommSpec(**{**kw, "num_expert_ranks": 2}, shared_ranks=True)
 
