@@ -18,7 +18,7 @@ from multiprocessing.connection import wait
 from moeflow.comm import cleanup
 from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
-from moeflow.messages import StartWorkers, StopWorkers, WorkerExited
+from moeflow.messages import StartWorkers, StopWorkers, WorkerExited, WorkerFailed
 from moeflow.workers.launch import WorkerHandle, spawn, stop_workers
 from moeflow.workers.rendezvous import Channel, Heartbeat, RendezvousError, connect, node_inbox, node_outbox
 
@@ -99,6 +99,19 @@ def _beat(heartbeat: Heartbeat, lost: threading.Event) -> None:
         time.sleep(_HEARTBEAT_S)
 
 
+def refuse(start: StartWorkers, cluster: ClusterConfig, outbox: Channel) -> bool:
+    """Whether node 0's deployment counts other hosts than this node was told; if so every worker
+    fails at once with the reason (node 0 raises it) rather than waiting for a world that never forms."""
+    theirs = start.setups[0].engine.cluster.nnodes if start.setups else cluster.nnodes
+    if theirs == cluster.nnodes:
+        return False
+    reason = f"worker node {cluster.node_rank} was started with --nnodes {cluster.nnodes}; node 0 runs {theirs}"
+    log.error("deployment %s refused: %s", start.deployment_id, reason)
+    for slot, s in enumerate(start.setups):
+        outbox.put((start.deployment_id, slot, WorkerFailed(s.role, s.index, reason)))
+    return True
+
+
 def run_worker_node(cluster: ClusterConfig) -> int:
     """Serve deployments of node 0 until it goes away; returns the process's exit code."""
     if cluster.node_rank == 0:
@@ -120,6 +133,8 @@ def run_worker_node(cluster: ClusterConfig) -> int:
             if isinstance(msg, StartWorkers):
                 if current is not None:
                     current.stop(kill=True)
+                if refuse(msg, cluster, outbox):
+                    continue
                 current = NodeWorkers(msg, outbox)
             elif current is None or deployment_id != current.deployment_id:
                 continue  # for a deployment that is over

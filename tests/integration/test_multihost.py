@@ -208,6 +208,30 @@ def test_a_node_that_never_comes_is_named(checkpoints):
     assert time.monotonic() - t0 < 30
 
 
+def test_a_worker_node_started_for_another_cluster_size_is_refused_with_the_reason(checkpoints):
+    from moeflow.config import ClusterConfig
+    from moeflow.workers.launch import WorkerDied, free_port
+
+    cluster = ClusterConfig(nnodes=2, master_port=free_port(), connect_timeout_s=30.0)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.Popen([sys.executable, "-m", "moeflow", "worker-node", "--nnodes", "3", "--node-rank", "1",
+                          "--master-port", str(cluster.master_port)], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with pytest.raises(WorkerDied, match="was started with --nnodes 3; node 0 runs 2"):
+            LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=1, cluster=cluster)
+    finally:
+        from moeflow.workers import rendezvous
+
+        rendezvous._servers.pop(cluster.master_port, None)  # node 0 goes away: the worker node exits
+        try:
+            p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=10)
+
+
 def test_serve_with_a_node_rank_runs_a_worker_node_from_the_launchers_environment():
     """``moeflow serve`` on a node other than 0, told by torchrun's variables: it connects to node
     0's rendezvous and beats; when node 0 goes away, it exits 0 by itself."""
