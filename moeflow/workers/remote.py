@@ -80,6 +80,8 @@ class RemoteNode:
             self._relay_ends.append(theirs)
         self._stopping = threading.Event()
         self._stopped = False
+        self._stop_acked = threading.Event()
+        self._lost = False
         self._down.put((deployment_id, None, StartWorkers(deployment_id, list(setups))))
         self._threads = [threading.Thread(target=f, daemon=True, name=f"moeflow-node{node}-{f.__name__}")
                          for f in (self._relay_down, self._relay_up)]
@@ -125,6 +127,9 @@ class RemoteNode:
             deployment_id, slot, msg = got
             if deployment_id != self.deployment_id:
                 continue  # a message of an earlier deployment, late
+            if slot is None:  # the node's own: it has stopped this deployment's workers
+                self._stop_acked.set()
+                continue
             conn, proc = self._relay_ends[slot], self.handles[slot][1]
             if isinstance(msg, WorkerExited):
                 log.log(logging.DEBUG if msg.exitcode == 0 else logging.WARNING, "node %d: %s worker %d exited "
@@ -140,6 +145,7 @@ class RemoteNode:
                 pass  # the engine closed its end: shutting down
 
     def _all_dead(self, reason: str) -> None:
+        self._lost = True
         live = [p for _, p in self.handles if p.is_alive()]
         if live:
             log.error("node %d lost (%s): %d worker(s) there taken for dead", self.node, reason, len(live))
@@ -161,10 +167,12 @@ class RemoteNode:
         for _, p in self.handles:
             p.mark_dead(p.exitcode)
 
-    def close(self) -> None:
+    def close(self, ack_timeout_s: float = 10.0) -> None:
         if self._stopping.is_set():
             return
         self.stop(kill=False)
+        if not self._lost:  # its answer: so this process may exit (and the rendezvous go) after it
+            self._stop_acked.wait(ack_timeout_s)
         self._stopping.set()
         for t in self._threads:
             t.join(timeout=2.0)

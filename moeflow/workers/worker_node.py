@@ -131,23 +131,31 @@ def run_worker_node(cluster: ClusterConfig) -> int:
                 continue
             deployment_id, slot, msg = got
             if isinstance(msg, StartWorkers):
-                if current is not None:
+                if current is not None:  # node 0 gave the last one up without a word
                     current.stop(kill=True)
+                    current = None
                 if refuse(msg, cluster, outbox):
                     continue
                 current = NodeWorkers(msg, outbox)
+            elif isinstance(msg, StopWorkers):
+                if current is not None and deployment_id == current.deployment_id:
+                    current.stop(kill=msg.kill)
+                    log.info("deployment %s: stopped", deployment_id)
+                    current = None
+                outbox.put((deployment_id, None, msg))  # the answer node 0 waits for (refused ones too)
             elif current is None or deployment_id != current.deployment_id:
                 continue  # for a deployment that is over
-            elif isinstance(msg, StopWorkers):
-                current.stop(kill=msg.kill)
-                log.info("deployment %s: stopped", deployment_id)
-                current = None
             else:
                 current.send(slot, msg)
     except RendezvousError as e:
         log.info("node 0 is gone (%s)", e)
     finally:
-        if current is not None:
+        running = current is not None
+        if running:
             current.stop(kill=True)
+    if running:  # node 0 ended without stopping its deployment: it crashed, or was killed
+        log.error("node %d: node 0 went away in the middle of deployment %s; its workers here are stopped", k,
+                  current.deployment_id)
+        return 1
     log.info("node %d: node 0 closed the rendezvous; exiting", k)
     return 0
