@@ -35,8 +35,8 @@ class CommConfig:
             raise ConfigError(f"CommConfig.{e}") from None
         if not isinstance(self.stream_chunk_bytes, int) or self.stream_chunk_bytes < 0:
             raise ConfigError(f"CommConfig.stream_chunk_bytes must be an int >= 0, got {self.stream_chunk_bytes!r}")
-        if self.rank_nodes and (self.spec is None or len(self.rank_nodes) != self.spec.world_size):
+        if self.rank_nodes and self.spec is not None and len(self.rank_nodes) != self.spec.world_size:
             raise ConfigError(f"CommConfig.rank_nodes names {len(self.rank_nodes)} ranks; the world has "
-                              f"{None if self.spec is None else self.spec.world_size}")
+                              f"{self.spec.world_size}")
         if not self.attach_timeout_s > 0:
             raise ConfigError(f"CommConfig.attach_timeout_s must be > 0, got {self.attach_timeout_s}")

@@ -20,6 +20,7 @@ from typing import Sequence
 from moeflow.comm.dist import COMBINE_TAG, DISPATCH_TAG, LaneReceiver, LaneSender
 from moeflow.comm.mailbox import Mailbox
 from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage
+from moeflow.comm.remote_weights import LinksWeightStore
 from moeflow.comm.shm import (LaneReader, LaneWriter, combine_layout, combine_path, dispatch_layout, dispatch_path,
                               is_ready)
 from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
@@ -170,3 +171,4 @@ class LinksTransport(Transport):
     dispatch_receiver_cls = LinksDispatchReceiver
     combine_sender_cls = LinksCombineSender
     combine_receiver_cls = LinksCombineReceiver
+    weight_store_cls = LinksWeightStore  # dwdp: a peer's experts from its shm on this host, its server elsewhere

@@ -111,7 +111,7 @@ def register_mode(name: str):
     return deco
 
 
-MULTINODE_MODES = ("asap", "dep", "afd")  # the modes whose workers may run on several hosts
+MULTINODE_MODES = ("asap", "dep", "afd", "dwdp")  # the modes whose workers may run on several hosts
 
 
 def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engine:

@@ -151,6 +151,14 @@ def test_afd_attention_on_one_host_ffn_daemons_on_the_other(checkpoints, referen
     _assert_same(r["outputs"], reference)
 
 
+@pytest.mark.parametrize("dp", [2, 4])  # 4: each rank pulls from a host-mate (shm) and two others (gloo)
+def test_dwdp_pulls_a_peer_hosts_experts_over_gloo(checkpoints, reference, tmp_path, dp):
+    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, dict(mode="dwdp", dp=dp), tag=f"w{dp}")
+    print(f"dwdp {dp} ranks on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s")
+    assert sum(r["nodes"].values()) == dp // 2, r["nodes"]  # the odd ranks on host B
+    _assert_same(r["outputs"], reference)
+
+
 def test_the_server_survives_and_heals_a_lost_worker_node(checkpoints, tmp_path, monkeypatch):
     """``moeflow serve --nnodes 2 --node-rank 0`` here, the MoE workers on host B: after a kill of
     host B's workers a request ends with an error within seconds, /health stays answered, and the
