@@ -92,7 +92,14 @@ class RemoteNode:
         """Engine -> workers: whatever the engine writes into a worker's pipe goes to the node."""
         by_conn = {c: slot for slot, c in enumerate(self._relay_ends)}
         while not self._stopping.is_set() and by_conn:
-            for c in wait(list(by_conn), timeout=_POLL_S):
+            # NOTE: _relay_up closes the pipe of a worker that exited, at any moment: drop it, keep
+            # relaying to the others (dwdp goes on without a dead rank).
+            by_conn = {c: slot for c, slot in by_conn.items() if not c.closed}
+            try:
+                ready = wait(list(by_conn), timeout=_POLL_S)
+            except (OSError, ValueError):
+                continue
+            for c in ready:
                 try:
                     msg = c.recv()
                 except (EOFError, OSError):
