@@ -45,7 +45,7 @@ def worker_main(setup: WorkerSetup, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if setup.cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {setup.cpu})
+        os.sched_setaffinity(0, {setup.cpu % (os.cpu_count() or 1)})  # the engine counted node 0's CPUs
     import torch
 
     torch.set_num_threads(setup.engine.num_threads)
