@@ -73,3 +73,17 @@ def test_channel_is_a_fifo_between_threads():
     got = [rx.get(5.0) for _ in range(50)]
     t.join()
     assert got == [{"n": i} for i in range(50)]
+
+
+def test_links_split_each_endpoints_peers_by_host():
+    from moeflow.comm import CommConfig
+    from moeflow.comm.links import split_peers
+
+    spec = CommSpec(num_regions=2, lanes_per_region=2, num_expert_ranks=2, num_experts=4, top_k=2, hidden_size=8,
+                    max_batch_tokens=4)
+    config = CommConfig(spec, "links", rank_nodes=(0, 0, 1, 1, 0, 1))  # lanes 0-3, expert ranks at 4, 5
+    assert split_peers(config, 0, [4, 5]) == ({0: 0}, {1: 0})  # lane 0: expert 0 here, expert 1 away
+    assert split_peers(config, 5, [0, 1, 2, 3]) == ({2: 0, 3: 1}, {0: 0, 1: 1})
+    assert split_peers(CommConfig(spec, "links"), 0, [4, 5]) == ({0: 0, 1: 1}, {})  # one host: all shm
+    with pytest.raises(ConfigError, match="rank_nodes"):
+        CommConfig(spec, "links", rank_nodes=(0, 1))
