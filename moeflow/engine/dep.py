@@ -31,7 +31,6 @@ def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
                     dtype=config.dtype, max_local_experts=max(len(ids) for ids in experts), shared_ranks=True)
 
 
-
 @footprints_for("dep")
 def _footprints(layout: DepLayout, mc, config: EngineConfig):
     spec, experts = _spec(layout, mc, config), expert_placement(None, layout.dp, mc.num_experts)
