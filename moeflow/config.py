@@ -140,6 +140,9 @@ class ClusterConfig:
     master_port: int = 29500  # the rendezvous's TCP port on node 0 ($MASTER_PORT)
     connect_timeout_s: float = 300.0  # how long a node waits for node 0 (and node 0 for the others)
     heartbeat_timeout_s: float = 5.0  # a node silent this long is taken for dead, and its workers with it
+    # torchrun's agent already hosts a TCPStore on master_port ($TORCHELASTIC_USE_AGENT_STORE): node 0
+    # uses it as a client instead of hosting the rendezvous itself
+    agent_store: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.nnodes, int) and self.nnodes >= 1, f"nnodes must be an int >= 1, got {self.nnodes!r}")

@@ -96,7 +96,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         if getattr(args, name, None) is not None:
             given[name] = getattr(args, name)
     try:
-        return ClusterConfig(**{k: v if k == "master_addr" else int(v) for k, v in given.items()})
+        return ClusterConfig(**{k: v if k in ("master_addr", "agent_store") else int(v) for k, v in given.items()})
     except ValueError as e:
         raise ConfigError(f"several hosts: {e}") from None
 

@@ -12,6 +12,7 @@ to look up now and then (a stop flag, a heartbeat).
 """
 from __future__ import annotations
 
+import atexit
 import pickle
 import time
 from datetime import timedelta
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from moeflow.config import ClusterConfig
 
 _MIN_NAP_S, _MAX_NAP_S = 0.0005, 0.01
+CLOSED_KEY = "moeflow/closed"  # set by node 0's process as it ends
 _servers: dict[int, dist.TCPStore] = {}  # port -> the store this process hosts (node 0)
 
 
@@ -29,16 +31,40 @@ class RendezvousError(RuntimeError):
 
 
 def host(cluster: ClusterConfig) -> dist.TCPStore:
-    """Node 0: the store on ``master_port`` (on every interface), started once per process."""
+    """Node 0: the store on ``master_port`` (on every interface), started once per process; under
+    torchrun, its agent's store. When this process ends, it marks the rendezvous closed, so that
+    the worker nodes end too (torchrun's store outlives us: its agents wait for every node)."""
     store = _servers.get(cluster.master_port)
     if store is None:
-        try:
-            store = dist.TCPStore("0.0.0.0", cluster.master_port, None, True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=cluster.connect_timeout_s))
-        except (RuntimeError, OSError) as e:
-            raise RendezvousError(f"node 0 cannot host the rendezvous on port {cluster.master_port}: {e}") from None
+        if cluster.agent_store:
+            store = connect(cluster)
+        else:
+            try:
+                store = dist.TCPStore("0.0.0.0", cluster.master_port, None, True, wait_for_workers=False,
+                                      timeout=timedelta(seconds=cluster.connect_timeout_s))
+            except (RuntimeError, OSError) as e:
+                raise RendezvousError(f"node 0 cannot host the rendezvous on port {cluster.master_port}: "
+                                      f"{e}") from None
         _servers[cluster.master_port] = store
+        atexit.register(_close, cluster.master_port)
     return store
+
+
+def _close(port: int) -> None:
+    store = _servers.pop(port, None)
+    if store is not None:
+        try:
+            store.set(CLOSED_KEY, b"1")
+        except RuntimeError:
+            pass
+
+
+def is_closed(store: dist.TCPStore) -> bool:
+    """Whether node 0 has ended (a worker node asks; an unreachable store raises RendezvousError)."""
+    try:
+        return store.check([CLOSED_KEY])
+    except RuntimeError as e:
+        raise RendezvousError(f"rendezvous lost: {e}") from None
 
 
 def connect(cluster: ClusterConfig, timeout_s: float | None = None) -> dist.TCPStore:

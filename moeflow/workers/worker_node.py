@@ -20,7 +20,8 @@ from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
 from moeflow.messages import StartWorkers, StopWorkers, WorkerExited, WorkerFailed
 from moeflow.workers.launch import WorkerHandle, spawn, stop_workers
-from moeflow.workers.rendezvous import Channel, Heartbeat, RendezvousError, connect, node_inbox, node_outbox
+from moeflow.workers.rendezvous import (Channel, Heartbeat, RendezvousError, connect, is_closed, node_inbox,
+                                        node_outbox)
 
 log = get_logger("moeflow.workers.worker_node")
 
@@ -128,6 +129,8 @@ def run_worker_node(cluster: ClusterConfig) -> int:
         while not lost.is_set():
             got = inbox.get(_POLL_S)
             if got is None:
+                if is_closed(inbox.store):
+                    break
                 continue
             deployment_id, slot, msg = got
             if isinstance(msg, StartWorkers):
@@ -157,5 +160,5 @@ def run_worker_node(cluster: ClusterConfig) -> int:
         log.error("node %d: node 0 went away in the middle of deployment %s; its workers here are stopped", k,
                   current.deployment_id)
         return 1
-    log.info("node %d: node 0 closed the rendezvous; exiting", k)
+    log.info("node %d: node 0 has ended; exiting", k)
     return 0

@@ -266,3 +266,33 @@ def test_serve_with_a_node_rank_runs_a_worker_node_from_the_launchers_environmen
             p.communicate(timeout=10)
     assert p.returncode == 0, out
     assert "node 1 of 2: waiting for node 0 at 127.0.0.1" in out
+
+
+def test_torchrun_launches_both_nodes(checkpoints):
+    """Under torchrun (static rendezvous: its agent on node 0 hosts the store on --master-port) the
+    same moeflow commands work unchanged: node 0 uses the agent's store, and the worker node ends
+    when node 0's command has (torchrun's agents wait for every node before they exit)."""
+    from moeflow.workers.launch import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    for k in ("WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(k, None)
+    torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    cmds = [[*torchrun, "--node-rank", "1", "-m", "moeflow", "worker-node"],
+            [*torchrun, "--node-rank", "0", "-m", "moeflow", "generate", "--model", checkpoints("qwen3").path,
+             "--mode", "asap", "--moe-workers", "1", "--dtype", "float32", "--prompt", "hi", "--max-tokens", "3",
+             "--ignore-eos"]]
+    procs = [subprocess.Popen(c, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in reversed(procs)][::-1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=10)
+    logs = "\n".join(f"--- node {1 - i} ---\n{o}" for i, o in enumerate(outs))
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert "output (3 tokens" in outs[1] and "node 1: moe 0" in outs[1], logs

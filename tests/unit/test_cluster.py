@@ -30,6 +30,8 @@ def _parse(argv):
 
 
 def test_flags_override_the_launchers_environment(monkeypatch):
+    for k in _LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
     for k, v in dict(WORLD_SIZE="3", NODE_RANK="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="1234").items():
         monkeypatch.setenv(k, v)
     assert cluster_config(_parse([])) == ClusterConfig(nnodes=3, node_rank=2, master_addr="10.0.0.1", master_port=1234)
@@ -39,10 +41,25 @@ def test_flags_override_the_launchers_environment(monkeypatch):
         cluster_config(_parse([]))
 
 
+_LAUNCHER_VARS = ("WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "GROUP_RANK",
+                  "TORCHELASTIC_USE_AGENT_STORE")
+
+
 def test_one_host_without_flags_or_environment(monkeypatch):
-    for k in ("WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for k in _LAUNCHER_VARS:
         monkeypatch.delenv(k, raising=False)
     assert cluster_config(_parse([])) == ClusterConfig()
+
+
+def test_torchruns_variables(monkeypatch):
+    """torchrun --nnodes 2 --nproc-per-node 1: its node count and rank, and its agent's store."""
+    for k in _LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in dict(WORLD_SIZE="2", GROUP_WORLD_SIZE="2", RANK="1", GROUP_RANK="1", MASTER_ADDR="10.0.0.1",
+                     MASTER_PORT="29500", TORCHELASTIC_USE_AGENT_STORE="True").items():
+        monkeypatch.setenv(k, v)
+    assert cluster_config(_parse([])) == ClusterConfig(nnodes=2, node_rank=1, master_addr="10.0.0.1",
+                                                       master_port=29500, agent_store=True)
 
 
 def test_placement_line_names_every_node():
