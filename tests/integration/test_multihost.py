@@ -70,7 +70,7 @@ def _children(pid: int) -> list[int]:
 
 def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, tag: str = "") -> dict:
     """Node 0 (the engine) in host A and a worker node in host B; returns node 0's result."""
-    port = 29400 + os.getpid() % 500
+    port = 29400  # node 0 is in a namespace of its own: every port is free there
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with two_hosts(tag) as (a, b):
         cluster = dict(nnodes=2, node_rank=0, master_addr=a.addr, master_port=port, connect_timeout_s=60.0,
@@ -163,7 +163,9 @@ def test_the_server_survives_and_heals_a_lost_worker_node(checkpoints, tmp_path,
     """``moeflow serve --nnodes 2 --node-rank 0`` here, the MoE workers on host B: after a kill of
     host B's workers a request ends with an error within seconds, /health stays answered, and the
     restarted deployment (whose workers host B starts again) serves."""
-    port = 29900 + os.getpid() % 90
+    from moeflow.workers.launch import free_port
+
+    port = free_port()  # node 0 is in this namespace: a port free here
     with two_hosts("s", a_is_here=True) as (a, b):
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", a.dev)  # the server's workers talk gloo on the veth
         node = _worker_node(b, a.addr, port)
