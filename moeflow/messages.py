@@ -120,8 +120,12 @@ class World:
     attention, a torch.distributed transport); the engine computes it from the layout."""
 
     size: int
-    port: int  # TCP port of the rendezvous on 127.0.0.1
+    port: int  # TCP port of the rendezvous on ``addr``
     tp_groups: tuple[tuple[int, ...], ...] = ()  # global ranks of each tensor-parallel group, in order
+    addr: str = "127.0.0.1"  # the rendezvous's host: node 0's address when the world spans hosts
+    # None: the first rank hosts its own rendezvous (one host); else the keys' prefix in the
+    # cluster's store, which node 0's engine hosts on addr:port (several hosts)
+    store_prefix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,3 +142,26 @@ class WorkerSetup:
     world: World | None = None  # None: this deployment has no torch.distributed world
     world_rank: int = 0  # this process's rank in ``world``
     cpu: int | None = None  # pin the process to this CPU
+    node: int = 0  # the host that runs it (ClusterConfig.node_rank); 0: the engine's
+
+
+@dataclass
+class StartWorkers:
+    """Engine -> a worker node, over the rendezvous: start these workers of deployment ``deployment_id``."""
+
+    deployment_id: str
+    setups: list[WorkerSetup]  # in the order the engine numbers them on this node
+
+
+@dataclass
+class StopWorkers:
+    """Engine -> a worker node: the deployment is over; shut its workers down (kill what lingers)."""
+
+    kill: bool = False  # True: at once (the engine gave up on them), False: after a Shutdown grace
+
+
+@dataclass
+class WorkerExited:
+    """Worker node -> engine: one of its workers is gone (a death the engine cannot see itself)."""
+
+    exitcode: int | None

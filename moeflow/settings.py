@@ -41,3 +41,20 @@ def paged_attention_mode() -> str:
     """$MOEFLOW_PAGED_ATTENTION: how decode attention reads the KV cache (``model/paged_attention.py``):
     auto (default), gather (force the per-request gather, for before/after runs) or kernel (require it)."""
     return os.environ.get("MOEFLOW_PAGED_ATTENTION", "auto").strip().lower() or "auto"
+
+
+def launcher_env() -> dict[str, object]:
+    """What a torchrun- or SLURM-style launcher says about the hosts, by ``ClusterConfig`` field
+    (one moeflow process per host): nnodes from $GROUP_WORLD_SIZE (torchrun's node count) or
+    $WORLD_SIZE, node_rank from $NODE_RANK or $GROUP_RANK (torchrun's), $MASTER_ADDR, $MASTER_PORT,
+    and agent_store when torchrun's agent already hosts a store there ($TORCHELASTIC_USE_AGENT_STORE)."""
+    env = os.environ
+    out: dict[str, object] = {}
+    for field, names in (("nnodes", ("GROUP_WORLD_SIZE", "WORLD_SIZE")), ("node_rank", ("NODE_RANK", "GROUP_RANK")),
+                         ("master_addr", ("MASTER_ADDR",)), ("master_port", ("MASTER_PORT",))):
+        value = next((env[n] for n in names if env.get(n)), None)
+        if value is not None:
+            out[field] = value
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        out["agent_store"] = True
+    return out

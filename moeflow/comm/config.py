@@ -12,13 +12,15 @@ from moeflow.config import ConfigError
 @dataclass(frozen=True)
 class CommConfig:
     spec: CommSpec | None  # dispatch/combine buffer geometry (ASAP Table 2); None: weight pulls only (dwdp)
-    transport: str = "shm"  # a key of transport.TRANSPORTS: shm | shm-handshake | dist | p2p | reference
+    transport: str = "shm"  # a key of transport.TRANSPORTS: shm | shm-handshake | dist | p2p | links | reference
     deployment_id: str = "default"  # names the /dev/shm segments: moeflow-<id>.*
     wait: WaitPolicy = field(default_factory=WaitPolicy)  # receivers, and senders under backpressure
     attach_timeout_s: float = 60.0  # how long a sender waits for its receivers' buffers to appear
     device: str = "cpu"  # dist/p2p: where staging buffers live ("cuda" with the nccl backend)
     stream_chunk_bytes: int = 1 << 20  # shm: payloads larger than this are written (and read) in
     # chunks of about this size, so the receiver's copy overlaps the sender's; 0: one copy each
+    rank_nodes: tuple[int, ...] = ()  # links: the host of each world rank; (): all on one host
+
 
     def __post_init__(self) -> None:
         if self.spec is not None and not isinstance(self.spec, CommSpec):
@@ -33,5 +35,8 @@ class CommConfig:
             raise ConfigError(f"CommConfig.{e}") from None
         if not isinstance(self.stream_chunk_bytes, int) or self.stream_chunk_bytes < 0:
             raise ConfigError(f"CommConfig.stream_chunk_bytes must be an int >= 0, got {self.stream_chunk_bytes!r}")
+        if self.rank_nodes and self.spec is not None and len(self.rank_nodes) != self.spec.world_size:
+            raise ConfigError(f"CommConfig.rank_nodes names {len(self.rank_nodes)} ranks; the world has "
+                              f"{self.spec.world_size}")
         if not self.attach_timeout_s > 0:
             raise ConfigError(f"CommConfig.attach_timeout_s must be > 0, got {self.attach_timeout_s}")

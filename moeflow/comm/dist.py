@@ -10,6 +10,9 @@ Message ``seq`` of a lane uses slot ``seq % num_slots`` and tag ``base + slot`` 
 sender reuses a staging slot once its previous isend completed (else it waits: backpressure);
 a receiver re-posts a slot once it copied the message out.
 
+A lane from a process to itself (dep's ``shared_ranks``: a rank and its experts) is a
+``Loopback`` in process memory: gloo cannot send to its own rank.
+
 NOTE: gloo marks a work completed only for a thread that waits on it (``is_completed()`` stays
 False otherwise, and ``get_future`` is not implemented), so one ``Completer`` thread per peer
 waits on that peer's works in order and counts them; it releases the GIL while it waits.
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.doorbell import Doorbell, EventDoorbell
+from moeflow.comm.loopback import loopback
 from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, ProtocolError,
                                   SendStats)
 from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
@@ -96,10 +100,18 @@ class LaneSender:
         self.bell = EventDoorbell()
         self.completers = [Completer(self.bell, config.device) for _ in peers]
         self.seq = [0] * len(peers)
+        me = dist.get_rank()
+        self.loops = {dst: loopback(tag) for dst, p in enumerate(peers) if p == me}  # lanes to ourselves
 
     def write(self, dst: int, words: list[int], payload: torch.Tensor) -> None:
         t0 = time.perf_counter()
         seq = self.seq[dst] + 1
+        if dst in self.loops:
+            self.loops[dst].put(seq, words, payload)
+            self.seq[dst] = seq
+            self.stats.num_sends += 1
+            self.stats.blocked_s += time.perf_counter() - t0
+            return
         slot, c = seq % self.num_slots, self.completers[dst]
         c.check()
         if c.done < seq - self.num_slots:  # the slot's previous isend is still in flight
@@ -124,6 +136,9 @@ class LaneSender:
         (seq < 0), so no thread there is left waiting on a receive that never comes; wait until
         every isend completed, then stop the threads."""
         for dst, c in enumerate(self.completers):
+            if dst in self.loops:
+                c.close()
+                continue
             for k in range(1, self.num_slots + 1):
                 seq = self.seq[dst] + k
                 # NOTE: a buffer of its own: the staging slot may still be in flight.
@@ -149,14 +164,20 @@ class LaneReceiver:
         self.completers = [Completer(bell, config.device) for _ in peers]
         self.consumed = [0] * len(peers)
         self.closed = [False] * len(peers)
+        me = dist.get_rank()
+        self.loops = {lane: loopback(tag) for lane, p in enumerate(peers) if p == me}  # lanes from ourselves
+        for loop in self.loops.values():
+            loop.bell = bell
         for lane in range(len(peers)):
-            for seq in range(1, self.num_slots + 1):  # post in seq order: the completer waits in order
-                self._post(lane, seq % self.num_slots)
+            for seq in range(1, self.num_slots + 1 if lane not in self.loops else 1):
+                self._post(lane, seq % self.num_slots)  # in seq order: the completer waits in order
 
     def _post(self, lane: int, slot: int) -> None:
         self.completers[lane].post(dist.irecv(self.bufs[lane][slot], self.peers[lane], tag=self.tag + slot))
 
     def ready(self, lane: int) -> bool:
+        if lane in self.loops:
+            return bool(self.loops[lane].queue)
         c = self.completers[lane]
         c.check()
         if c.done <= self.consumed[lane] or self.closed[lane]:
@@ -170,6 +191,9 @@ class LaneReceiver:
     def take(self, lane: int, out: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Copy the lane's next message out: (header words, payload view of ``out`` [n, H]); re-post."""
         seq = self.consumed[lane] + 1
+        if lane in self.loops:
+            self.consumed[lane] = seq
+            return self.loops[lane].take(seq, out)
         slot = seq % self.num_slots
         buf = self.bufs[lane][slot]
         got_seq, *words = buf[:8 * (1 + self.header_words)].view(torch.int64).tolist()
@@ -190,7 +214,10 @@ class LaneReceiver:
         """Wait for every sender's goodbye (see LaneSender.close), then stop the threads. Close the
         senders of this process first: peers wait for their goodbyes as we wait for theirs."""
         bell = EventDoorbell()
-        for c, seen in zip(self.completers, self.consumed):
+        for lane, (c, seen) in enumerate(zip(self.completers, self.consumed)):
+            if lane in self.loops:
+                c.close()
+                continue
             c.bell = bell
             wait_for(lambda: True if c.done >= seen + self.num_slots or c.error else None, bell,
                      POLICIES["block"], timeout_s)

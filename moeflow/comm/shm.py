@@ -157,7 +157,7 @@ class ShmDispatchReceiver(DispatchReceiver):
             i = (self._next_region + k) % r
             seq = self._expect[i]
             slot = seq % self.spec.num_slots
-            if all(_ready(mb, i * w + j, slot, seq) for j in range(w)):
+            if all(is_ready(mb, i * w + j, slot, seq) for j in range(w)):
                 self._expect[i] = seq + 1
                 self._next_region = (i + 1) % r
                 return self._take(i, seq, slot)
@@ -214,7 +214,7 @@ class ShmCombineReceiver(CombineReceiver):
 
     def poll(self, ranks: Sequence[int]) -> CombineMessage | None:
         mb, s = self.mailbox, self.spec.num_slots
-        if not all(_ready(mb, e, self._expect[e] % s, self._expect[e]) for e in ranks):
+        if not all(is_ready(mb, e, self._expect[e] % s, self._expect[e]) for e in ranks):
             for e in ranks:  # copy what is being written meanwhile
                 self.reader.stream(e, self._expect[e], self._private[e])
             return None
@@ -231,7 +231,7 @@ class ShmCombineReceiver(CombineReceiver):
         self.mailbox.close()
 
 
-def _ready(mb: Mailbox, lane: int, slot: int, seq: int) -> bool:
+def is_ready(mb: Mailbox, lane: int, slot: int, seq: int) -> bool:
     flag = mb.flag(lane, slot)  # NOTE: the acquire point: header and payload are read after this
     if flag == seq:
         return True

@@ -36,6 +36,9 @@ class CommSpec:
     num_slots: int = 2  # per lane of either buffer: 2 keeps the two batches of a dual-batch pair in flight
     combine_rows: int = 0  # rows of one combine lane's slot; 0: the worst case, see segment_rows
     max_local_experts: int = 0  # most experts one expert rank holds; 0: E_total / E (even placement)
+    # dep: lane writer r and expert rank r are one process, so one world rank (torch.distributed
+    # transports); else the E expert ranks come after the R x W lane writers
+    shared_ranks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_regions", "lanes_per_region", "num_expert_ranks", "num_experts", "top_k", "hidden_size",
@@ -54,6 +57,9 @@ class CommSpec:
         _require(2 <= self.num_slots <= 8, f"num_slots must be in [2, 8] (one flag cache line), got {self.num_slots}")
         _require(isinstance(self.combine_rows, int) and self.combine_rows >= 0,
                  f"combine_rows must be an int >= 0, got {self.combine_rows!r}")
+        _require(not self.shared_ranks or self.num_lanes == self.num_expert_ranks,
+                 f"shared_ranks needs a lane writer per expert rank: {self.num_lanes} lanes, "
+                 f"{self.num_expert_ranks} expert ranks")
 
     # --- derived sizes -------------------------------------------------------------------------
 
@@ -115,9 +121,10 @@ class CommSpec:
         return region * self.lanes_per_region + lane
 
     def expert_world_rank(self, rank: int) -> int:
-        """Rank of expert rank ``rank`` in a torch.distributed world: after the R x W lane writers."""
+        """Rank of expert rank ``rank`` in a torch.distributed world: after the R x W lane writers
+        (or the lane writer's own, with ``shared_ranks``)."""
         _require(0 <= rank < self.num_expert_ranks, f"no expert rank {rank} in E={self.num_expert_ranks}")
-        return self.num_lanes + rank
+        return rank if self.shared_ranks else self.num_lanes + rank
 
     @property
     def dispatch_buffer_bytes(self) -> int:
@@ -131,7 +138,7 @@ class CommSpec:
 
     @property
     def world_size(self) -> int:
-        return self.num_lanes + self.num_expert_ranks
+        return self.num_lanes if self.shared_ranks else self.num_lanes + self.num_expert_ranks
 
     def table2_bytes(self) -> dict[str, int]:
         """ASAP Table 2's formulas for one slot, literally (the paper counts ids and metadata as one

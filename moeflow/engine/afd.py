@@ -23,10 +23,10 @@ from moeflow.engine.base import StepResult, clock, context_len, register_mode
 from moeflow.engine.memory import ProcessFootprint, footprints_for
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AfdLayout
-from moeflow.messages import WorkDone, World
+from moeflow.messages import WorkDone
 from moeflow.model.weights import load_config
 from moeflow.scheduler import make_scheduler
-from moeflow.workers.launch import WorkerDied, free_port
+from moeflow.workers.launch import WorkerDied
 from moeflow.workers.world import DIST_TRANSPORTS
 
 _IDLE_S = 2e-3  # an idle deployment's step sleeps this long (never a busy spin)
@@ -65,14 +65,17 @@ class AfdEngine(ProcessEngine):
         m, n = layout.attn_workers, layout.ffn_workers
         placement = layout.placement_of_experts(mc.num_experts)
         self.max_model_len = context_len(config, mc)
-        comm = CommConfig(_spec(layout, mc, config), config.transport, self.deployment_id, WaitPolicy())
+        # across hosts: the attention instances (and the engine) on node 0, the FFN daemons on the others
+        transport, rank_nodes = self._transport((0,) * m + tuple(self._expert_node(j) for j in range(n)))
+        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
-        world = World(m + n, free_port()) if config.transport in DIST_TRANSPORTS else None
+        world = self._world(m + n) if transport in DIST_TRANSPORTS else None
         setup = functools.partial(self._setup, model_path, comm, placement, world)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         # the daemons first: they own the dispatch buffers the instances attach to
-        self._launch([setup("ffn", j, m + j) for j in range(n)] + [setup("afd_attention", i, i) for i in range(m)])
+        self._launch([setup("ffn", j, m + j, self._expert_node(j)) for j in range(n)] +
+                     [setup("afd_attention", i, i) for i in range(m)])
         self.attention = [w for w in self.deployment.workers if w.role == "afd_attention"]
         self.ffn = [w for w in self.deployment.workers if w.role == "ffn"]
         self._steps: deque[list[Work]] = deque()  # steps sent, oldest first

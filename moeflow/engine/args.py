@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from moeflow.config import DTYPES, TRANSPORTS, ConfigError
+from moeflow.config import DTYPES, TRANSPORTS, ClusterConfig, ConfigError
 from moeflow.layout import LAYOUTS, nested
+from moeflow.settings import launcher_env
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}
 
@@ -65,6 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--pin-cpus", action="store_true", help="pin each worker process to one CPU")
     run.add_argument("--transport", default="shm", choices=list(TRANSPORTS), help="dispatch/combine transport")
     run.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    add_cluster_args(p)
     lay = p.add_argument_group("layout (each applies to the modes named)")
     for flag, (f, default, modes, kind) in sorted(_layout_options().items()):
         help = f"{f.metadata['help']} ({', '.join(modes)})"
@@ -74,6 +76,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         else:
             lay.add_argument(flag, dest=dest, type=kind, default=None, choices=f.metadata.get("choices"),
                              help=f"{help} [default: {default}]")
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """torchrun's flags; each defaults to its environment variable, then to one host."""
+    g = p.add_argument_group("several hosts (as torchrun; defaults from $WORLD_SIZE, $NODE_RANK, $MASTER_ADDR, "
+                             "$MASTER_PORT)")
+    g.add_argument("--nnodes", type=int, default=None, help="hosts in the deployment (default 1)")
+    g.add_argument("--node-rank", type=int, default=None, help="this host: 0 runs the engine and the server, "
+                   "others only workers (default 0)")
+    g.add_argument("--master-addr", default=None, help="node 0's address, reachable from every host")
+    g.add_argument("--master-port", type=int, default=None, help="the rendezvous's port on node 0 (default 29500)")
+
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The hosts from the flags, else the launcher's environment, else one host."""
+    given = {k: v for k, v in launcher_env().items()}
+    for name in ("nnodes", "node_rank", "master_addr", "master_port"):
+        if getattr(args, name, None) is not None:
+            given[name] = getattr(args, name)
+    try:
+        return ClusterConfig(**{k: v if k in ("master_addr", "agent_store") else int(v) for k, v in given.items()})
+    except ValueError as e:
+        raise ConfigError(f"several hosts: {e}") from None
 
 
 def layout_kwargs(args: argparse.Namespace) -> dict:
@@ -86,7 +111,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``LLM`` for the parsed flags; refuses flags the chosen mode lacks."""
     kw = dict(model=args.model, revision=args.revision, mode=args.mode, dtype=args.dtype, seed=args.seed,
               num_threads=args.threads,
-              pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None)
+              pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None,
+              cluster=cluster_config(args))
     for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

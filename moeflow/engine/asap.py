@@ -15,13 +15,13 @@ from moeflow.engine.base import StepResult, clock, context_len, register_mode
 from moeflow.engine.memory import ProcessFootprint, footprints_for
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AsapLayout
-from moeflow.messages import WorkDone, World
+from moeflow.messages import WorkDone
 from moeflow.model.sharding import check_tp
 from moeflow.model.attention import attention_for
 from moeflow.model.footprint import kv_bytes_per_token
 from moeflow.model.weights import TORCH_DTYPES, load_config
 from moeflow.scheduler import make_scheduler
-from moeflow.workers.launch import WorkerDied, free_port
+from moeflow.workers.launch import WorkerDied
 from moeflow.workers.world import DIST_TRANSPORTS
 
 _IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
@@ -59,18 +59,20 @@ class AsapEngine(ProcessEngine):
         d, t, e = layout.attn_dp, layout.attn_tp, layout.moe_workers
         check_tp(mc, t)
         self.max_model_len = context_len(config, mc)
-        comm = CommConfig(_spec(layout, mc, config), config.transport, self.deployment_id, WaitPolicy())
-        config = self._budget(config, model_path)
         n = layout.num_attention_workers  # world ranks: attention g*T + m first, then MoE workers
+        transport, rank_nodes = self._transport((0,) * n + tuple(self._expert_node(i) for i in range(e)))
+        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
+        config = self._budget(config, model_path)
         world = None
-        if t > 1 or config.transport in DIST_TRANSPORTS:
+        if t > 1 or transport in DIST_TRANSPORTS:
             groups = tuple(tuple(range(g * t, (g + 1) * t)) for g in range(d)) if t > 1 else ()
-            world = World(n + e, free_port(), groups)
+            world = self._world(n + e, groups)
         setup = functools.partial(self._setup, model_path, comm, placement, world)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         # MoE workers first: they own the dispatch buffers the attention workers attach to.
-        self._launch([setup("moe", i, n + i) for i in range(e)] + [setup("attention", r, r) for r in range(n)])
+        self._launch([setup("moe", i, n + i, self._expert_node(i)) for i in range(e)] +
+                     [setup("attention", r, r) for r in range(n)])
         self.attention = [w for w in self.deployment.workers if w.role == "attention"]
         self._inflight: dict[int, Work] = {}  # by group
 

@@ -111,12 +111,20 @@ def register_mode(name: str):
     return deco
 
 
+MULTINODE_MODES = ("asap", "dep", "afd", "dwdp")  # the modes whose workers may run on several hosts
+
+
 def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engine:
     """The deployment ``layout`` describes, running ``config``'s settings on ``model_path``."""
     from moeflow.engine import afd, asap, colocated, dep, dwdp  # noqa: F401  (registers the built-in modes)
 
     if layout.mode not in MODES:
         raise ConfigError(f"mode {layout.mode!r} has a layout but no engine; engines: {sorted(MODES)}")
+    cluster = config.cluster
+    if cluster.node_rank != 0:
+        raise ConfigError(f"node {cluster.node_rank} runs workers only (moeflow worker-node); the engine is node 0's")
+    if cluster.is_multinode and layout.mode not in MULTINODE_MODES:
+        raise ConfigError(f"mode {layout.mode!r} runs on one host; modes across hosts: {list(MULTINODE_MODES)}")
     model, _ = load_config(model_path)
     # NOTE: resolved here, once, so every worker of the deployment gets the same concrete dtype
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, model.checkpoint_dtype).dtype)

@@ -14,7 +14,7 @@ from moeflow.engine.base import StepResult, clock, context_len, register_mode
 from moeflow.engine.memory import ProcessFootprint, footprints_for
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DepLayout, expert_placement
-from moeflow.messages import WorkDone, WorkerSetup
+from moeflow.messages import WorkDone
 from moeflow.model.weights import load_config
 from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied
@@ -23,11 +23,12 @@ _IDLE_S = 0.002  # a step with nothing to schedule sleeps this long instead of s
 
 
 def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
-    """Each rank writes the one lane of its own region in every rank's buffer, and owns one (an expert rank)."""
+    """Each rank writes the one lane of its own region in every rank's buffer, and owns one (an expert
+    rank): one process, so one world rank for both (``shared_ranks``)."""
     experts = expert_placement(None, layout.dp, mc.num_experts)
     return CommSpec(num_regions=layout.dp, lanes_per_region=1, num_expert_ranks=layout.dp, num_experts=mc.num_experts,
                     top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size, max_batch_tokens=layout.max_batch_tokens,
-                    dtype=config.dtype, max_local_experts=max(len(ids) for ids in experts))
+                    dtype=config.dtype, max_local_experts=max(len(ids) for ids in experts), shared_ranks=True)
 
 
 @footprints_for("dep")
@@ -49,17 +50,19 @@ class DepEngine(ProcessEngine):
         if layout.tp != 1:
             raise ConfigError(f"dep layout tp={layout.tp}: the engine runs dep ranks of one process (tp 1); "
                               f"tensor-parallel ranks are the simulator's")
-        if config.transport != "shm":
-            raise ConfigError(f"mode 'dep' runs its all-to-all over shared memory, not {config.transport!r}")
+        if config.transport not in ("shm", "dist"):  # dist: a rank's link to itself is a Loopback
+            raise ConfigError(f"mode 'dep' runs its all-to-all over shm or dist, not {config.transport!r}")
         dp = layout.dp
         experts = expert_placement(None, dp, mc.num_experts)  # rank r holds the r-th 1/N of every layer
         self.max_model_len = context_len(config, mc)
-        comm = CommConfig(_spec(layout, mc, config), "shm", self.deployment_id, WaitPolicy())
+        nnodes = config.cluster.nnodes  # rank r on node r mod N
+        transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(dp)))
+        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
-        self._launch([WorkerSetup("dep", r, model_path, config, layout, comm, experts,
-                                  cpu=r if config.pin_cpus else None) for r in range(dp)])
+        world = self._world(dp) if transport != "shm" else None
+        self._launch([self._setup(model_path, comm, experts, world, "dep", r, r, r % nnodes) for r in range(dp)])
         self.ranks = list(self.deployment.workers)
 
     def step(self) -> StepResult:

@@ -14,7 +14,7 @@ from moeflow.engine.base import StepResult, clock, context_len, register_mode
 from moeflow.engine.memory import ProcessFootprint, footprints_for
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DwdpLayout
-from moeflow.messages import WorkDone, WorkerSetup
+from moeflow.messages import WorkDone
 from moeflow.model.weights import load_config
 from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied, WorkerHandle
@@ -44,12 +44,16 @@ class DwdpEngine(ProcessEngine):
             raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over {config.transport!r}")
         self.placement = layout.resident(mc.num_experts)
         self.max_model_len = context_len(config, mc)
-        comm = CommConfig(None, "shm", self.deployment_id)  # weight pulls only: no dispatch/combine buffers
+        nnodes = config.cluster.nnodes  # rank r on node r mod N; peers elsewhere serve pulls over gloo
+        transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(layout.dp)))
+        # weight pulls only: no dispatch/combine buffers
+        comm = CommConfig(None, transport, self.deployment_id, rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
-        self._launch([WorkerSetup("dwdp", r, model_path, config, layout, comm, self.placement,
-                                  cpu=r if config.pin_cpus else None) for r in range(layout.dp)])
+        world = self._world(layout.dp) if transport != "shm" else None
+        self._launch([self._setup(model_path, comm, self.placement, world, "dwdp", r, r, r % nnodes)
+                      for r in range(layout.dp)])
         self.ranks = list(self.deployment.workers)
         self._inflight: dict[int, Work] = {}  # by rank
         self.dead: dict[int, str] = {}  # rank -> why it is gone

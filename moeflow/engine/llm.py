@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from moeflow.config import ConfigError, EngineConfig
+from moeflow.config import ClusterConfig, ConfigError, EngineConfig
 from moeflow.core import Request, RequestError, RequestOutput, SamplingParams
 from moeflow.engine.base import clock, create_engine
 from moeflow.engine.output import OutputTracker
@@ -63,11 +63,12 @@ class LLM:
                  kv_block_size: int = 16, max_model_len: int | None = None, num_threads: int = 1,
                  pin_cpus: bool = False, transport: str = "shm", trace: bool = False, revision: str | None = None,
                  memory_budget_gib: float | None = None, activation_reserve_gib: float | None = None,
-                 max_restarts: int = 0, restart_backoff_s: float = 1.0,
+                 max_restarts: int = 0, restart_backoff_s: float = 1.0, cluster: ClusterConfig | None = None,
                  layout: Layout | None = None, **layout_kwargs):
         """``max_restarts``: when a worker dies, its requests end with errors and, before the next
         ``generate``, the deployment is rebuilt up to this many times in a row (back-off from
-        ``restart_backoff_s``, doubling); 0 (the default): a failed deployment raises."""
+        ``restart_backoff_s``, doubling); 0 (the default): a failed deployment raises. ``cluster``:
+        the hosts the deployment spans (this is node 0; the others run ``moeflow worker-node``)."""
         if layout is None:
             layout = make_layout(mode, **layout_kwargs)
         elif layout_kwargs or mode not in ("colocated", layout.mode):
@@ -77,7 +78,8 @@ class LLM:
                               max_num_seqs=max_num_seqs, kv_block_size=kv_block_size,
                               num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                               num_threads=num_threads, seed=seed, pin_cpus=pin_cpus, transport=transport, trace=trace,
-                              memory_budget_gib=memory_budget_gib, activation_reserve_gib=activation_reserve_gib)
+                              memory_budget_gib=memory_budget_gib, activation_reserve_gib=activation_reserve_gib,
+                              cluster=cluster or ClusterConfig())
         self.restart_policy = RestartPolicy(max_restarts, restart_backoff_s)
         self.model_path = resolve_model(model, revision)
         self.layout, self.mode = layout, layout.mode

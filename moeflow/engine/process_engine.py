@@ -14,8 +14,21 @@ from moeflow.core import Batch, Request
 from moeflow.engine.base import Engine, StepResult, clock, validate_request
 from moeflow.engine.memory import apply_budget
 from moeflow.layout import Layout
-from moeflow.messages import BatchTiming, DumpSpans, NewRequest, RunWork, Spans, WorkerSetup
-from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle
+from moeflow.logs import get_logger
+from moeflow.messages import BatchTiming, DumpSpans, NewRequest, RunWork, Spans, WorkerSetup, World
+from moeflow.workers import rendezvous
+from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle, free_port
+
+log = get_logger("moeflow.engine")
+
+
+def describe_nodes(setups: list[WorkerSetup], nnodes: int) -> str:
+    """Which workers each host runs, as the start-up line prints it."""
+    parts = []
+    for node in range(nnodes):
+        mine = [f"{s.role} {s.index}" for s in setups if s.node == node]
+        parts.append(f"node {node}: {', '.join(mine) or 'nothing'}{' + engine' if node == 0 else ''}")
+    return "; ".join(parts)
 
 
 class ProcessEngine(Engine):
@@ -36,14 +49,45 @@ class ProcessEngine(Engine):
         self.config, self.memory_plan = apply_budget(config, model_path, self.layout)
         return self.config
 
-    def _setup(self, model_path: str, comm, placement, world, role: str, index: int, rank: int) -> WorkerSetup:
-        """A worker's setup; ``rank``: its rank in the deployment's world (pinned to CPU rank mod cores)."""
+    def _setup(self, model_path: str, comm, placement, world, role: str, index: int, rank: int,
+               node: int = 0) -> WorkerSetup:
+        """A worker's setup; ``rank``: its rank in the deployment's world (pinned to CPU rank mod cores);
+        ``node``: the host that runs it."""
         c = self.config
         return WorkerSetup(role, index, model_path, c, self.layout, comm, placement, world, rank,
-                           cpu=rank % (os.cpu_count() or 1) if c.pin_cpus else None)
+                           cpu=rank % (os.cpu_count() or 1) if c.pin_cpus else None, node=node)
+
+    def _world(self, size: int, tp_groups=()) -> World:
+        """The deployment's torch.distributed world: on one host its own rendezvous on a free local
+        port; across hosts the cluster's (node 0 hosts it from now on, for every deployment)."""
+        cluster = self.config.cluster
+        if not cluster.is_multinode:
+            return World(size, free_port(), tuple(tp_groups))
+        rendezvous.host(cluster)
+        return World(size, cluster.master_port, tuple(tp_groups), cluster.master_addr,
+                     f"moeflow/{self.deployment_id}/world")
+
+    def _expert_node(self, index: int) -> int:
+        """The host of expert-side worker ``index`` when attention and experts are disaggregated
+        (asap, afd): node 0 keeps the engine and the attention side, the others share the experts."""
+        n = self.config.cluster.nnodes
+        return 1 + index % (n - 1) if n > 1 else 0
+
+    def _transport(self, rank_nodes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+        """(transport, its ``rank_nodes``) for world ranks on these hosts: the configured one on one
+        host; across hosts shm or gloo per link (``links``), unless gloo everywhere was asked for."""
+        c = self.config
+        if c.cluster.is_multinode and c.transport == "shm":
+            return "links", tuple(rank_nodes)
+        return c.transport, ()
 
     def _launch(self, setups) -> None:
-        self.deployment = Deployment(setups, self.deployment_id)
+        cluster = self.config.cluster
+        if cluster.is_multinode:
+            rendezvous.host(cluster)  # before any node's workers need it
+            log.info("%s across %d nodes (rendezvous %s:%d): %s", self.mode_name, cluster.nnodes,
+                     cluster.master_addr, cluster.master_port, describe_nodes(setups, cluster.nnodes))
+        self.deployment = Deployment(setups, self.deployment_id, cluster=cluster)
 
     # -- intake -------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ import sys
 
 from moeflow import lifecycle
 from moeflow.config import ConfigError
-from moeflow.engine.args import add_engine_args, engine_kwargs
+from moeflow.engine.args import add_engine_args, cluster_config, engine_kwargs
+from moeflow.engine.worker_node import run_node
 from moeflow.server.config import ServerConfig
 
 _DEFAULTS = ServerConfig()
@@ -42,6 +43,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from moeflow.server.async_engine import AsyncEngine
     from moeflow.server.metrics import ServerMetrics
 
+    cluster = cluster_config(args)
+    if cluster.node_rank > 0:  # as torchrun starts the same command on every host
+        return run_node(cluster)
     if args.trace:
         raise ConfigError("moeflow serve records no trace (--trace); use moeflow bench serve --trace")
     config = ServerConfig(model_name=args.served_model_name or args.model, host=args.host, port=args.port,

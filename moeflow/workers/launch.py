@@ -20,8 +20,10 @@ from multiprocessing.connection import Connection, wait
 from moeflow import lifecycle
 from moeflow.comm import cleanup
 from moeflow.comm.segment import reclaim_stale
+from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
 from moeflow.messages import Shutdown, WorkerFailed, WorkerReady, WorkerSetup
+from moeflow.workers.remote import RemoteNode
 
 log = get_logger("moeflow.workers.launch")
 
@@ -43,7 +45,7 @@ def worker_main(setup: WorkerSetup, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if setup.cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {setup.cpu})
+        os.sched_setaffinity(0, {setup.cpu % (os.cpu_count() or 1)})  # the engine counted node 0's CPUs
     import torch
 
     torch.set_num_threads(setup.engine.num_threads)
@@ -79,7 +81,9 @@ class WorkerHandle:
 
     @property
     def name(self) -> str:
-        return f"{self.role} worker {self.index} (pid {self.process.pid})"
+        node = getattr(self.process, "node", None)  # a RemoteProcess
+        where = f" on node {node.node}" if node is not None else ""
+        return f"{self.role} worker {self.index} (pid {self.process.pid}{where})"
 
 
 def free_port() -> int:
@@ -88,26 +92,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_workers(workers: list[WorkerHandle], timeout_s: float) -> None:
+    """Ask each worker to shut down (0 s: do not ask), wait up to ``timeout_s``, kill the rest."""
+    if timeout_s > 0:
+        for w in workers:
+            try:
+                w.conn.send(Shutdown())
+            except (BrokenPipeError, OSError):
+                pass
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        if w.process.is_alive():
+            w.process.kill()
+            w.process.join(timeout=2.0)
+
+
+def spawn(setup: WorkerSetup) -> WorkerHandle:
+    """Start one worker process on this host."""
+    ours, theirs = mp.get_context("spawn").Pipe()
+    p = mp.get_context("spawn").Process(target=worker_main, args=(setup, theirs),
+                                        name=f"moeflow-{setup.role}{setup.index}", daemon=True)
+    p.start()
+    theirs.close()
+    return WorkerHandle(setup.role, setup.index, p, ours)
+
+
 class Deployment:
-    def __init__(self, setups: list[WorkerSetup], deployment_id: str, ready_timeout_s: float = 300.0):
+    """Every worker of one deployment: spawned here (node 0's), or by their node (``remote.py``),
+    whose handles behave the same."""
+
+    def __init__(self, setups: list[WorkerSetup], deployment_id: str, ready_timeout_s: float = 300.0,
+                 cluster: ClusterConfig | None = None):
         self.deployment_id = deployment_id
         self.workers: list[WorkerHandle] = []
+        self.nodes: list[RemoteNode] = []  # the other hosts' workers, one entry per host
         freed = reclaim_stale()
         if freed:
             log.warning("reclaimed %.1f MiB of shared memory left by dead deployments %s",
                         sum(freed.values()) / 2**20, sorted(freed))
         lifecycle.handle_signals()
         lifecycle.release_at_exit(self)
-        ctx = mp.get_context("spawn")
         try:
-            for s in setups:
-                ours, theirs = ctx.Pipe()
-                p = ctx.Process(target=worker_main, args=(s, theirs), name=f"moeflow-{s.role}{s.index}",
-                                daemon=True)
-                p.start()
-                theirs.close()
-                self.workers.append(WorkerHandle(s.role, s.index, p, ours))
-            self._wait_ready(ready_timeout_s)
+            remote = sorted({s.node for s in setups} - {0})
+            if remote and (cluster is None or cluster.nnodes <= max(remote)):
+                raise ValueError(f"setups name nodes {remote}, but the cluster is {cluster}")
+            for node in remote:  # first: their setups travel while ours start
+                mine = [s for s in setups if s.node == node]
+                self.nodes.append(RemoteNode(cluster, node, deployment_id, mine))
+            by_setup = {id(p.setup): WorkerHandle(p.setup.role, p.setup.index, p, c)
+                        for n in self.nodes for c, p in n.handles}
+            for s in setups:  # in the caller's order, whichever host runs them
+                self.workers.append(by_setup[id(s)] if s.node else spawn(s))
+            self._wait_ready(ready_timeout_s if not remote else max(ready_timeout_s, cluster.connect_timeout_s))
             log.debug("deployment %s: %d workers ready", deployment_id, len(self.workers))
         except BaseException:
             self.shutdown()
@@ -140,7 +178,8 @@ class Deployment:
         except (EOFError, OSError):
             pass
         w.process.join(timeout=0.5)
-        raise WorkerDied(f"{w.name} exited unexpectedly (exit code {w.process.exitcode})", w)
+        why = getattr(w.process, "reason", None) or f"exit code {w.process.exitcode}"  # a RemoteProcess knows more
+        raise WorkerDied(f"{w.name} exited unexpectedly ({why})", w)
 
     def recv_any(self, conns: list[WorkerHandle], timeout_s: float,
                  watch: list[WorkerHandle] | None = None) -> list[tuple[WorkerHandle, object]]:
@@ -162,18 +201,10 @@ class Deployment:
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         with lifecycle.shielded():  # a signal meanwhile would leave processes or segments behind
+            stop_workers(self.workers, timeout_s)
             for w in self.workers:
-                try:
-                    w.conn.send(Shutdown())
-                except (BrokenPipeError, OSError):
-                    pass
-            deadline = time.monotonic() + timeout_s
-            for w in self.workers:
-                w.process.join(timeout=max(0.0, deadline - time.monotonic()))
-            for w in self.workers:
-                if w.process.is_alive():
-                    w.process.kill()
-                    w.process.join(timeout=2.0)
                 w.conn.close()
+            for n in self.nodes:
+                n.close()
             cleanup(self.deployment_id)  # segments of workers that could not unlink their own
             lifecycle.forget(self)

@@ -81,7 +81,10 @@ class Lockstep(LayerSchedule):
         send_replies(self.sender, replies, tracer)
 
     def close(self) -> None:
+        # NOTE: every sender of this process before any receiver: over torch.distributed a receiver's
+        # close waits for its peers' goodbyes, which they send as they close their senders.
         self.sender.close()
+        self.stages.close_sender()
         self.receiver.close()
 
 

@@ -117,10 +117,16 @@ class AttentionStages:
         return {"kv_cache": self.runner.kv_cache.nbytes, "routed_experts": experts,
                 "other_weights": _nbytes(w) - experts}
 
+    def close_sender(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
     def close(self) -> None:
-        for endpoint in (self.sender, self.receiver):
-            if endpoint is not None:
-                endpoint.close()
+        self.close_sender()
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
 
     def begin(self, batches: tuple[Batch, ...], t0: float) -> list[InFlight]:
         flights = []

@@ -1,16 +1,19 @@
 """The torch.distributed world of a deployment, as the engine laid it out (``messages.World``).
 
 It exists only when something needs it: tensor-parallel attention (a gloo group per TP group for
-all-reduce / all-gather) or a torch.distributed comm transport.
+all-reduce / all-gather) or a torch.distributed comm transport. Between hosts gloo picks its
+network interface from $GLOO_SOCKET_IFNAME (or the address the host name resolves to).
 """
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from moeflow.messages import WorkerSetup
 
-DIST_TRANSPORTS = ("dist", "p2p")  # comm transports that need the world
+DIST_TRANSPORTS = ("dist", "p2p", "links")  # comm transports that need the world
 
 
 class TPGroup:
@@ -43,8 +46,14 @@ def init_world(setup: WorkerSetup) -> TPGroup | None:
     w = setup.world
     if w is None:
         return None
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{w.port}", world_size=w.size,
-                            rank=setup.world_rank)
+    if w.store_prefix is None:
+        dist.init_process_group("gloo", init_method=f"tcp://{w.addr}:{w.port}", world_size=w.size,
+                                rank=setup.world_rank)
+    else:  # several hosts: the world meets in the cluster's rendezvous, hosted by node 0's engine
+        timeout = timedelta(seconds=setup.engine.cluster.connect_timeout_s)
+        store = dist.TCPStore(w.addr, w.port, None, False, timeout=timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore(w.store_prefix, store), world_size=w.size,
+                                rank=setup.world_rank)
     tp = None
     for ranks in w.tp_groups:  # NOTE: new_group is collective over the whole world, in order
         grp = dist.new_group(list(ranks))

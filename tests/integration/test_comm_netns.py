@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from comm_harness import NETNS_PLAN, assert_matches_reference, netns_spec
+from netns import two_hosts
 
 from moeflow.comm import CommConfig
 
@@ -17,35 +18,11 @@ HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "comm_harness
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HARNESS)))
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
-
-
 @pytest.fixture(scope="module")
 def hosts():
     """(namespace, veth, address) for host A and host B; both removed afterwards."""
-    k = os.getpid() % 250 + 1
-    a, b = (f"mf{os.getpid()}a", f"mfva{k}", f"10.213.{k}.1"), (f"mf{os.getpid()}b", f"mfvb{k}", f"10.213.{k}.2")
-    made = []
-    try:
-        for ns, _, _ in (a, b):
-            _ip("netns", "add", ns)
-            made.append(ns)
-        _ip("link", "add", a[1], "type", "veth", "peer", "name", b[1])
-        for ns, dev, addr in (a, b):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-    except (OSError, subprocess.SubprocessError) as e:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        reason = f"cannot create network namespaces ({getattr(e, 'stderr', None) or e})"
-        print(f"SKIP: {reason}")
-        pytest.skip(reason)
-    yield a, b
-    for ns in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    with two_hosts() as (a, b):
+        yield (a.netns, a.dev, a.addr), (b.netns, b.dev, b.addr)
 
 
 @pytest.mark.parametrize("transport", ["dist", "p2p"])

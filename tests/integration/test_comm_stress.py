@@ -32,7 +32,7 @@ def run_deployment(config: CommConfig, plan: Plan, tmp_path, timeout_s: float = 
     """Start every rank of ``config.spec`` as a process, run ``plan``, return results by name;
     every process is stopped and the deployment's segments removed, whatever happens."""
     spec = config.spec
-    init = f"tcp://127.0.0.1:{free_port()}" if config.transport in ("dist", "p2p") else None
+    init = f"tcp://127.0.0.1:{free_port()}" if config.transport in ("dist", "p2p", "links") else None
     roles = ([("attention", r) for r in range(spec.num_lanes)]
              + [("moe", e) for e in range(spec.num_expert_ranks)])
     procs = {}
@@ -82,10 +82,10 @@ def check_against_reference(config: CommConfig, plan: Plan, results: dict) -> in
     return assert_matches_reference(config, plan, [entry for r in results.values() for entry in r["log"]])
 
 
-def _config(transport: str, **spec) -> CommConfig:
+def _config(transport: str, rank_nodes: tuple[int, ...] = (), **spec) -> CommConfig:
     # 512 B chunks: payloads above 4 rows of H = 64 are streamed, so both read paths are exercised.
     return CommConfig(CommSpec(**spec), transport=transport, deployment_id=f"t{uuid.uuid4().hex[:12]}",
-                      stream_chunk_bytes=512)
+                      stream_chunk_bytes=512, rank_nodes=rank_nodes)
 
 
 def test_shm_stress_matches_reference(tmp_path):
@@ -106,6 +106,11 @@ def test_shm_stress_matches_reference(tmp_path):
 @pytest.mark.parametrize("transport,layout,plan,min_messages", [
     ("dist", dict(num_regions=2, lanes_per_region=1, num_expert_ranks=2, num_experts=4, top_k=2, max_batch_tokens=16),
      Plan(seed=2, num_batches=400, inflight=2, max_delay_s=1e-3), 2000),
+    # Per link: world ranks 0-3 write the lanes of regions 0 (host 0) and 1 (host 1), expert ranks 4
+    # (host 0) and 5 (host 1): every receiver completes regions and segments from shm and gloo lanes.
+    ("links", dict(num_regions=2, lanes_per_region=2, num_expert_ranks=2, num_experts=4, top_k=2, max_batch_tokens=16,
+                   rank_nodes=(0, 0, 1, 1, 0, 1)),
+     Plan(seed=4, num_batches=150, inflight=2, max_delay_s=1e-3), 1000),
     # Blocking p2p: one batch in flight, one DP group (see p2p.py on deadlock freedom).
     ("p2p", dict(num_regions=1, lanes_per_region=2, num_expert_ranks=2, num_experts=2, top_k=1, max_batch_tokens=32),
      Plan(seed=3, num_batches=250, inflight=1, max_delay_s=1e-3), 1000),

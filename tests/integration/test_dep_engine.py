@@ -42,6 +42,14 @@ def test_dep_matches_colocated(checkpoints, reference, name, dp, chunk, placemen
         assert ranks == {f"dep{r}" for r in range(dp)}
 
 
+def test_dep_over_torch_distributed_matches_colocated(checkpoints, reference):
+    """The transport dep runs across hosts, on one: gloo between ranks, each rank's link to its
+    own experts a loopback in process."""
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="dep", dp=3, transport="dist") as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+    assert_same(outs, reference["qwen3"])
+
+
 def test_dead_rank_fails_requests_and_cleans_up(checkpoints):
     llm = LLM(checkpoints("qwen3").path, dtype="float32", mode="dep", dp=2)
     pids = [w.process.pid for w in llm.engine.deployment.workers]
