@@ -7,6 +7,7 @@ simulator, whose results do not depend on this machine's speed, does not).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -69,4 +70,11 @@ def write_json(path: str, result: dict, command: list[str] | None = None) -> Non
     """Write ``result`` with a ``provenance`` block first (a result already carrying one keeps it)."""
     out = {"provenance": result.get("provenance") or provenance(command), **result}
     with open(path, "w") as f:
-        json.dump(out, f, indent=2)
+        json.dump(out, f, indent=2, default=_plain)
+
+
+def _plain(o):
+    # configs that ride along in a result (e.g. an engine's ClusterConfig) are frozen dataclasses
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        return dataclasses.asdict(o)
+    raise TypeError(f"a result holds a {type(o).__name__}, which has no JSON form")
