@@ -6,7 +6,6 @@ rank 1 (an expert rank), which sends them straight back; median of 30 round trip
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -14,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moeflow.bench.provenance import write_json
 from moeflow.comm import CommConfig, CommSpec, make_transport
 
 H, SIZES, ROUNDS = 2048, (1, 64, 1024, 4096), 30
@@ -50,8 +50,7 @@ def main(rank: int, init: str, out: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"hidden": H, "dtype": "bfloat16", "transport": "dist (gloo)", "rows": rows}, f, indent=1)
+        write_json(out, {"hidden": H, "dtype": "bfloat16", "transport": "dist (gloo)", "rows": rows}, sys.argv)
 
 
 if __name__ == "__main__":
