@@ -58,6 +58,20 @@ def load_profile(path: str) -> dict:
 KINDS = {"compute": COMPUTE, "transport": TRANSPORT, "wait": WAIT}
 
 
+def steady_window(spans: list, run_start_s: float, run_end_s: float) -> tuple[float, float] | None:
+    """The middle 80% of the span-covered part of one run [run_start_s, run_end_s].
+
+    Spans recorded outside the run do not stretch it: a thread that works past the engine's last
+    result (dwdp's copy thread pulls the next batch's first layers) hands its spans in with the
+    *next* collection, minutes later when other systems ran in between."""
+    inside = [s for s in spans if s.end_s > run_start_s and s.start_s < run_end_s]
+    if not inside:
+        return None
+    lo = max(run_start_s, min(s.start_s for s in inside))
+    hi = min(run_end_s, max(s.end_s for s in inside))
+    return lo + 0.1 * (hi - lo), hi - 0.1 * (hi - lo)
+
+
 def time_split(spans: list, start_s: float, end_s: float, kinds: dict[str, set[str]] = KINDS,
                rest: str = "idle") -> dict[str, dict[str, float]]:
     """Per process: the fraction of [start_s, end_s] its main thread spent on each kind of span

@@ -91,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dict[str, dict]:
     from moeflow import LLM
-    from moeflow.bench.capacity import thread_busy, time_split
+    from moeflow.bench.capacity import steady_window, thread_busy, time_split
     from moeflow.bench.probe import Prober
+    from moeflow.engine.base import clock
 
     seed0 = exp.workload.seed
     llms = {}
@@ -125,11 +126,11 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
                     _drop_spans({n: llms[n]})
                 rep["probes"] = [p for r, p in sorted(pr.points.items()) if r not in rates]
                 if sat_rps:
+                    t0 = clock()
                     p = pr.measure(sat_rps, label=f"{n} r{k} saturation")
                     spans = _spans(llms[n])
-                    if spans:
-                        lo, hi = min(s.start_s for s in spans), max(s.end_s for s in spans)
-                        window = (lo + 0.1 * (hi - lo), hi - 0.1 * (hi - lo))  # steady state: the middle 80%
+                    window = steady_window(spans, t0, clock())  # the middle 80% of this run's spans
+                    if window is not None:
                         p["time_split"] = time_split(spans, *window)
                         copy = thread_busy(spans, *window, thread="copy")
                         if copy:

@@ -118,8 +118,9 @@ def markdown(result: dict) -> str:
              f"torch {prov['torch']}; dtype {result.get('dtype')}; {result['repeats']} repeats (seeds "
              f"{result['seeds']}), systems in rotated order at every rate; 95% t-intervals over repeats.", ""]
     rates = sorted({p["rps"] for s in systems.values() for p in s["points"]})
+    # a saturation-only experiment (no rates) has no TTFT tables and no SLO throughput
     for field, title in (("ttft_mean_s", "Mean TTFT (s)"), ("ttft_p90_s", "p90 TTFT (s)"),
-                         ("prefill_tok_s", "Prefill throughput (tok/s)")):
+                         ("prefill_tok_s", "Prefill throughput (tok/s)")) if rates else ():
         lines += [f"## {title}, mean ± half-width of the 95% interval", "",
                   "| system | " + " | ".join(f"{r:g} rps" for r in rates) + " |", "|---|" + "---|" * len(rates)]
         for name, s in systems.items():
@@ -128,7 +129,7 @@ def markdown(result: dict) -> str:
                          + " |")
         lines.append("")
     slo = result.get("slo_ttft_s")
-    if slo is not None:
+    if slo is not None and rates:
         lines += [f"## SLO throughput (rps) at TTFT SLO {slo:g} s, median [range] over repeats", "",
                   "Each metric decided on the same measured points (sweep + search probes); the search "
                   f"itself bisected on `{result.get('slo_metric')}`.", "",
@@ -137,14 +138,17 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(_mr(s["slo_rps_by_metric"][m.name]) for m in ALL_METRICS) + " |")
         lines.append("")
     for c in result.get("comparisons", []):
-        lines += [f"## {c['a']} vs {c['b']}", "",
-                  f"SLO throughput ratio {c['a']}/{c['b']} ({c['metric']}): {_mr(c['slo_ratio_a_over_b'])}", "",
-                  f"| rate | mean TTFT {c['b']} / {c['a']} (paired, 95% CI) | verdict |", "|---|---|---|"]
-        for row in c["per_rate"]:
-            lines.append(f"| {row['rps']:g} | {_ratio(row['ttft_ratio_b_over_a'])} | {row['verdict']} |")
+        lines += [f"## {c['a']} vs {c['b']}", ""]
+        if rates:
+            if slo is not None:
+                lines += [f"SLO throughput ratio {c['a']}/{c['b']} ({c['metric']}): {_mr(c['slo_ratio_a_over_b'])}", ""]
+            lines += [f"| rate | mean TTFT {c['b']} / {c['a']} (paired, 95% CI) | verdict |", "|---|---|---|"]
+            for row in c["per_rate"]:
+                lines.append(f"| {row['rps']:g} | {_ratio(row['ttft_ratio_b_over_a'])} | {row['verdict']} |")
+            lines.append("")
         sat = c.get("saturation_ratio_a_over_b")
         if sat:
-            lines += ["", f"Saturation prefill tokens/s {c['a']}/{c['b']} (paired, 95% CI): {_ratio(sat['ratio'])}, "
+            lines += [f"Saturation prefill tokens/s {c['a']}/{c['b']} (paired, 95% CI): {_ratio(sat['ratio'])}, "
                           f"{sat['verdict']}"]
         lines.append("")
     cap = result.get("capacity")

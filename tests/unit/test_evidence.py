@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from moeflow.bench.capacity import capacity_tok_s, request_compute_s, time_split
+from moeflow.bench.capacity import capacity_tok_s, request_compute_s, steady_window, time_split
 from moeflow.bench.slo import ALL_METRICS, MEAN, SloMetric, slo_rps_from_points
 from moeflow.bench.stats import mean_ci, median_range, paired_ratio_ci, t975, verdict
 from moeflow.bench.workload import WorkloadConfig
@@ -80,6 +80,15 @@ def test_capacity_is_cores_over_colocated_compute_at_the_best_expert_rate():
     split = time_split(spans, 0.0, 10.0)
     assert split["attention0"] == pytest.approx({"compute": 0.4, "transport": 0.1, "wait": 0.2, "idle": 0.3})
     assert split["moe0"]["compute"] == pytest.approx(0.2) and split["moe0"]["idle"] == pytest.approx(0.8)
+
+
+def test_the_steady_window_ignores_spans_from_before_the_run():
+    # a copy thread's pulls that ended after the previous collection arrive with this run's spans
+    stale = Span("pull", "dwdp0/copy", 100.0, 101.0)
+    run = [Span("attention", "dwdp0/main", 500.0, 540.0), Span("experts", "dwdp1/main", 502.0, 550.0)]
+    assert steady_window(run + [stale], 499.0, 551.0) == pytest.approx((505.0, 545.0))
+    assert steady_window([stale], 499.0, 551.0) is None
+    assert time_split(run + [stale], *steady_window(run + [stale], 499.0, 551.0))["dwdp0"]["compute"] == pytest.approx(35 / 40)
 
 
 # writers that legitimately write other JSON: the SSE stream, Chrome traces, the checkpoint's
