@@ -97,8 +97,11 @@ def run(args: argparse.Namespace) -> int:
         from moeflow.sim.compare import compare, format_comparison
 
         for name in names:
-            comparisons[name] = compare(out[name], measured["systems"][name])
-            print(format_comparison(name, comparisons[name], comparisons[name]["measured_slo_rps"]))
+            comparisons[name] = compare(out[name], measured["systems"][name]) if name in out else {}
+            if name in out:
+                print(format_comparison(name, comparisons[name], comparisons[name]["measured_slo_rps"]))
+        for name, c in _saturation_comparisons(cfg, cost, names, measured, args.repeats).items():
+            comparisons[name] = {**comparisons.get(name, {}), **c}
     for spec in args.compare:
         from moeflow.sim.compare import compare, format_comparison
 
@@ -132,6 +135,25 @@ def run(args: argparse.Namespace) -> int:
                              "raise --trace-window-s")
         write_chrome_trace(spans, args.trace)
     return 0
+
+
+def _saturation_comparisons(cfg, cost, names: list[str], measured: dict, repeats: int) -> dict:
+    """Each measured saturation run simulated once per seed it was measured with."""
+    from moeflow.sim.compare import compare_saturation, format_saturation
+    from moeflow.sim.run import run_point
+
+    out = {}
+    for name in names:
+        sat = measured["systems"][name].get("saturation")
+        if not sat:
+            continue
+        seeds = [r["seed"] for r in measured["systems"][name].get("repeats", [])] or \
+            [cfg.workload.seed + k for k in range(repeats)]
+        tok_s = [run_point(cfg.systems[name], cost, cfg, sat["rps"], seed)[0]["prefill_tok_s"] for seed in seeds]
+        c = compare_saturation(tok_s, measured["systems"][name])
+        out[name] = {"saturation": c}
+        print(format_saturation(name, c))
+    return out
 
 
 def slo_metrics(text: str) -> tuple:

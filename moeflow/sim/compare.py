@@ -27,6 +27,25 @@ def compare(simulated: dict, measured: dict) -> dict:
             "slo_error": (ss / ms - 1) if ms and ss else None}
 
 
+def compare_saturation(simulated_tok_s: list[float], measured: dict) -> dict | None:
+    """Prompt tokens/s at the saturation rate: the simulation once per measured seed, against the
+    measured mean and its 95% interval (``bench compare``'s ``saturation`` block)."""
+    sat = measured.get("saturation")
+    if not sat or not simulated_tok_s:
+        return None
+    m = sat["tok_s"]["mean"]
+    sim = sum(simulated_tok_s) / len(simulated_tok_s)
+    lo, hi = sat["tok_s"].get("ci95", (m, m))
+    return {"rps": sat["rps"], "measured_tok_s": m, "measured_ci": [lo, hi], "simulated_tok_s": sim,
+            "simulated_values": simulated_tok_s, "error": sim / m - 1, "within_ci": lo <= sim <= hi}
+
+
+def format_saturation(name: str, c: dict) -> str:
+    return (f"{name}: saturation at {c['rps']:g} rps: measured {c['measured_tok_s']:.0f} tok/s "
+            f"[{c['measured_ci'][0]:.0f}, {c['measured_ci'][1]:.0f}], simulated {c['simulated_tok_s']:.0f} tok/s "
+            f"({c['error'] * 100:+.1f}%, {'inside' if c['within_ci'] else 'outside'} the measured interval)")
+
+
 def format_comparison(name: str, c: dict, below_rps: float | None = None) -> str:
     lines = [f"{name}: {'rate':>7} {'measured':>9} {'simulated':>9} {'error':>7}"]
     for r in c["points"]:

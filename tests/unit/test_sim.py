@@ -276,3 +276,37 @@ def test_afd_lone_request_closed_form_and_micro_batches_overlap():
         s.loop.run()
         ends[ub] = s.loop.now
     assert ends[2] < ends[1]
+
+
+def test_compare_with_a_saturation_only_result(tmp_path, capsys):
+    from moeflow.cli import main
+    from moeflow.experiment import load_experiment
+
+    machine = tmp_path / "machine.json"
+    machine.write_text(json.dumps({"auto_dtype": "float32", "memcpy_gbps": 10.0, "shm_flag_round_trip_us": 10.0,
+                                   "gemm": {"bfloat16": {"gflops": 1.0}, "float32": {"gflops": 90.0}}}))
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text(f"""
+model: tiny
+hardware: cpu-here
+machine: {machine}
+workload: {{kind: uniform, isl: 1024, isl_ratio: 0.5, num_requests: 12, seed: 3}}
+rps: []
+saturation_rps: 20
+systems:
+  dep2: {{mode: dep, dp: 2}}
+  dwdp2: {{mode: dwdp, dp: 2}}
+""")
+    exp = load_experiment(str(cfg))
+    cost = build_cost(exp)
+    # "measured" = the simulator itself at seeds 3 and 4: zero error, inside the interval
+    sims = [run_point(exp.systems["dwdp2"], cost, exp, 20, seed)[0]["prefill_tok_s"] for seed in (3, 4)]
+    m = sum(sims) / 2
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"systems": {"dwdp2": {"points": [], "repeats": [{"seed": 3}, {"seed": 4}],
+                                                          "saturation": {"rps": 20, "tok_s": {"mean": m, "ci95": [m * 0.9, m * 1.1]}}}}}))
+    out = tmp_path / "o.json"
+    assert main(["simulate", "--config", str(cfg), "--compare-with", str(measured), "--json", str(out)]) == 0
+    c = json.loads(out.read_text())["comparison"]["dwdp2"]["saturation"]
+    assert c["error"] == pytest.approx(0.0) and c["within_ci"] and c["simulated_values"] == pytest.approx(sims)
+    assert "saturation at 20 rps" in capsys.readouterr().out
