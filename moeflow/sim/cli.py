@@ -83,12 +83,14 @@ def run(args: argparse.Namespace) -> int:
         spans += [type(s)(s.name, f"{name}:{s.track}", s.start_s, s.end_s) for s in res.spans]
         print(f"== {name} ({res.result['config']['devices']} devices, {cfg.model} on {cfg.hardware}, "
               f"{cfg.cost} cost)")
-        for p in res.result["points"]:
-            print(format_point(p))
-            print("  busy (computing, not waiting): "
-                  + ", ".join(f"{role} {frac:.0%}" for role, frac in p["sim_busy"].items())
-                  + (f"; expert load, most loaded device / mean: {p['sim_expert_imbalance']:.2f}"
-                     if "sim_expert_imbalance" in p else ""))
+        # with repeats, each seed's runs (the averaged points lack a run's counts and busy split)
+        for rep in res.result.get("repeats") or [{"seed": None, "sweep": res.result["points"], "probes": []}]:
+            for p in rep["sweep"] + rep["probes"]:
+                print(("" if rep["seed"] is None else f"[seed {rep['seed']}] ") + format_point(p))
+                print("  busy (computing, not waiting): "
+                      + ", ".join(f"{role} {frac:.0%}" for role, frac in p["sim_busy"].items())
+                      + (f"; expert load, most loaded device / mean: {p['sim_expert_imbalance']:.2f}"
+                         if "sim_expert_imbalance" in p else ""))
         print(f"simulated {res.num_events:,} events in {wall:.1f} s ({res.num_events / wall:,.0f} events/s)")
     if find_slo:
         print_slo_table(out, names, metrics, cfg.slo_ttft_s)

@@ -22,9 +22,14 @@ def compare(simulated: dict, measured: dict) -> dict:
             row.update(measured_ci=ci, within_ci=ci[0] <= s["ttft_mean_s"] <= ci[1],
                        ci_half_width_rel=(ci[1] - ci[0]) / 2 / p["ttft_mean_s"])
         rows.append(row)
-    ms, ss = measured.get("slo_rps"), simulated.get("slo_rps")
+    ms, ss = (r.get("slo_rps") or _table_slo(r, r.get("slo_metric")) for r in (measured, simulated))
     return {"points": rows, "measured_slo_rps": ms, "simulated_slo_rps": ss,
             "slo_error": (ss / ms - 1) if ms and ss else None}
+
+
+def _table_slo(result: dict, metric: str | None):
+    """Without a search: the SLO throughput read off the measured rates (median over repeats)."""
+    return ((result.get("slo_rps_by_metric") or {}).get(metric or "mean") or {}).get("median")
 
 
 def compare_saturation(simulated_tok_s: list[float], measured: dict) -> dict | None:
