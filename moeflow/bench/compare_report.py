@@ -106,7 +106,11 @@ def _ratio(r: dict | None) -> str:
 def _mr(d: dict, fmt: str = ".3g") -> str:
     if d.get("median") is None:
         return "none meets it" if any(v is None for v in d.get("values", [])) else "-"
-    return f"{d['median']:{fmt}} [{d['min']:{fmt}}, {d['max']:{fmt}}]"
+    vals = d.get("values", [])
+    met = sum(v is not None for v in vals)
+    # the median is over the repeats that met the SLO at some probed rate: say how many did
+    return f"{d['median']:{fmt}} [{d['min']:{fmt}}, {d['max']:{fmt}}]" + (f" ({met} of {len(vals)} repeats)"
+                                                                        if met < len(vals) else "")
 
 
 def markdown(result: dict) -> str:
