@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
         from moeflow.sim.compare import compare, format_comparison
 
         for name in names:
-            comparisons[name] = compare(out[name], measured["systems"][name]) if name in out else {}
-            if name in out:
+            if name in out:  # systems with rates; saturation-only ones are compared below
+                comparisons[name] = compare(out[name], measured["systems"][name])
                 print(format_comparison(name, comparisons[name], comparisons[name]["measured_slo_rps"]))
         for name, c in _saturation_comparisons(cfg, cost, names, measured, args.repeats).items():
             comparisons[name] = {**comparisons.get(name, {}), **c}
