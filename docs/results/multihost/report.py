@@ -29,7 +29,9 @@ def main() -> None:
     k = min(len(v) for v in data.values())
     link = json.load(open(os.path.join(HERE, "link.json")))
     commit = open(os.path.join(HERE, "commit.txt")).read().split()
-    cpu = data["one_host"][0].get("provenance", {}).get("cpu_model", "?")
+    # the HTTP client records no ISA (it imports no torch); link.py's process on the same machine does
+    prov = link["provenance"]
+    cpu = f"{prov['cpu_model']} ({prov.get('isa', '?')}), dtype auto = {prov.get('auto_dtype', '?')}"
     lines = ["# Several hosts: asap D1 E2 on one host and across two (network namespaces)", "",
              f"Commit `{commit[0][:12]}`{' (dirty)' if 'dirty' in commit else ''}, {cpu}, 2 cores; command: "
              f"`sudo docs/results/multihost/run.sh`, then `python docs/results/multihost/report.py`. Model `tiny`, "
