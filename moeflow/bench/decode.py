@@ -150,20 +150,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def step_tokens(spec: SystemSpec) -> int:
+    """The fewest prompt tokens any step of this system may take (its smallest batch limit)."""
+    lay = spec.layout
+    limits = [spec.engine.max_num_batched_tokens]
+    for obj in (lay, getattr(lay, "scheduler", None)):
+        limits += [v for k in ("chunked_prefill_size", "max_batch_tokens") if (v := getattr(obj, k, None))]
+    return min(limits)
+
+
+def decode_tokens(warmup_steps: int, steps: int, context: int = 0, per_group: int = 0, step_limit: int = 1) -> int:
+    """Tokens each request is asked for (its KV reservation), so that nobody finishes inside the window:
+    the window and warm-up, up to two steps in flight at either end, groups that decode at their own
+    pace (asap, dwdp) running ahead of the window's average, and, the largest part, what a request
+    prefilled first decodes (one token per step, decode first) while the other ``per_group - 1`` of its
+    group prefill: at most one step per ``step_limit - per_group`` prompt tokens (the decodes share each
+    step's budget) plus one per request. The simulator, which prefills a group in one step, reserves
+    only the rest (``per_group`` 0)."""
+    prefill_steps = per_group * -(-context // max(1, step_limit - per_group)) + per_group if per_group else 0
+    return warmup_steps + 2 * steps + 6 + prefill_steps
+
+
 def measure(spec: SystemSpec, context: int, bench: DecodeBench, repeat: int) -> dict:
     """One deployment, prefilled at ``context``, one timed decode window."""
     from moeflow import LLM, SamplingParams
 
-    # nobody finishes inside the window: up to two steps in flight at either end, and groups that
-    # decode at their own pace (asap, dwdp) may run ahead of the window's average
-    gen = bench.warmup_steps + 2 * bench.steps + 6
-    engine_cfg = dataclasses.replace(spec.engine, trace=True, max_model_len=max(spec.engine.max_model_len or 0,
-                                                                                 context + gen))
+    engine_cfg = dataclasses.replace(spec.engine, trace=True)
     with LLM(layout=spec.layout, **dataclasses.asdict(engine_cfg)) as llm:
         engine = llm.engine
         pool = engine.scheduler.pool
         a = pool.groups[0].allocator
-        per_group = min(pool.max_num_seqs, a.num_blocks // a.blocks_for(context + gen))
+        def capacity_at(gen: int) -> int:
+            return min(pool.max_num_seqs, a.num_blocks // a.blocks_for(context + gen))
+        first = capacity_at(decode_tokens(bench.warmup_steps, bench.steps)) if bench.batch is None else \
+            -(-bench.batch // len(pool.groups))
+        gen = decode_tokens(bench.warmup_steps, bench.steps, context, first, step_tokens(spec))
+        per_group = capacity_at(gen)
+        if context + gen > engine.max_model_len:
+            raise ConfigError(f"bench decode: context {context} + {gen} decode tokens exceed max_model_len "
+                              f"{engine.max_model_len}")
         capacity = per_group * len(pool.groups)
         b = bench.batch or capacity
         if b > capacity:

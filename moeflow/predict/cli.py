@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
     a.add_argument("--max-batch-tokens", type=int, default=None,
                    help="the afd layout's (default: the baseline's, which sizes the same buffers and reserve)")
     a.add_argument("--no-overlap-scheduling", action="store_true")
+    a.add_argument("--batch", type=int, default=None,
+                   help="resident requests of afd in all, as bench decode's --batch (default: what the memory plan "
+                        "holds under the baseline's budget)")
     a.add_argument("--measured", default=None, metavar="DECODE.json", help="bench decode result of afd to compare with")
     a.add_argument("--json", default=None)
     a.set_defaults(func=run_afd)
@@ -46,6 +49,15 @@ def _afd_resident(result: dict, system: str, layout, context: int) -> int:
     plan = plan_for(layout, resolve_model(result["model"]), config)
     per_request = -(-(context + run["max_tokens"]) // config.kv_block_size)
     return min(config.max_num_seqs, plan.num_kv_blocks // per_request)
+
+
+def _given_resident(batch: int | None, attn_workers: int) -> int | None:
+    """Requests per attention instance when the afd run was given its batch (bench decode --batch)."""
+    if batch is None:
+        return None
+    if batch < attn_workers:
+        raise ValueError(f"--batch {batch}: fewer requests than the {attn_workers} attention instances")
+    return batch // attn_workers
 
 
 def run_afd(args: argparse.Namespace) -> int:
@@ -70,7 +82,7 @@ def run_afd(args: argparse.Namespace) -> int:
             layout = make_layout("afd", attn_workers=args.attn_workers, ffn_workers=args.ffn_workers, micro_batches=m,
                                  topology=args.topology, overlap_scheduling=not args.no_overlap_scheduling,
                                  **({"max_batch_tokens": tokens} if tokens else {}))
-            b_afd = _afd_resident(base_result, args.system, layout, c)
+            b_afd = _given_resident(args.batch, args.attn_workers) or _afd_resident(base_result, args.system, layout, c)
             pred = predict(base, profile, m=m, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
                            served=len(layout.served_by(0)), local_experts=len(layout.placement_of_experts(mc.num_experts)[0]),
                            b_afd=b_afd, num_layers=mc.num_layers, num_moe_layers=mc.num_moe_layers,

@@ -187,10 +187,14 @@ def print_slo_table(out: dict, names: list[str], metrics: tuple, slo_s: float) -
 def _run_decode(args: argparse.Namespace) -> int:
     from moeflow.sim.decode import run_decode
 
-    for flag in ("rps", "find_slo_rps", "plot", "trace", "compare_with", "slo_metric", "set"):
+    for flag in ("rps", "find_slo_rps", "plot", "trace", "slo_metric", "set"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')}: not for a decode file ({args.config} has contexts:)")
-    data = run_decode(args.config, args.system)
+    measured = None
+    if args.compare_with:
+        with open(args.compare_with) as f:
+            measured = json.load(f)
+    data = run_decode(args.config, args.system, measured)
     if args.json:
         write_json(args.json, data)
     return 0

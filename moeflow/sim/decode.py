@@ -27,8 +27,12 @@ def _capacity(kv_blocks: int, block: int, per_request_tokens: int, max_num_seqs:
     return min(max_num_seqs, kv_blocks // -(-per_request_tokens // block))
 
 
-def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes: float = 0.0) -> dict:
-    """One system's steady-state decode at ``context``: B, TPOT, tokens/s per device, the step split."""
+def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes: float = 0.0,
+                    batch: int | None = None) -> dict:
+    """One system's steady-state decode at ``context``: B, TPOT, tokens/s per device, the step split.
+    ``batch``: resident requests in all, as ``bench decode``'s (None: what each group's KV holds, each
+    request reserving its context and the window; ``bench decode`` also reserves what a request decodes
+    while its group's others prefill, so it holds a few percent fewer)."""
     from moeflow.sim.run import make_system
 
     layout, e, m = spec.layout, spec.engine, cost.model
@@ -39,11 +43,16 @@ def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes
     reserve = None if e.activation_reserve_gib is None else e.activation_reserve_gib * GIB
     plan = plan_kv(m, layout, e.memory_budget_gib * GIB, layout.max_batch_tokens, e.max_num_seqs, reserve, hbm_bytes)
     blocks = plan.kv_tokens // e.kv_block_size
-    gen = warmup + steps + 4
-    b = _capacity(blocks, e.kv_block_size, context + gen, e.max_num_seqs)
+    gen = warmup + steps + 4  # the window, the warm-up and the steps in flight at either end
+    b = capacity = _capacity(blocks, e.kv_block_size, context + gen, e.max_num_seqs)
     if b < 1:
         raise ValueError(f"system {spec.name!r}: the KV cache ({plan.kv_tokens} tokens) holds no request of "
                          f"{context + gen} tokens")
+    if batch is not None:
+        if batch % layout.num_groups or batch // layout.num_groups > b:
+            raise ValueError(f"system {spec.name!r}: batch {batch} must split evenly over its {layout.num_groups} "
+                             f"groups and fit their KV caches ({b} each at context {context})")
+        b = batch // layout.num_groups
     # NOTE: prefill is not what is measured: each group prefills all its requests in one step (the
     # batch limit raised for that), so the window starts at once and the simulation stays short.
     # The memory plan above used the layout's own limit; decode steps are far below either.
@@ -68,7 +77,8 @@ def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes
     split = {k: (acc1[k] - acc0[k]) / (layout.num_groups * wall) for k in sim.split_s}
     return {"system": spec.name, "mode": layout.mode, "context": context, "batch_per_group": b,
             "groups": layout.num_groups, "devices": devices, "tpot_s": tpot, "tok_s_per_device": total / tpot / devices,
-            "busy": busy, "split": split, "decode_tokens_per_request": gen, "memory": plan.to_dict()}
+            "capacity_per_group": capacity, "busy": busy, "split": split, "decode_tokens_per_request": gen,
+            "memory": plan.to_dict()}
 
 
 def factors(afd: dict, base: dict, layout) -> dict:
@@ -98,8 +108,31 @@ def closed_form(afd: dict, base: dict, layout, cost) -> dict:
     return {**pred.to_dict(), "fastafd_speedup": fastafd}
 
 
-def run_decode(path: str, names: list[str] | None = None) -> dict:
-    """``moeflow simulate --config DECODE.yaml``: every system at every context, the pairs compared."""
+def against_measured(results: dict, measured: dict) -> list[dict]:
+    """Simulated (at the measured B) vs a ``bench decode`` result of the same file: per system and
+    context, B per group measured and what the simulator's memory plan holds, TPOT and decode tokens/s
+    per process (device), the error against the measured mean and whether it falls inside the
+    measured 95% interval."""
+    rows = []
+    for name, by_ctx in results.items():
+        for c, sim in by_ctx.items():
+            meas = measured.get("results", {}).get(name, {}).get(str(c))
+            if meas is None:
+                continue
+            tok, tpot = meas["tok_s_per_process"], meas["tpot_s"]
+            lo, hi = tok["ci95"]
+            rows.append({"system": name, "context": c, "b_measured": meas["resident_per_group"],
+                         "b_plan": sim["capacity_per_group"], "tpot_measured_s": tpot["mean"],
+                         "tpot_simulated_s": sim["tpot_s"], "tok_s_measured": tok["mean"], "tok_s_ci95": [lo, hi],
+                         "tok_s_simulated": sim["tok_s_per_device"],
+                         "error": sim["tok_s_per_device"] / tok["mean"] - 1,
+                         "inside": lo <= sim["tok_s_per_device"] <= hi})
+    return rows
+
+
+def run_decode(path: str, names: list[str] | None = None, measured: dict | None = None) -> dict:
+    """``moeflow simulate --config DECODE.yaml``: every system at every context, the pairs compared;
+    with ``measured`` (``--compare-with``, a ``bench decode`` result), the error against it."""
     from moeflow.bench.decode import load_bench
     from moeflow.sim.run import build_cost
 
@@ -107,7 +140,15 @@ def run_decode(path: str, names: list[str] | None = None) -> dict:
     cost = build_cost(bench)
     hbm = getattr(getattr(cost, "hw", None), "hbm_bytes", 0.0)
     names = names or list(bench.systems)
-    results = {n: {c: simulate_decode(bench.systems[n], cost, c, bench.steps, bench.warmup_steps, hbm)
+    if measured is not None:
+        names = [n for n in names if n in measured.get("results", {})
+                 and bench.systems[n].layout.mode in STEP_MODES]
+        if not names:
+            raise ValueError(f"--compare-with: none of its systems {sorted(measured.get('results', {}))} is a "
+                             f"{'/'.join(STEP_MODES)} system of {path}")
+    def batch(n: str, c: int) -> int | None:  # against a measurement: at the B it ran
+        return measured["results"][n][str(c)]["batch"] if measured is not None else bench.batch
+    results = {n: {c: simulate_decode(bench.systems[n], cost, c, bench.steps, bench.warmup_steps, hbm, batch(n, c))
                    for c in bench.contexts} for n in names}
     print(f"{'system':>16} {'context':>8} {'B/group':>8} {'TPOT ms':>8} {'tok/s/device':>13}  busy")
     for n in names:
@@ -136,5 +177,17 @@ def run_decode(path: str, names: list[str] | None = None) -> dict:
                          f"{'' if p['overlap_holds'] else ', overlap fails'}), {p['speedup'] / f['tok_s_ratio'] - 1:+.1%}; "
                          f"attention-only T: x{p['fastafd_speedup']:.2f}, {p['fastafd_speedup'] / f['tok_s_ratio'] - 1:+.1%}")
             print(line)
-    return {"model": bench.model, "hardware": bench.hardware, "steps": bench.steps, "warmup_steps": bench.warmup_steps,
-            "results": {n: {str(c): r for c, r in rs.items()} for n, rs in results.items()}, "compare": compared}
+    out = {"model": bench.model, "hardware": bench.hardware, "steps": bench.steps, "warmup_steps": bench.warmup_steps,
+           "results": {n: {str(c): r for c, r in rs.items()} for n, rs in results.items()}, "compare": compared}
+    if measured is not None:
+        out["measured_commit"] = (measured.get("provenance") or {}).get("commit")
+        out["against_measured"] = rows = against_measured(results, measured)
+        print(f"\n{'system':>16} {'context':>8} {'B meas/plan':>11} {'TPOT ms meas/sim':>17} "
+              f"{'tok/s/process measured [95%]':>30} {'simulated':>10} {'error':>7}")
+        for r in rows:
+            lo, hi = r["tok_s_ci95"]
+            print(f"{r['system']:>16} {r['context']:>8} {r['b_measured']:>5g}/{r['b_plan']:<5g} "
+                  f"{r['tpot_measured_s'] * 1e3:>8.1f}/{r['tpot_simulated_s'] * 1e3:<8.1f} "
+                  f"{r['tok_s_measured']:>12.1f} [{lo:.1f}, {hi:.1f}]{'':>4} {r['tok_s_simulated']:>10.1f} "
+                  f"{r['error']:>+7.1%}{'' if r['inside'] else ' (outside)'}")
+    return out

@@ -13,7 +13,7 @@ import pytest
 from moeflow.bench.decode import load_bench
 from moeflow.experiment import parse_experiment
 from moeflow.layout import make_layout
-from moeflow.sim.decode import closed_form, factors, simulate_decode
+from moeflow.sim.decode import against_measured, closed_form, factors, simulate_decode
 from moeflow.sim.memory import GIB, activation_reserve, plan_kv
 from moeflow.sim.model_spec import model_preset
 from moeflow.sim.run import build_cost, run_point
@@ -123,3 +123,18 @@ def test_decode_needs_a_budget_and_a_step_system():
     dwdp = dataclasses.replace(spec, layout=make_layout("dwdp", dp=4))
     with pytest.raises(ValueError, match="measures decode for"):
         simulate_decode(dwdp, COST, 8192, 4, 1)
+
+
+def test_a_given_batch_is_simulated_as_bench_decode_runs_it_and_compared_with_a_measurement():
+    spec = BENCH.systems["dep4"]
+    given = simulate_decode(spec, COST, 8192, 4, 1, COST.hw.hbm_bytes, batch=8)
+    assert given["batch_per_group"] == 2 and given["tok_s_per_device"] == pytest.approx(8 / given["tpot_s"] / 4)
+    with pytest.raises(ValueError, match="split evenly"):
+        simulate_decode(spec, COST, 8192, 4, 1, COST.hw.hbm_bytes, batch=6)
+    # against a bench decode result: the error against its mean, inside its interval or not
+    tok = given["tok_s_per_device"]
+    measured = {"results": {"dep4": {"8192": {"resident_per_group": 2, "tpot_s": {"mean": given["tpot_s"]},
+                                              "tok_s_per_process": {"mean": tok / 1.25, "ci95": [tok / 1.5, tok]}}}}}
+    (row,) = against_measured({"dep4": {8192: given}, "afd_28a4f": {8192: given}}, measured)
+    assert row["system"] == "dep4" and row["error"] == pytest.approx(0.25) and row["inside"]
+    assert row["b_measured"] == 2 and row["b_plan"] == given["capacity_per_group"] > 2
