@@ -202,7 +202,13 @@ def measure(spec: SystemSpec, context: int, bench: DecodeBench, repeat: int) -> 
             engine.add_request(r)
         t_prefill = time.monotonic()
         while min(len(r.output_token_ids) for r in reqs) < 1 + bench.warmup_steps:
-            engine.step()
+            if engine.step().finished:
+                # the usual cause: a rank admits a waiting prompt only when its whole next chunk fits
+                # beside the running decodes, so with max_batch_tokens == chunked_prefill_size the
+                # rest wait for the first requests to finish
+                raise ConfigError(f"bench decode: a request finished before every request was resident at context "
+                                  f"{context}: give max_batch_tokens room for a prompt chunk beside the decodes "
+                                  f"(>= chunked_prefill_size + requests per group)")
         prefill_s = time.monotonic() - t_prefill
         engine.drain()
         _spans(engine)  # drop what prefill and warm-up recorded
