@@ -165,8 +165,8 @@ def decode_tokens(warmup_steps: int, steps: int, context: int = 0, per_group: in
     pace (asap, dwdp) running ahead of the window's average, and, the largest part, what a request
     prefilled first decodes (one token per step, decode first) while the other ``per_group - 1`` of its
     group prefill: at most one step per ``step_limit - per_group`` prompt tokens (the decodes share each
-    step's budget) plus one per request. The simulator, which prefills a group in one step, reserves
-    only the rest (``per_group`` 0)."""
+    step's budget) plus one per request. The simulator prefills a group in one step and reserves its
+    own, shorter window (``sim/decode.py``), so its B is a few percent above this one's."""
     prefill_steps = per_group * -(-context // max(1, step_limit - per_group)) + per_group if per_group else 0
     return warmup_steps + 2 * steps + 6 + prefill_steps
 

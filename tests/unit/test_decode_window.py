@@ -10,7 +10,7 @@ from moeflow.layout import make_layout
 
 
 def test_the_reservation_covers_the_window_and_the_decodes_during_the_group_prefill():
-    assert decode_tokens(2, 16) == 2 + 32 + 6  # no prefill term: the simulator's one-step prefill
+    assert decode_tokens(2, 16) == 2 + 32 + 6  # no group to prefill beside
     # 17 requests of 2048 tokens, steps of 2048 tokens of which 17 go to decodes: 2 steps per prompt
     assert decode_tokens(2, 16, context=2048, per_group=17, step_limit=2048) == 40 + 17 * 2 + 17
     assert decode_tokens(2, 16, context=8192, per_group=4, step_limit=2048) == 40 + 4 * 5 + 4
