@@ -1,11 +1,12 @@
 """``moeflow profile``: measure the real engine here, for the simulator's profiled cost model.
 
 Stage by stage, one torch thread as in the workers: one layer's attention block (attention,
-router, weighted sum and combine) against (tokens, Σ pairs, sequences); one layer's experts against
+router, weighted sum and combine) against (tokens, Σ pairs, sequences) for prompts, and against
+(sequences, cached keys) for decode batches (the engine's decode kernel); one layer's experts against
 routed (token, expert) pairs for each number of local experts a worker can hold; embedding and
-logits. Then whole requests through the real asap and dep deployments: what a request's TTFT has
-beyond the stages' sum, per layer and per token, is the transport and messaging cost the
-simulator charges as latency and bandwidth. Writes JSON that ``sim/profiled.py`` reads.
+logits. Then whole requests through the real asap and dep deployments: what a lone request's decode
+step has beyond its stages is the per-message latency, what its TTFT has beyond them the bandwidth,
+the transport cost the simulator charges. Writes JSON that ``sim/profiled.py`` reads.
 """
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ ATTN_SHAPES = [  # (query lens, context lens) of one batch
     ([128] * 8, [0] * 8), ([512] * 4, [0] * 4), ([512] * 8, [0] * 8), ([1024] * 4, [0] * 4), ([2048] * 2, [0] * 2),
     ([512], [1536]), ([2048], [2048]), ([1024], [4096]), ([256, 1024], [0, 2048]),
 ]
+# decode: (sequences, cached context) of a batch in which every sequence computes one new token
+DECODE_SHAPES = [(1, 512), (1, 2048), (8, 2048), (32, 2048), (1, 8192), (8, 8192)]
 ROUTED = [16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768]
 PROMPTS = [128, 512, 1024, 2048, 4096]
+DECODE_CONTEXTS = [512, 2048]  # lone requests decoding after these prompts: the per-step transport
+DECODE_TOKENS = 17
 
 
 def add_parser(sub) -> None:
@@ -70,9 +75,10 @@ def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) 
     g = torch.Generator().manual_seed(0)
     block = 16
     shapes = ATTN_SHAPES[:8] if quick else ATTN_SHAPES
-    cache = KVCache.for_model(cfg, max(sum(q) + sum(c) for q, c in shapes) // block + 8, block, dtype)
+    decodes = [([1] * b, [c] * b) for b, c in (DECODE_SHAPES[:2] if quick else DECODE_SHAPES)]
+    cache = KVCache.for_model(cfg, max(sum(q) + sum(c) for q, c in shapes + decodes) // block + 8, block, dtype)
     attn = []
-    for q_lens, ctx_lens in shapes:
+    for q_lens, ctx_lens in shapes + decodes:
         tables, nxt = [], 0
         for q, c in zip(q_lens, ctx_lens):
             n = -(-(q + c) // block)
@@ -90,7 +96,9 @@ def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) 
 
         attn.append({"q_lens": q_lens, "ctx_lens": ctx_lens, "tokens": sum(q_lens), "seqs": len(q_lens),
                      "pairs": pairs_of(q_lens, ctx_lens), "s": _median_s(block_fn, repeats)})
+    attn, dec = attn[:len(shapes)], attn[len(shapes):]
     fit = fit_nonneg([[1, a["tokens"], a["pairs"], a["seqs"]] for a in attn], [a["s"] for a in attn])
+    dec_fit = fit_nonneg([[1, a["seqs"], a["pairs"]] for a in dec], [a["s"] for a in dec])
 
     experts: dict[str, list] = {}
     e = cfg.num_experts
@@ -114,15 +122,18 @@ def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) 
     return {"num_layers": cfg.num_layers, "num_experts": e, "top_k": cfg.num_experts_per_tok,
             "hidden_size": cfg.hidden_size,
             "attention": {"samples": attn, "fit": dict(zip(("c0", "per_token", "per_pair", "per_seq"), fit))},
+            # a decode row's pairs are its keys: the context and the new token
+            "decode": {"samples": dec, "fit": dict(zip(("c0", "per_seq", "per_key"), dec_fit))},
             "experts": experts,
             "head": {"samples": head, "fit": dict(zip(("c0", "per_token", "per_sampled"), head_fit))}}
 
 
-def profile_engine(model: str, dtype: str, mode: str, kwargs: dict, repeats: int) -> list[dict]:
-    """TTFT of lone requests (nothing else running) through a real deployment."""
+def profile_engine(model: str, dtype: str, mode: str, kwargs: dict, repeats: int) -> tuple[list[dict], list[dict]]:
+    """TTFT of lone requests (nothing else running) through a real deployment, and the median
+    inter-token time of lone requests decoding."""
     from moeflow import LLM, SamplingParams
 
-    out = []
+    out, decodes = [], []
     rng = np.random.default_rng(0)
     with LLM(model=model, mode=mode, dtype=dtype, **kwargs) as llm:
         vocab = llm.engine.model_config.vocab_size
@@ -134,7 +145,12 @@ def profile_engine(model: str, dtype: str, mode: str, kwargs: dict, repeats: int
                 o = llm.generate([rng.integers(0, vocab, n).tolist()], params)[0]
                 ttfts.append(o.metrics.ttft_s)
             out.append({"prompt_len": n, "ttft_s": statistics.median(ttfts)})
-    return out
+        decode = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+        for n in DECODE_CONTEXTS:
+            o = llm.generate([rng.integers(0, vocab, n).tolist()], decode)[0]
+            t = o.metrics.token_times_s
+            decodes.append({"context": n, "tokens": len(t), "tpot_s": statistics.median(np.diff(t).tolist())})
+    return out, decodes
 
 
 ENGINES = {  # the layouts the validation runs; no lone-batch wait or split, so a request runs as is
@@ -156,14 +172,19 @@ def run(args: argparse.Namespace) -> int:
     prof["engine"] = {}
     if not args.quick:
         for name, (mode, kw) in ENGINES.items():
-            prof["engine"][name] = {"layout": kw, "samples": profile_engine(args.model, dtype, mode, kw, args.repeats)}
+            samples, decodes = profile_engine(args.model, dtype, mode, kw, args.repeats)
+            prof["engine"][name] = {"layout": kw, "samples": samples, "decode_samples": decodes}
     write_json(args.json, prof)
     a = prof["attention"]["fit"]
     print(f"attention block per layer: {a['c0'] * 1e3:.2f} ms + {a['per_token'] * 1e6:.2f} us/token "
           f"+ {a['per_pair'] * 1e9:.3f} ns/pair + {a['per_seq'] * 1e3:.3f} ms/seq")
+    d = prof["decode"]["fit"]
+    print(f"decode attention block per layer: {d['c0'] * 1e3:.2f} ms + {d['per_seq'] * 1e6:.1f} us/seq "
+          f"+ {d['per_key'] * 1e9:.2f} ns/cached key")
     for local, rows in prof["experts"].items():
         print(f"experts, {local} local: " + ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in rows))
     for name, e in prof["engine"].items():
-        print(f"{name} {e['layout']}: " + ", ".join(f"{s['prompt_len']}: {s['ttft_s'] * 1e3:.0f} ms" for s in e["samples"]))
+        print(f"{name} {e['layout']}: TTFT " + ", ".join(f"{s['prompt_len']}: {s['ttft_s'] * 1e3:.0f} ms" for s in e["samples"])
+              + "; TPOT " + ", ".join(f"{s['context']}: {s['tpot_s'] * 1e3:.1f} ms" for s in e["decode_samples"]))
     print(f"wrote {args.json} in {time.perf_counter() - t0:.0f} s")
     return 0

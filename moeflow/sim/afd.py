@@ -107,7 +107,7 @@ class AfdSystem(StepSystem):
     def _back_bytes(self, instance: int, num_tokens: int) -> float:
         c, m = self.cost, self.model
         if self.layout.router == "ffn":  # one weighted sum per token from each daemon
-            return num_tokens * m.hidden_size * 2 * len(self.ffns[instance])
+            return num_tokens * m.hidden_size * m.base_bytes * len(self.ffns[instance])
         return c.combine_bytes(num_tokens)
 
     def _step_done(self, works) -> None:

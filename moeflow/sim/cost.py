@@ -26,6 +26,7 @@ from moeflow.sim.shape import AttnShape
 
 class CostModel(abc.ABC):
     model: ModelSpec
+    engine_buffers = False  # whether a memory plan counts moeflow's own communication buffers (memory.py)
 
     @abc.abstractmethod
     def attention_s(self, shape: AttnShape, tp: int, dense_layer: bool) -> float:
@@ -92,8 +93,8 @@ class CostModel(abc.ABC):
         return num_tokens * m.top_k * m.hidden_size * m.act_bytes
 
     def combine_bytes(self, num_tokens: int) -> float:
-        """Expert outputs sent back, in bf16."""
-        return num_tokens * self.model.top_k * self.model.hidden_size * 2
+        """Expert outputs sent back, unquantized (bf16, or the engine's float32)."""
+        return num_tokens * self.model.top_k * self.model.hidden_size * self.model.base_bytes
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes
     if e.memory_budget_gib is None:
         raise ValueError(f"system {spec.name!r}: decode needs engine.memory_budget_gib (B comes from the budget)")
     reserve = None if e.activation_reserve_gib is None else e.activation_reserve_gib * GIB
-    plan = plan_kv(m, layout, e.memory_budget_gib * GIB, layout.max_batch_tokens, e.max_num_seqs, reserve, hbm_bytes)
+    plan = plan_kv(m, layout, e.memory_budget_gib * GIB, layout.max_batch_tokens, e.max_num_seqs, reserve, hbm_bytes,
+                   cost.engine_buffers)
     blocks = plan.kv_tokens // e.kv_block_size
     gen = warmup + steps + 4  # the window, the warm-up and the steps in flight at either end
     b = capacity = _capacity(blocks, e.kv_block_size, context + gen, e.max_num_seqs)

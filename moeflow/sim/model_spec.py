@@ -7,6 +7,8 @@ preset is a config.json, and ``model:`` in an experiment may also name a local c
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from dataclasses import dataclass
@@ -44,6 +46,9 @@ class ModelSpec:
     # 4 bits + one FP8 scale per 16 = 0.5625); 0: weight_bytes
     expert_weight_bytes: float = 0.0
     kv_bytes: float = 2.0  # bytes per cached key/value element (2: bf16, 1: fp8)
+    # bytes per element of what is never quantized: activations, combined expert outputs, and the
+    # embeddings, LM head, norms and routers (2: bf16; 4 where the engine computes in float32)
+    base_bytes: float = 2.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -187,7 +192,16 @@ class ModelSpec:
         quantized = self.num_layers * self.attn_proj_params + moe * self.shared_params \
             + self.num_dense_layers * self.dense_mlp_params
         bf16 = 2 * self.vocab_size * h + self.num_layers * 2 * h + moe * h * self.num_experts
-        return quantized * self.weight_bytes + 2 * bf16
+        return quantized * self.weight_bytes + self.base_bytes * bf16
+
+    def at_dtype(self, dtype: str) -> "ModelSpec":
+        """The same model served unquantized in ``dtype`` (what a ``moeflow profile`` of the real engine
+        ran): every weight, activation and cached element that wide."""
+        width = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0}.get(dtype)
+        if width is None:
+            raise ValueError(f"ModelSpec {self.name!r}: no byte width for dtype {dtype!r}")
+        return dataclasses.replace(self, weight_bytes=width, act_bytes=width, expert_weight_bytes=0.0,
+                                   kv_bytes=width, base_bytes=width)
 
     @property
     def shared_params(self) -> int:

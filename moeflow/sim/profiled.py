@@ -1,14 +1,24 @@
 """ProfiledCost: the cost model read off tables ``moeflow profile`` measured on the real engine.
 
-Attention is the profile's fit over (tokens, pairs, sequences); experts interpolate the measured
-time against routed pairs for the number of local experts a device holds (the plateau and the
-linear growth are whatever was measured); transport latency and bandwidth come from what lone
-requests through the real asap and dep deployments spent beyond the sum of their stages.
+Attention is the profile's fit over (tokens, pairs, sequences) for prompt rows, and over (sequences,
+cached keys) for decode rows (one new token after a context: the engine's decode kernel, whose cost
+per key is not a prefill pair's); experts interpolate the measured time against routed pairs for the
+number of local experts a device holds (the plateau and the linear growth are whatever was measured).
+
+Transport: what lone requests through the real asap and dep deployments spent beyond the sum of
+their stages. A decode step moves almost no bytes, so what its inter-token time has beyond its
+stages, per message, is the latency; the bandwidth is then what prompts of 128-4096 tokens spent
+beyond their stages and those latencies. (A profile without decode samples fits both from the
+prompts alone, where a constant per request cannot be told from a constant per message: the first
+profiles charged ~8 ms per message, 131 ms per step, which a 160-ms decode step shows is wrong.)
+The model's byte sizes are the profile's dtype (``ModelSpec.at_dtype``), and a memory plan counts
+the engine's communication buffers (``engine_buffers``).
 """
 from __future__ import annotations
 
 import bisect
 import json
+import statistics
 
 import numpy as np
 
@@ -43,6 +53,8 @@ def fit_nonneg(rows: list[list[float]], y: list[float]) -> list[float]:
 
 
 class ProfiledCost(CostModel):
+    engine_buffers = True  # the real engine's memory plan: its communication buffers count
+
     def __init__(self, model: ModelSpec, profile: dict):
         def need(ok: bool, msg: str) -> None:
             if not ok:
@@ -51,12 +63,13 @@ class ProfiledCost(CostModel):
         for key in ("num_layers", "num_experts", "top_k", "hidden_size"):
             need(profile.get(key) == getattr(model, key),
                  f"{key} {profile.get(key)} does not match model preset {model.name!r} ({getattr(model, key)})")
-        self.model = model
+        self.model = model.at_dtype(profile["dtype"]) if profile.get("dtype") else model
         self.attn = profile["attention"]["fit"]
+        self.decode = (profile.get("decode") or {}).get("fit")  # None: decode rows priced as prompt rows
         self.head = profile["head"]["fit"]
         self.experts_table = {int(k): sorted((float(n), float(s)) for n, s in v) for k, v in profile["experts"].items()}
-        self.transport = {name: self._transport(e["samples"], name, e["layout"]) for name, e in
-                          profile.get("engine", {}).items()}
+        self.transport = {name: self._transport(e["samples"], name, e["layout"], e.get("decode_samples", []))
+                          for name, e in profile.get("engine", {}).items()}
         need("asap" in self.transport and "dep" in self.transport,
              "no engine samples (was it written with --quick?): transport costs are unknown")
 
@@ -70,9 +83,15 @@ class ProfiledCost(CostModel):
     def attention_s(self, shape, tp, dense_layer):
         if shape.num_tokens == 0:
             return 0.0
-        a = self.attn
-        return a["c0"] + (a["per_token"] * shape.num_tokens + a["per_pair"] * shape.num_pairs
-                          + a["per_seq"] * shape.num_seqs) / tp
+        a, d = self.attn, self.decode
+        dseqs, dkeys = (shape.num_decode_seqs, shape.num_decode_keys) if d else (0, 0)
+        if dseqs == shape.num_seqs:  # a pure decode batch
+            return d["c0"] + (d["per_seq"] * dseqs + d["per_key"] * dkeys) / tp
+        # decode rows' pairs are their keys (one query each)
+        prompt = (a["per_token"] * (shape.num_tokens - dseqs) + a["per_pair"] * (shape.num_pairs - dkeys)
+                  + a["per_seq"] * (shape.num_seqs - dseqs))
+        decode = d["per_seq"] * dseqs + d["per_key"] * dkeys if dseqs else 0.0
+        return a["c0"] + (prompt + decode) / tp
 
     def experts_s(self, num_routed, num_local_experts):
         if num_routed <= 0:
@@ -88,15 +107,17 @@ class ProfiledCost(CostModel):
 
     # -- transport ----------------------------------------------------------------------------
 
-    def _stages_s(self, n: int, local: int, tokens_share: float) -> float:
-        """The sum of the stages of a lone n-token request (the experts see ``tokens_share`` of it)."""
+    def _stages_s(self, start: int, n: int, local: int, tokens_share: float) -> float:
+        """The sum of the stages of a lone request's step computing ``n`` tokens after ``start`` cached
+        ones (the experts see ``tokens_share`` of them)."""
         m = self.model
-        shape = AttnShape.of([(0, n, True)])
-        layer = self.attention_s(shape, 1, False) + self.experts_s(round(n * m.top_k * tokens_share), local)
+        shape = AttnShape.of([(start, n, True)])
+        layer = self.attention_s(shape, 1, False) + self.experts_s(max(1, round(n * m.top_k * tokens_share)), local)
         return self.head_s(shape, 1) + m.num_layers * layer
 
-    def _transport(self, samples: list[dict], name: str, layout: dict) -> tuple[float, float]:
-        """(latency per message, bytes per second) from lone requests: per layer, a request pays two
+    def _transport(self, samples: list[dict], name: str, layout: dict,
+                   decode_samples: list[dict]) -> tuple[float, float]:
+        """(latency per message, bytes per second) from lone requests: per layer, a step pays two
         messages (dispatch, combine) and their bytes beyond what its stages took."""
         m = self.model
         if name == "asap":
@@ -105,12 +126,21 @@ class ProfiledCost(CostModel):
         else:
             dp = layout.get("dp", 1)
             local, share, moved = m.num_experts // dp, 1 / dp, (dp - 1) / dp
-        rows, extra = [], []
-        for s in samples:
-            n = s["prompt_len"]
-            rows.append([2 * m.num_layers, m.num_layers * (self.dispatch_bytes(n) + self.combine_bytes(n)) * moved])
-            extra.append(s["ttft_s"] - self._stages_s(n, local, share))
-        latency, s_per_byte = fit_nonneg(rows, extra)
+
+        def step_bytes(n: int) -> float:
+            return m.num_layers * (self.dispatch_bytes(n) + self.combine_bytes(n)) * moved
+
+        messages = 2 * m.num_layers
+        extra = [(s["ttft_s"] - self._stages_s(0, s["prompt_len"], local, share), step_bytes(s["prompt_len"]))
+                 for s in samples]
+        if not decode_samples:
+            latency, s_per_byte = fit_nonneg([[messages, b] for _, b in extra], [e for e, _ in extra])
+            return latency, (1 / s_per_byte if s_per_byte > 0 else float("inf"))
+        decode = [d["tpot_s"] - self._stages_s(d["context"], 1, local, share) for d in decode_samples]
+        s_per_byte = 0.0
+        for _ in range(4):  # a decode step's few bytes at the prompts' rate; converges at once
+            latency = max(0.0, statistics.median((e - step_bytes(1) * s_per_byte) / messages for e in decode))
+            (s_per_byte,) = fit_nonneg([[b] for _, b in extra], [e - messages * latency for e, _ in extra])
         return latency, (1 / s_per_byte if s_per_byte > 0 else float("inf"))
 
     def transfer_s(self, nbytes):

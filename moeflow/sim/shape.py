@@ -34,11 +34,15 @@ class AttnShape:
     num_short_pairs: int = 0
     max_context: int = 0
     num_long_queries: int = 0
+    # decode rows (one new token after a cached context): a profiled cost prices them apart, as the
+    # engine runs them through its own kernel
+    num_decode_seqs: int = 0
+    num_decode_keys: int = 0
 
     @classmethod
     def of(cls, spans: list[tuple[int, int, bool]], topk: int = 0) -> "AttnShape":
         """spans: (start, num_tokens, samples) per sequence."""
-        tokens = pairs = sparse = sampled = keys = sparse_keys = short = longest = long_queries = 0
+        tokens = pairs = sparse = sampled = keys = sparse_keys = short = longest = long_queries = dseqs = dkeys = 0
         for start, n, samples in spans:
             end = start + n
             tokens += n
@@ -49,11 +53,13 @@ class AttnShape:
             keys += end
             sparse_keys += min(end, topk) if topk else end
             longest = max(longest, end)
+            if n == 1 and start > 0:
+                dseqs, dkeys = dseqs + 1, dkeys + end
             if topk:
                 short += p if end <= topk else 0
                 long_queries += end - max(start, topk) if end > topk else 0
         return cls(tokens, len(spans), pairs, sparse if topk else pairs, sampled, keys, sparse_keys, short, longest,
-                   long_queries)
+                   long_queries, dseqs, dkeys)
 
     @classmethod
     def of_batch(cls, batch: Batch, topk: int = 0) -> "AttnShape":
@@ -62,6 +68,6 @@ class AttnShape:
     @classmethod
     def sum(cls, shapes: list["AttnShape"]) -> "AttnShape":
         summed = ("num_tokens", "num_seqs", "num_pairs", "num_sparse_pairs", "num_sampled", "num_keys",
-                  "num_sparse_keys", "num_short_pairs", "num_long_queries")
+                  "num_sparse_keys", "num_short_pairs", "num_long_queries", "num_decode_seqs", "num_decode_keys")
         return cls(**{f: sum(getattr(s, f) for s in shapes) for f in summed},
                    max_context=max((s.max_context for s in shapes), default=0))

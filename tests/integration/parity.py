@@ -19,10 +19,16 @@ def assert_same(outs, refs) -> None:
             assert x.keys() == y.keys() and max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
 
 
+_REFERENCES: dict[str, list] = {}  # checkpoint path -> outputs: one colocated run per session, shared by every mode
+
+
 def colocated_outputs(checkpoints, names) -> dict:
     """The colocated reference's outputs on PROMPTS, per checkpoint variant."""
     out = {}
     for name in names:
-        with LLM(checkpoints(name).path, dtype="float32") as llm:
-            out[name] = llm.generate(PROMPTS, PARAMS)
+        path = checkpoints(name).path
+        if path not in _REFERENCES:
+            with LLM(path, dtype="float32") as llm:
+                _REFERENCES[path] = llm.generate(PROMPTS, PARAMS)
+        out[name] = _REFERENCES[path]
     return out

@@ -9,15 +9,11 @@ import pytest
 from moeflow import LLM, SamplingParams
 from moeflow.comm import list_segments
 
-from parity import PARAMS, PROMPTS, assert_same
+from parity import PARAMS, PROMPTS, assert_same, colocated_outputs
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    out = {}
-    for name in ("qwen3", "qwen2_moe", "deepseek_v3", "deepseek_v32", "deepseek_v3_yarn"):
-        with LLM(checkpoints(name).path, dtype="float32") as llm:
-            out[name] = llm.generate(PROMPTS, PARAMS)
-    return out
+    return colocated_outputs(checkpoints, ("qwen3", "qwen2_moe", "deepseek_v3", "deepseek_v32", "deepseek_v3_yarn"))
 
 
 @pytest.mark.parametrize("name,dp,chunk,placement", [

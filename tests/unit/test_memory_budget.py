@@ -59,3 +59,34 @@ def test_the_reserve_is_stated_and_overridable(checkpoints):
         cfg.num_experts_per_tok * (cfg.hidden_size + 2 * cfg.moe_intermediate_size)
     assert r == 100 * per_token * 4 + 4 * cfg.vocab_size * 4
     assert activation_reserve(cfg, dataclasses.replace(config, activation_reserve_gib=0.25), 100, 4) == GIB // 4
+
+
+@pytest.mark.parametrize("layout", [
+    {"mode": "dep", "dp": 2, "max_batch_tokens": 4096, "chunked_prefill_size": 2048},
+    {"mode": "afd", "micro_batches": 2, "max_batch_tokens": 4096, "chunked_prefill_size": 2048},
+    {"mode": "afd", "attn_workers": 2, "ffn_workers": 2, "micro_batches": 3, "max_batch_tokens": 2048},
+    {"mode": "asap", "attn_dp": 1, "moe_workers": 2, "budget": 4.0},
+    {"mode": "dwdp", "dp": 2, "max_batch_tokens": 4096}])
+def test_the_simulators_memory_plan_is_the_engines(layout):
+    """The simulator (no torch, no checkpoint) plans the embedded model's memory as the engine does:
+    the same weights, communication buffers, reserve and KV capacity per process (float32 here)."""
+    from moeflow.engine.llm import resolve_model
+    from moeflow.engine.memory import plan_for
+    from moeflow.layout import layout_from_dict
+    from moeflow.sim.memory import plan_kv
+    from moeflow.sim.model_spec import model_preset
+
+    layout = dict(layout)
+    config = EngineConfig(memory_budget_gib=layout.pop("budget", 1.5), dtype="float32")
+    lay = layout_from_dict(layout)
+    engine = plan_for(lay, resolve_model("tiny"), config)
+    spec = model_preset("tiny").at_dtype("float32")
+    batch = lay.scheduler.max_batch_tokens if lay.mode == "asap" else lay.max_batch_tokens
+    sim = plan_kv(spec, lay, config.memory_budget_gib * GIB, batch, config.max_num_seqs, engine_buffers=True)
+    assert sim.reserve == engine.reserve
+    assert len(sim.devices) == len(engine.processes)
+    for d, p in zip(sim.devices, engine.processes):
+        # (dwdp's two layers of pulled-expert slots: the engine's buffers, the simulator's weights)
+        assert d.weights + d.buffers == pytest.approx(p.weights + p.buffers, rel=1e-3), d.name
+        assert d.buffers == p.buffers or lay.mode == "dwdp", d.name
+    assert sim.kv_tokens // config.kv_block_size == engine.num_kv_blocks
