@@ -76,7 +76,8 @@ def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) 
     block = 16
     shapes = ATTN_SHAPES[:8] if quick else ATTN_SHAPES
     decodes = [([1] * b, [c] * b) for b, c in (DECODE_SHAPES[:2] if quick else DECODE_SHAPES)]
-    cache = KVCache.for_model(cfg, max(sum(q) + sum(c) for q, c in shapes + decodes) // block + 8, block, dtype)
+    blocks = max(sum(-(-(q + c) // block) for q, c in zip(qs, cs)) for qs, cs in shapes + decodes)
+    cache = KVCache.for_model(cfg, blocks, block, dtype)
     attn = []
     for q_lens, ctx_lens in shapes + decodes:
         tables, nxt = [], 0
