@@ -28,7 +28,9 @@ ATTN_SHAPES = [  # (query lens, context lens) of one batch
 ]
 # decode: (sequences, cached context) of a batch in which every sequence computes one new token
 DECODE_SHAPES = [(1, 512), (1, 2048), (8, 2048), (32, 2048), (1, 8192), (8, 8192)]
-ROUTED = [16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768]
+# routed pairs spread evenly over the local experts: below the local count, only that many experts
+# are read (a lone decode token reaches K of them), which a 16-pair point would overstate
+ROUTED = [1, 2, 4, 8, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768]
 PROMPTS = [128, 512, 1024, 2048, 4096]
 DECODE_CONTEXTS = [512, 2048]  # lone requests decoding after these prompts: the per-step transport
 DECODE_TOKENS = 17
@@ -106,7 +108,7 @@ def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) 
     for local in sorted({e, e // 2, e // 4}, reverse=True):
         _, wl = load_weights(model_path, dtype, LoadSpec(attention=False, experts=tuple(range(local))))
         rows = []
-        for n in (ROUTED[:5] if quick else ROUTED):
+        for n in (ROUTED[:7] if quick else ROUTED):
             counts = torch.full((local,), n // local, dtype=torch.int64)
             counts[: n % local] += 1
             x = torch.randn(n, cfg.hidden_size, generator=g).to(dtype)
