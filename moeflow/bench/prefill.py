@@ -12,7 +12,7 @@ import platform
 import statistics
 import time
 
-from moeflow.bench.provenance import write_json
+from moeflow.bench.provenance import provenance, write_json
 from moeflow.engine.args import add_engine_args, engine_kwargs
 
 SINGLE_LEN = 2048
@@ -167,7 +167,7 @@ def run_stream(args: argparse.Namespace) -> int:
         busy = {}
         if args.trace:
             spans = ours.engine.collect_spans()
-            write_chrome_trace([sp for sp in spans if sp.end_s >= window[0]], args.trace)
+            write_chrome_trace([sp for sp in spans if sp.end_s >= window[0]], args.trace, {"provenance": provenance()})
             # steady state: the middle 80% of the last run (ramp-up and drain left out)
             lo, hi = window
             busy = busy_fractions(spans, lo + 0.1 * (hi - lo), hi - 0.1 * (hi - lo))

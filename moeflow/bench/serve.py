@@ -16,7 +16,7 @@ import argparse
 import math
 
 from moeflow.bench.metrics import format_point
-from moeflow.bench.provenance import write_json
+from moeflow.bench.provenance import provenance, write_json
 from moeflow.bench.slo import METRICS, SloMetric, SloSearch
 from moeflow.bench.workload import KINDS, WorkloadConfig
 from moeflow.engine.args import add_engine_args, engine_kwargs
@@ -149,5 +149,5 @@ def run(args: argparse.Namespace) -> int:
     if spans is not None:
         from moeflow.engine.trace import write_chrome_trace
 
-        write_chrome_trace(spans, args.trace)
+        write_chrome_trace(spans, args.trace, {"provenance": provenance()})
     return 0

@@ -10,8 +10,9 @@ from moeflow.messages import Span
 NOT_BUSY = {"wait-combine", "wait-dispatch", "idle"}
 
 
-def write_chrome_trace(spans: list[Span], path: str) -> None:
-    """One process track per worker, one thread track per worker thread; times in microseconds."""
+def write_chrome_trace(spans: list[Span], path: str, meta: dict | None = None) -> None:
+    """One process track per worker, one thread track per worker thread; times in microseconds.
+    ``meta``: extra top-level keys (a result file's provenance; trace viewers ignore them)."""
     if not spans:
         raise ValueError("no spans to write: was the deployment started with trace=True?")
     t0 = min(s.start_s for s in spans)
@@ -30,7 +31,7 @@ def write_chrome_trace(spans: list[Span], path: str) -> None:
         events.append({"name": "thread_name", "ph": "M", "pid": pids[track.partition("/")[0]], "tid": tid,
                        "args": {"name": track.partition("/")[2]}})
     with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        json.dump({**(meta or {}), "traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 def busy_fractions(spans: list[Span], start_s: float | None = None, end_s: float | None = None) -> dict[str, float]:

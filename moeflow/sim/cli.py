@@ -10,7 +10,7 @@ import argparse
 import json
 import time
 
-from moeflow.bench.provenance import write_json
+from moeflow.bench.provenance import provenance, write_json
 
 
 def add_parser(sub) -> None:
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         if not spans:
             raise ValueError(f"nothing ran in the first {args.trace_window_s:g} simulated s at {trace_rate:g} rps: "
                              "raise --trace-window-s")
-        write_chrome_trace(spans, args.trace)
+        write_chrome_trace(spans, args.trace, {"provenance": provenance()})
     return 0
 
 

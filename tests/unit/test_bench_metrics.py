@@ -134,8 +134,10 @@ def test_trace_summary_adds_time_per_worker_and_stage():
     spans = [Span("attention", "attention0/main", 0.0, 1.0), Span("attention", "attention0/main", 2.0, 2.5),
              Span("experts", "moe0/main", 0.5, 3.0), Span("recv", "moe0/recv", 0.4, 0.5)]
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        write_chrome_trace(spans, f.name)
-        window, total = summarize_trace(json.load(open(f.name)))
+        write_chrome_trace(spans, f.name, {"provenance": {"commit": "abc"}})
+        trace = json.load(open(f.name))
+        window, total = summarize_trace(trace)
+    assert trace["provenance"] == {"commit": "abc"}  # a trace under docs/results carries its provenance too
     assert window == pytest.approx(3.0)
     assert total[("attention0", "main", "attention")] == pytest.approx(1.5)
     assert total[("moe0", "main", "experts")] == pytest.approx(2.5)
