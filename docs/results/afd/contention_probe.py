@@ -1,7 +1,9 @@
 """Session 7 probe for issue 17 (run: `python docs/results/afd/contention_probe.py docs/results/afd/contention_probe.json`).
 Decode attention block (the profile's) on one core, alone and while a second process runs the
 experts op of the same model on the other core: does a streaming neighbour slow it?"""
-import multiprocessing as mp, statistics, sys, time
+import multiprocessing as mp
+import sys
+import time
 
 
 def experts_loop(stop):
