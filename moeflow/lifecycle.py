@@ -98,6 +98,11 @@ def forget(obj) -> None:
     _registered.discard(obj)
 
 
+def release_all() -> None:
+    """Now, what the exit hook would do: for a process about to leave by ``os._exit``."""
+    _release_all()
+
+
 def _release_all() -> None:
     global _shield_depth
     _shield_depth += 1  # the process is ending anyway: a signal now must not cut the cleanup short
