@@ -12,7 +12,6 @@ host, as vLLM assumes).
 from __future__ import annotations
 
 import threading
-import time
 from multiprocessing.connection import wait
 
 from moeflow.comm import cleanup
@@ -97,7 +96,7 @@ def _beat(heartbeat: Heartbeat, lost: threading.Event) -> None:
         except RuntimeError:
             lost.set()
             return
-        time.sleep(_HEARTBEAT_S)
+        lost.wait(_HEARTBEAT_S)
 
 
 def refuse(start: StartWorkers, cluster: ClusterConfig, outbox: Channel) -> bool:
@@ -123,7 +122,8 @@ def run_worker_node(cluster: ClusterConfig) -> int:
     inbox = Channel(connect(cluster), node_inbox(k))
     outbox = Channel(connect(cluster), node_outbox(k))
     lost = threading.Event()
-    threading.Thread(target=_beat, args=(Heartbeat(connect(cluster), k), lost), daemon=True).start()
+    beat = threading.Thread(target=_beat, args=(Heartbeat(connect(cluster), k), lost), daemon=True)
+    beat.start()
     current: NodeWorkers | None = None
     try:
         while not lost.is_set():
@@ -156,6 +156,10 @@ def run_worker_node(cluster: ClusterConfig) -> int:
         running = current is not None
         if running:
             current.stop(kill=True)
+        # the heartbeat must not be inside a store call when the interpreter ends: once node 0 is
+        # gone that call raises in a thread being torn down, and the process aborts (SIGABRT)
+        lost.set()
+        beat.join(timeout=_HEARTBEAT_S + 10)
     if running:  # node 0 ended without stopping its deployment: it crashed, or was killed
         log.error("node %d: node 0 went away in the middle of deployment %s; its workers here are stopped", k,
                   current.deployment_id)
