@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -43,6 +44,19 @@ def _assert_unavailable(s: ServerProcess) -> None:
     assert s.metrics()["moeflow_healthy"] == 0
 
 
+async def _until_running(c: httpx.AsyncClient, n: int, timeout_s: float = 10.0) -> None:
+    """Until the server has ``n`` requests admitted (on a loaded machine the plain request can
+    still be on its way when the stream's third token arrives)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = (await c.get("/metrics")).text
+        m = re.search(r"^moeflow_requests_running (\S+)$", text, re.M)
+        if m and float(m.group(1)) >= n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"fewer than {n} requests admitted after {timeout_s} s")
+
+
 async def _in_flight_then_kill(url: str, victim: int):
     """One plain and one streamed request running when ``victim`` is killed; both must end."""
     body = {"prompt": "a long generation", "max_tokens": 400, "temperature": 0}
@@ -54,7 +68,8 @@ async def _in_flight_then_kill(url: str, victim: int):
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
-                    if len(events) == 3:  # tokens are flowing: kill now
+                    if len(events) == 3:  # tokens are flowing: kill once the plain one is admitted too
+                        await _until_running(c, 2)
                         os.kill(victim, signal.SIGKILL)
         return await plain, events
 
