@@ -90,9 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     set_command(["moeflow", *(sys.argv[1:] if argv is None else argv)])
     try:
         return args.func(args)
-    except ValueError as e:  # ConfigError, RequestError, CheckpointError: a clear message, no traceback
-        print(f"moeflow: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if (code := lifecycle.signal_exit_code()) is not None:  # the signal's SystemExit, turned into e
+            print(f"moeflow: stopped by a signal ({type(e).__name__} on the way out: {e})", file=sys.stderr)
+            return code
+        if isinstance(e, ValueError):  # ConfigError, RequestError, CheckpointError: a clear message
+            print(f"moeflow: error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -30,14 +30,14 @@ _registered: weakref.WeakSet = weakref.WeakSet()  # objects with a shutdown() no
 _hooked = False  # our atexit function is registered
 _shield_depth = 0  # main thread: inside this many ``shielded`` blocks
 _pending: int | None = None  # a signal that arrived while shielded
-_raised = False  # a signal has already raised SystemExit
+_raised: int | None = None  # the signal that has already raised SystemExit
 
 
 def _exit_on_signal(signum, frame) -> None:
     global _pending
     if _shield_depth:
         _pending = signum
-    elif _raised:  # asked twice (or the first SystemExit was swallowed): the default action, now
+    elif _raised is not None:  # asked twice (or the first SystemExit was swallowed): the default action, now
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     else:
@@ -46,8 +46,17 @@ def _exit_on_signal(signum, frame) -> None:
 
 def _raise(signum: int):
     global _raised
-    _raised = True
+    _raised = signum
     raise SystemExit(128 + signum)
+
+
+def signal_exit_code() -> int | None:
+    """``128 + signum`` once a SIGTERM/SIGHUP has raised its ``SystemExit``, else None.
+
+    A library whose C++ calls back into Python may catch that ``SystemExit`` and raise its own error
+    instead (torch, building a tensor from a sequence, reports "could not determine the shape"): an
+    entry point asks this to exit as the signal asked, not as for that error."""
+    return None if _raised is None else 128 + _raised
 
 
 @contextmanager

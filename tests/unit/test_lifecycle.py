@@ -130,3 +130,27 @@ def test_second_signal_outside_a_cleanup_kills_at_once(tmp_path):
     """)
     res = _python(code)
     assert res.returncode == -signal.SIGTERM and res.stdout == "caught 143\n", res.stderr
+
+
+def test_cli_exits_as_the_signal_asked_when_a_library_converted_its_exit():
+    """torch catches an exception raised while its C++ iterates a sequence and raises its own error:
+    a SIGTERM there surfaces as a ValueError. The command line still exits 128 + SIGTERM, not 2
+    (the CI failure: ``profile`` exited 2 with "could not determine the shape of object type")."""
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from moeflow import cli
+
+        def converts(args):
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+            except SystemExit:
+                raise ValueError("could not determine the shape of object type 'UntypedStorage'")
+            return 0
+
+        cli.cmd_generate = converts
+        sys.exit(cli.main(["generate", "--prompt", "x"]))
+    """)
+    res = _python(code)
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr
+    assert "stopped by a signal (ValueError" in res.stderr and "moeflow: error" not in res.stderr
