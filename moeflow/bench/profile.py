@@ -25,6 +25,7 @@ ATTN_SHAPES = [  # (query lens, context lens) of one batch
     ([32], [0]), ([128], [0]), ([512], [0]), ([1024], [0]), ([2048], [0]), ([4096], [0]), ([6144], [0]),
     ([128] * 8, [0] * 8), ([512] * 4, [0] * 4), ([512] * 8, [0] * 8), ([1024] * 4, [0] * 4), ([2048] * 2, [0] * 2),
     ([512], [1536]), ([2048], [2048]), ([1024], [4096]), ([256, 1024], [0, 2048]),
+    ([8192], [0]),  # the longest prompt a config here uses: beyond the samples, the fit extrapolates
 ]
 # decode: (sequences, cached context) of a batch in which every sequence computes one new token
 DECODE_SHAPES = [(1, 512), (1, 2048), (8, 2048), (32, 2048), (1, 8192), (8, 8192)]
