@@ -64,13 +64,16 @@ class SimOptions:
     # dep: the all-to-all sends a token once per remote device holding any of its experts (DeepEP's
     # layout) instead of once per (token, expert) pair (moeflow's engine)
     dedup_dispatch: bool = False
+    # more worker processes than the profiled machine's cores: a compute stage waits for a free core
+    # (sim/cores.py); False: every process computes as if it had a core of its own
+    core_sharing: bool = True
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ConfigError(f"sim: {msg}")
 
-        for f in ("super_kernel", "comm_overlap", "tp_replicates", "dedup_dispatch"):
+        for f in ("super_kernel", "comm_overlap", "tp_replicates", "dedup_dispatch", "core_sharing"):
             need(isinstance(getattr(self, f), bool), f"{f} must be true or false, got {getattr(self, f)!r}")
         need(isinstance(self.expert_load_cv, (int, float)) and 0 <= self.expert_load_cv < 8,
              f"expert_load_cv must be in [0, 8), got {self.expert_load_cv!r}")

@@ -64,7 +64,7 @@ class AfdSystem(StepSystem):
             sent = [[0.0] * nub for _ in ubs]
             for u in range(nub):
                 for i in range(len(ubs)):
-                    inst[i] = max(inst[i], ready[i][u]) + (dense[i][u] if is_dense else attn[i][u])
+                    inst[i] = self.finish_at(max(inst[i], ready[i][u]), dense[i][u] if is_dense else attn[i][u])
                     sent[i][u] = inst[i] + (0.0 if is_dense else move[i][u])
                     if is_dense:
                         ready[i][u] = inst[i]
@@ -72,7 +72,7 @@ class AfdSystem(StepSystem):
                 continue
             for u in range(nub):
                 for j, srv in enumerate(self.served):
-                    daemon[j] = max([daemon[j]] + [sent[i][u] for i in srv]) + ffn[j][u]
+                    daemon[j] = self.finish_at(max([daemon[j]] + [sent[i][u] for i in srv]), ffn[j][u])
                 for i in range(len(ubs)):
                     ready[i][u] = max(daemon[j] for j in self.ffns[i]) + back[i][u]
             state = [*inst, *(x for r in ready for x in r), *daemon]
@@ -84,7 +84,7 @@ class AfdSystem(StepSystem):
                 break
             before = state
         end = max(max(inst[i], *ready[i]) for i in range(len(ubs)))
-        end += max(c.head_s(s, 1) for ss in shapes for s in ss)
+        end = max(self.finish_at(end, max(c.head_s(s, 1) for s in ss)) for ss in shapes)
         if not self.layout.overlap_scheduling:
             end += c.host_step_s
         for i, bs in enumerate(ubs):

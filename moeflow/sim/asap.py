@@ -105,9 +105,10 @@ class AsapSystem(System):
         dense = f.layer < self.model.num_dense_layers
         dur = f.attn_dense_s if dense else f.attn_s
         self.busy_s["attention"] += dur
+        end = self.finish_at(now, dur, self.layout.attn_tp)
         if now < self.trace_until_s:
-            self.span(f"attn{gid}/main", f"attention L{f.layer}", now, now + dur)
-        self.loop.at(now + dur, self._attention_done, f)
+            self.span(f"attn{gid}/main", f"attention L{f.layer}", end - dur, end)
+        self.loop.at(end, self._attention_done, f)
 
     def _attention_done(self, f: _Flight) -> None:
         now = self.loop.now
@@ -129,18 +130,23 @@ class AsapSystem(System):
         self.busy_s["moe"] += sum(times)
         in_free, free, out_free = self.moe_in_free, self.moe_free, self.moe_out_free
         tracing = sent_s < self.trace_until_s
+        cores, now = self.cores, self.loop.now
         # NOTE: the hottest loop of the simulator: conditional expressions instead of max() calls
         for w in range(cfg.moe_workers):
             if self.overlap:
                 recv_end = (sent_s if sent_s > in_free[w] else in_free[w]) + pairs[w] * in_s
                 in_free[w] = recv_end
                 start = recv_end + lat if recv_end + lat > free[w] else free[w]
+                if cores is not None:
+                    start = cores.reserve(start, times[w], now)
                 end = start + times[w]
                 free[w] = end
                 send_end = (end if end > out_free[w] else out_free[w]) + pairs[w] * out_s
                 out_free[w] = send_end
-            else:  # one stream: receive, compute and send one after another
+            else:  # one stream: receive, compute and send one after another, all on the worker's core
                 start = sent_s + lat if sent_s + lat > free[w] else free[w]
+                if cores is not None:
+                    start = cores.reserve(start, pairs[w] * (in_s + out_s) + times[w], now)
                 end = start + pairs[w] * in_s + times[w]
                 send_end = end + pairs[w] * out_s
                 free[w] = send_end
@@ -171,7 +177,7 @@ class AsapSystem(System):
             head = self.cost.head_s(shape, self.layout.attn_tp)
             self.started([s.request_id for x in g.done for s in x.batch.seqs], head / len(g.done), self.loop.now)
             self.busy_s["attention"] += head
-            self.loop.at(self.loop.now + head, self._work_done, f.group)
+            self.loop.at(self.finish_at(self.loop.now, head, self.layout.attn_tp), self._work_done, f.group)
 
     def _work_done(self, gid: int) -> None:
         now = self.loop.now

@@ -27,6 +27,8 @@ from moeflow.sim.shape import AttnShape
 class CostModel(abc.ABC):
     model: ModelSpec
     engine_buffers = False  # whether a memory plan counts moeflow's own communication buffers (memory.py)
+    # cores every process of a deployment shares (sim/cores.py); None: each process has its own device
+    shared_cores: int | None = None
 
     @abc.abstractmethod
     def attention_s(self, shape: AttnShape, tp: int, dense_layer: bool) -> float:

@@ -50,8 +50,11 @@ class DepSystem(StepSystem):
         head = [c.head_s(s, tp) for s in shapes]
         dispatch, experts, combine, experts_mean = self._moe_layers(tokens)
         dense_layer = max(attn_dense)
-        step = (max(head) + m.num_dense_layers * dense_layer + m.num_moe_layers * max(attn)
-                + sum(dispatch) + sum(experts) + sum(combine))
+        if self.cores is None:
+            step = (max(head) + m.num_dense_layers * dense_layer + m.num_moe_layers * max(attn)
+                    + sum(dispatch) + sum(experts) + sum(combine))
+        else:
+            step = self._step_on_shared_cores(now, attn, attn_dense, head, dispatch, experts, combine) - now
         for i, b in enumerate(batches):
             own = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * attn[i] + experts_mean
             self.busy_s["rank"] += own
@@ -63,8 +66,27 @@ class DepSystem(StepSystem):
             self.split_s["wait"] += step - mine - experts_mean - sum(dispatch) - sum(combine)
             self.started([s.request_id for s in b.seqs], own, now)
         if now < self.trace_until_s:
-            self._trace(now, attn, attn_dense, head, dispatch, experts, combine)
+            if self.cores is None:
+                self._trace(now, attn, attn_dense, head, dispatch, experts, combine)
+            else:  # the layers' times interleave with the core calendar: the step as a whole
+                for rank in range(len(batches)):
+                    self.span(f"rank{rank}/main", f"step ({self.cores.cores} shared cores)", now, now + step)
         self.loop.at(now + step, self._step_done, batches)
+
+    def _step_on_shared_cores(self, now, attn, attn_dense, head, dispatch, experts, combine) -> float:
+        """When the step ends if the ranks take turns on fewer cores than they are: every phase
+        of a layer (attention, the experts) waits for its last rank, and each rank's compute
+        waits for a core. Every rank's experts are priced as the most loaded device's (equal
+        under balanced loads). Returns the end time."""
+        m, ranks, tp, t = self.model, range(len(attn)), self.layout.tp, now
+        for layer in range(m.num_layers):
+            a = attn_dense if layer < m.num_dense_layers else attn
+            t = max(self.finish_at(t, a[r], tp) for r in ranks)
+            if layer < m.num_dense_layers:
+                continue
+            i = layer - m.num_dense_layers
+            t = max(self.finish_at(t + dispatch[i], experts[i], tp) for _ in ranks) + combine[i]
+        return max(self.finish_at(t, head[r], tp) for r in ranks)
 
     def _moe_layers(self, tokens: list[int]) -> tuple[list[float], list[float], list[float], float]:
         """Per MoE layer: the all-to-all dispatch, the slowest expert device's compute, the

@@ -34,6 +34,7 @@ class DwdpSystem(System):
         super().__init__(spec, cost, trace_until_s)
         layout, m = spec.layout, cost.model
         self.sched = self._scheduler()
+        self._core_wait = 0.0  # of the batch being priced: time its stages waited for a shared core
         placement = layout.resident(m.num_experts)
         n = layout.dp
         # per rank: the bytes each source serves it per MoE layer, in the plan's order
@@ -88,8 +89,13 @@ class DwdpSystem(System):
             self.cycle[rank] += 1
 
     def _compute(self, rank: int, t: float, d: float) -> float:
-        """When ``d`` seconds of kernels started at ``t`` end: slower while the copy engine pulls
-        (``copy_slowdown``, DWDP Appendix A: power-capped clocks and shared HBM)."""
+        """When ``d`` seconds of kernels ready at ``t`` end: slower while the copy engine pulls
+        (``copy_slowdown``, DWDP Appendix A: power-capped clocks and shared HBM), later while
+        every shared core is taken (sim/cores.py)."""
+        if self.cores is not None:
+            start = self.cores.reserve(t, d, self.loop.now)
+            self._core_wait += start - t
+            t = start
         f, windows = self.slowdown, self.windows[rank]
         while windows and windows[0][1] <= t:  # a rank's time only moves forward
             windows.pop(0)
@@ -128,7 +134,8 @@ class DwdpSystem(System):
             self.released[rank][k % 2] = t
         self.next_pass[rank] = k0 + m.num_moe_layers
         t = self._compute(rank, t, c.head_s(shape, 1))
-        compute = t - now - waited
+        compute = t - now - waited - self._core_wait
+        self._core_wait = 0.0
         self.busy_s["pull_wait"] += waited
         self.busy_s["rank"] += compute
         self.started([s.request_id for s in batch.seqs], compute, now)

@@ -65,6 +65,8 @@ class ProfiledCost(CostModel):
                  f"{key} {profile.get(key)} does not match model preset {model.name!r} ({getattr(model, key)})")
         self.model = model.at_dtype(profile["dtype"]) if profile.get("dtype") else model
         self.attn = profile["attention"]["fit"]
+        # the stage costs are one process on one core of the profiled machine, whose cores all share
+        self.shared_cores = (profile.get("provenance") or {}).get("cores")
         self.decode = (profile.get("decode") or {}).get("fit")  # None: decode rows priced as prompt rows
         self.head = profile["head"]["fit"]
         self.experts_table = {int(k): sorted((float(n), float(s)) for n, s in v) for k, v in profile["experts"].items()}

@@ -16,6 +16,7 @@ from moeflow.core import Batch, Request, SamplingParams
 from moeflow.experiment import SystemSpec
 from moeflow.messages import Span
 from moeflow.scheduler import Scheduler, make_scheduler
+from moeflow.sim.cores import CorePool
 from moeflow.sim.cost import CostModel
 from moeflow.sim.events import EventLoop
 from moeflow.sim.expert_load import ExpertLoads
@@ -63,6 +64,16 @@ class System(abc.ABC):
         self._pending = 0
         self.busy_s: dict[str, float] = {}  # per role: compute seconds summed over its entities
         self.num_entities: dict[str, int] = {}
+        cores = cost.shared_cores
+        self.cores = (CorePool(cores) if spec.sim.core_sharing and cores and self.layout.num_processes > cores
+                      else None)  # None: every process computes on a core of its own
+
+    def finish_at(self, ready_s: float, dur_s: float, processes: int = 1) -> float:
+        """When ``processes`` (a TP group: each computes ``dur_s``) ready at ``ready_s`` have all
+        finished: later than ``ready_s + dur_s`` only while every core is taken (sim/cores.py)."""
+        if self.cores is None:
+            return ready_s + dur_s
+        return max(self.cores.reserve(ready_s, dur_s, self.loop.now) for _ in range(processes)) + dur_s
 
     def _scheduler(self) -> Scheduler:
         """The engine's scheduler for this layout, built as the engine builds it."""
