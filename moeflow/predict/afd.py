@@ -93,16 +93,45 @@ def experts_s(profile: dict, pairs: float, local: int) -> float:
     return y0 + (y1 - y0) * (pairs - x0) / (x1 - x0)
 
 
+ATTENTION_MODELS = ("linear", "profile")
+
+
+def decode_block_s(profile: dict, seqs: float, context: int) -> float:
+    """One layer's attention block for ``seqs`` sequences decoding after ``context`` tokens, from
+    the profile's decode fit (c0 + per sequence + per cached key; a row's keys: context + itself)."""
+    fit = (profile.get("decode") or {}).get("fit")
+    if fit is None:
+        raise ValueError("the profile has no decode samples (profiles before issue 17's round two): "
+                         "re-run moeflow profile, or use the linear attention model")
+    return fit["c0"] + fit["per_seq"] * seqs + fit["per_key"] * seqs * (context + 1)
+
+
 def predict(base: Baseline, profile: dict, *, m: int, attn_workers: int, ffn_workers: int, served: int,
             local_experts: int, b_afd: int, num_layers: int, num_moe_layers: int, top_k: int,
-            overlap_scheduling: bool = True, pair_share: float = 1.0) -> AfdPrediction:
+            overlap_scheduling: bool = True, pair_share: float = 1.0, attention: str = "linear",
+            context: int | None = None) -> AfdPrediction:
     """``served``: attention instances one daemon aggregates; ``local_experts``: experts it holds;
     ``pair_share``: the share of a served token's (token, expert) pairs one daemon computes (1 when
-    each daemon holds every expert, 1/N when the experts are split over N daemons)."""
+    each daemon holds every expert, 1/N when the experts are split over N daemons).
+
+    ``attention``: how the attention side grows from the baseline's B to afd's. "linear" is
+    FastAFD's: B_AFD x the baseline's attention per request, which charges every request a share of
+    the fixed costs a small baseline batch divides among few. "profile": the baseline's measured
+    attention side plus what the profile's decode fit adds per layer from B_base requests to m
+    micro-batches of B_AFD / m at ``context`` (the fit's fixed part paid once per micro-batch)."""
+    if attention not in ATTENTION_MODELS:
+        raise ValueError(f"attention model {attention!r}: one of {ATTENTION_MODELS}")
     t_base, b_base = base.tpot_s, base.resident
     per_req_attention = t_base * base.attention / b_base  # per step, all layers
     per_tok_transport = t_base * base.transport / b_base  # dispatch and combine-send of one token's rows
-    a = (b_afd * per_req_attention + b_afd * per_tok_transport / 2) / num_layers  # attention side, per layer
+    if attention == "linear":
+        attn_step = b_afd * per_req_attention
+    else:
+        if context is None:
+            raise ValueError("the profile attention model needs the context")
+        grown = m * decode_block_s(profile, b_afd / m, context) - decode_block_s(profile, b_base, context)
+        attn_step = t_base * base.attention + num_layers * grown
+    a = (attn_step + b_afd * per_tok_transport / 2) / num_layers  # attention side, per layer
     ub_pairs = served * b_afd / m * top_k * pair_share  # one daemon's pairs of one micro-batch
     # per MoE layer: its experts and its combine-sends (the baseline's transport is over all MoE layers)
     f = m * (experts_s(profile, ub_pairs, local_experts) + ub_pairs / top_k * per_tok_transport / 2 / num_moe_layers)

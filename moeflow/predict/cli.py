@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
     a.add_argument("--max-batch-tokens", type=int, default=None,
                    help="the afd layout's (default: the baseline's, which sizes the same buffers and reserve)")
     a.add_argument("--no-overlap-scheduling", action="store_true")
+    a.add_argument("--attention", default="linear", choices=["linear", "profile"],
+                   help="how the attention side grows from the baseline's batch to afd's: linear per request "
+                        "(FastAFD), or the baseline's plus the profile's decode fit from B_base to B_AFD")
     a.add_argument("--batch", type=int, default=None,
                    help="resident requests of afd in all, as bench decode's --batch (default: what the memory plan "
                         "holds under the baseline's budget)")
@@ -87,7 +90,7 @@ def run_afd(args: argparse.Namespace) -> int:
                            served=len(layout.served_by(0)), local_experts=len(layout.placement_of_experts(mc.num_experts)[0]),
                            b_afd=b_afd, num_layers=mc.num_layers, num_moe_layers=mc.num_moe_layers,
                            top_k=mc.num_experts_per_tok, overlap_scheduling=layout.overlap_scheduling,
-                           pair_share=1 / len(layout.ffns_of(0)))
+                           pair_share=1 / len(layout.ffns_of(0)), attention=args.attention, context=c)
             row = {"context": c, **pred.to_dict()}
             if measured is not None:
                 row["measured"] = _measured(measured, layout, c, base)
@@ -96,7 +99,7 @@ def run_afd(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, {"baseline": args.baseline, "baseline_system": args.system, "profile": args.profile,
                                "attn_workers": args.attn_workers, "ffn_workers": args.ffn_workers,
-                               "topology": args.topology, "predictions": rows})
+                               "topology": args.topology, "attention_model": args.attention, "predictions": rows})
     return 0
 
 

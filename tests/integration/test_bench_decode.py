@@ -39,5 +39,6 @@ def test_decode_bench_then_predict(checkpoints, tmp_path):
         assert abs(r["speedup"] - r["b_ratio"] * r["t_ratio"] * r["node_factor"]) < 1e-9 and r["b_afd"] == 4
     # an afd run given its batch (bench decode --batch) is predicted at that batch, not the plan's
     assert main(["predict", "afd", "--baseline", str(out), "--system", "dep2", "--profile", str(prof),
-                 "--context", "24", "--batch", "2", "--json", str(pred)]) == 0
-    assert [r["b_afd"] for r in json.loads(pred.read_text())["predictions"]] == [2]
+                 "--context", "24", "--batch", "2", "--attention", "profile", "--json", str(pred)]) == 0
+    got = json.loads(pred.read_text())
+    assert [r["b_afd"] for r in got["predictions"]] == [2] and got["attention_model"] == "profile"

@@ -50,3 +50,24 @@ def test_dbo_hides_the_ffn_only_while_attention_is_longer():
 def test_without_overlap_scheduling_the_engine_overhead_is_paid():
     on, off = predict(BASE, PROFILE, **kw()), predict(BASE, PROFILE, **kw(overlap_scheduling=False))
     assert off.t_afd_s - on.t_afd_s == pytest.approx(0.2 * 0.1)
+
+
+def test_the_profile_attention_model_pays_fixed_costs_per_micro_batch_not_per_request():
+    """Linear (FastAFD) scales the baseline's attention per request; "profile" adds the decode fit's
+    growth from B_base to m micro-batches of B_AFD / m. Without a fixed part in the fit, and with a
+    baseline whose attention side is exactly the fit's, the two agree; a fixed part the baseline
+    divides among 10 requests is paid once per micro-batch by the profile model."""
+    per_row = 0.001 + 2e-7 * 1025  # per layer and sequence at context 1024
+    base = dataclasses.replace(BASE, attention=4 * 10 * per_row / BASE.tpot_s)  # 4 layers x 10 requests
+    flat = {**PROFILE, "decode": {"fit": {"c0": 0.0, "per_seq": 0.001, "per_key": 2e-7}}}
+    lin = predict(base, flat, **kw(), attention="linear")
+    prof = predict(base, flat, **kw(), attention="profile", context=1024)
+    assert prof.attention_per_layer_s == pytest.approx(lin.attention_per_layer_s)
+    fixed = {**PROFILE, "decode": {"fit": {"c0": 0.005, "per_seq": 0.001, "per_key": 2e-7}}}
+    base_fixed = dataclasses.replace(base, attention=4 * (0.005 + 10 * per_row) / BASE.tpot_s)
+    lin = predict(base_fixed, fixed, **kw(b_afd=40), attention="linear")
+    prof = predict(base_fixed, fixed, **kw(b_afd=40), attention="profile", context=1024)
+    assert prof.attention_per_layer_s == pytest.approx(2 * 0.005 + 40 * per_row)  # m = 2 micro-batches of 20
+    assert lin.attention_per_layer_s == pytest.approx(4 * (0.005 + 10 * per_row))  # the fixed part x B ratio
+    with pytest.raises(ValueError, match="no decode samples"):
+        predict(base, PROFILE, **kw(), attention="profile", context=1024)
