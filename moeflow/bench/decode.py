@@ -150,10 +150,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def step_tokens(spec: SystemSpec) -> int:
-    """The fewest prompt tokens any step of this system may take (its smallest batch limit)."""
-    lay = spec.layout
-    limits = [spec.engine.max_num_batched_tokens]
+def step_tokens(lay, engine) -> int:
+    """The fewest prompt tokens any step of a system (layout ``lay``, EngineConfig ``engine``) may
+    take: its smallest batch limit."""
+    limits = [engine.max_num_batched_tokens]
     for obj in (lay, getattr(lay, "scheduler", None)):
         limits += [v for k in ("chunked_prefill_size", "max_batch_tokens") if (v := getattr(obj, k, None))]
     return min(limits)
@@ -171,6 +171,16 @@ def decode_tokens(warmup_steps: int, steps: int, context: int = 0, per_group: in
     return warmup_steps + 2 * steps + 6 + prefill_steps
 
 
+def resident(capacity_at, context: int, warmup_steps: int, steps: int, step_limit: int,
+             first: int | None = None) -> tuple[int, int]:
+    """(requests per group the KV cache holds, decode tokens each is asked for) at ``context``;
+    ``capacity_at(gen)``: requests per group that fit when each reserves ``context + gen`` tokens.
+    ``first``: the group's requests when given (``batch``), else what fits the bare window."""
+    first = capacity_at(decode_tokens(warmup_steps, steps)) if first is None else first
+    gen = decode_tokens(warmup_steps, steps, context, first, step_limit)
+    return capacity_at(gen), gen
+
+
 def measure(spec: SystemSpec, context: int, bench: DecodeBench, repeat: int) -> dict:
     """One deployment, prefilled at ``context``, one timed decode window."""
     from moeflow import LLM, SamplingParams
@@ -182,10 +192,9 @@ def measure(spec: SystemSpec, context: int, bench: DecodeBench, repeat: int) -> 
         a = pool.groups[0].allocator
         def capacity_at(gen: int) -> int:
             return min(pool.max_num_seqs, a.num_blocks // a.blocks_for(context + gen))
-        first = capacity_at(decode_tokens(bench.warmup_steps, bench.steps)) if bench.batch is None else \
-            -(-bench.batch // len(pool.groups))
-        gen = decode_tokens(bench.warmup_steps, bench.steps, context, first, step_tokens(spec))
-        per_group = capacity_at(gen)
+        per_group, gen = resident(capacity_at, context, bench.warmup_steps, bench.steps,
+                                  step_tokens(spec.layout, spec.engine),
+                                  None if bench.batch is None else -(-bench.batch // len(pool.groups)))
         if context + gen > engine.max_model_len:
             raise ConfigError(f"bench decode: context {context} + {gen} decode tokens exceed max_model_len "
                               f"{engine.max_model_len}")

@@ -20,7 +20,7 @@ def _split_mean(runs: list[dict]) -> dict | None:
 
 def summarize(bench, runs: dict[str, dict[int, list[dict]]], systems: dict) -> dict:
     out = {"title": bench.title, "model": bench.model, "dtype": bench.dtype, "steps": bench.steps,
-           "repeats": bench.repeats, "systems": {n: {**d, "env": bench.env.get(n, {})} for n, d in systems.items()},
+           "warmup_steps": bench.warmup_steps, "repeats": bench.repeats, "systems": {n: {**d, "env": bench.env.get(n, {})} for n, d in systems.items()},
            "results": {}, "comparisons": []}
     for name, by_ctx in runs.items():
         out["results"][name] = {}

@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     a.add_argument("--topology", default="block", choices=["block", "all"])
     a.add_argument("--max-batch-tokens", type=int, default=None,
                    help="the afd layout's (default: the baseline's, which sizes the same buffers and reserve)")
+    a.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="the afd layout's (default: the baseline's; with the batch limit it sets how long a "
+                        "group's prefill takes, hence each request's KV reservation)")
     a.add_argument("--no-overlap-scheduling", action="store_true")
     a.add_argument("--attention", default="linear", choices=["linear", "profile"],
                    help="how the attention side grows from the baseline's batch to afd's: linear per request "
@@ -39,6 +42,7 @@ def add_parser(sub) -> None:
 
 def _afd_resident(result: dict, system: str, layout, context: int) -> int:
     """Requests per attention instance the afd layout's memory plan holds under the baseline's budget."""
+    from moeflow.bench.decode import DecodeBench, resident, step_tokens
     from moeflow.config import EngineConfig
     from moeflow.engine.llm import resolve_model
     from moeflow.engine.memory import plan_for
@@ -50,8 +54,13 @@ def _afd_resident(result: dict, system: str, layout, context: int) -> int:
     if config.memory_budget_gib is None:
         raise ValueError(f"baseline {system} ran without --memory-budget-gib: nothing to compare the KV gain under")
     plan = plan_for(layout, resolve_model(result["model"]), config)
-    per_request = -(-(context + run["max_tokens"]) // config.kv_block_size)
-    return min(config.max_num_seqs, plan.num_kv_blocks // per_request)
+
+    def capacity_at(gen: int) -> int:
+        return min(config.max_num_seqs, plan.num_kv_blocks // -(-(context + gen) // config.kv_block_size))
+    # as bench decode sizes afd's own run: its reservation covers what its first requests decode
+    # while the rest of the instance's group prefill, which grows with the group
+    warmup = result.get("warmup_steps", DecodeBench.__dataclass_fields__["warmup_steps"].default)
+    return resident(capacity_at, context, warmup, result["steps"], step_tokens(layout, config))[0]
 
 
 def _given_resident(batch: int | None, attn_workers: int) -> int | None:
@@ -81,10 +90,12 @@ def run_afd(args: argparse.Namespace) -> int:
     for c in args.context:
         base = Baseline.from_result(base_result, args.system, c)
         for m in args.micro_batches:
-            tokens = args.max_batch_tokens or base_result["systems"][args.system].get("max_batch_tokens")
+            base_sys = base_result["systems"][args.system]
+            limits = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens or base_sys.get("max_batch_tokens")),
+                                        ("chunked_prefill_size",
+                                         args.chunked_prefill_size or base_sys.get("chunked_prefill_size"))) if v}
             layout = make_layout("afd", attn_workers=args.attn_workers, ffn_workers=args.ffn_workers, micro_batches=m,
-                                 topology=args.topology, overlap_scheduling=not args.no_overlap_scheduling,
-                                 **({"max_batch_tokens": tokens} if tokens else {}))
+                                 topology=args.topology, overlap_scheduling=not args.no_overlap_scheduling, **limits)
             b_afd = _given_resident(args.batch, args.attn_workers) or _afd_resident(base_result, args.system, layout, c)
             pred = predict(base, profile, m=m, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
                            served=len(layout.served_by(0)), local_experts=len(layout.placement_of_experts(mc.num_experts)[0]),

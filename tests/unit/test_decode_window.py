@@ -18,8 +18,9 @@ def test_the_reservation_covers_the_window_and_the_decodes_during_the_group_pref
 
 def test_the_step_limit_is_the_smallest_batch_limit_of_the_system():
     def spec(mode, **kw):
-        return SystemSpec(mode, make_layout(mode, **kw), EngineConfig(model="tiny", max_num_batched_tokens=8192))
-    assert step_tokens(spec("dep", dp=2, max_batch_tokens=4096, chunked_prefill_size=1024)) == 1024
-    assert step_tokens(spec("afd", max_batch_tokens=2048)) == 2048
-    assert step_tokens(spec("asap", max_batch_tokens=4096)) == 4096  # the scheduler's limit
-    assert step_tokens(spec("colocated")) == 8192  # the engine's
+        s = SystemSpec(mode, make_layout(mode, **kw), EngineConfig(model="tiny", max_num_batched_tokens=8192))
+        return s.layout, s.engine
+    assert step_tokens(*spec("dep", dp=2, max_batch_tokens=4096, chunked_prefill_size=1024)) == 1024
+    assert step_tokens(*spec("afd", max_batch_tokens=2048)) == 2048
+    assert step_tokens(*spec("asap", max_batch_tokens=4096)) == 4096  # the scheduler's limit
+    assert step_tokens(*spec("colocated")) == 8192  # the engine's

@@ -71,3 +71,19 @@ def test_the_profile_attention_model_pays_fixed_costs_per_micro_batch_not_per_re
     assert lin.attention_per_layer_s == pytest.approx(4 * (0.005 + 10 * per_row))  # the fixed part x B ratio
     with pytest.raises(ValueError, match="no decode samples"):
         predict(base, PROFILE, **kw(), attention="profile", context=1024)
+
+
+def test_afds_resident_requests_are_what_bench_decode_gave_it(tmp_path):
+    """B_AFD from afd's own memory plan and KV reservation (bench decode's sizing: the reservation
+    grows with the group that prefills before the window) equals what session 7's afd runs held."""
+    import json
+
+    from moeflow.cli import main
+
+    runs = "docs/results/afd/decode_afd_session7.json"
+    out = tmp_path / "pred.json"
+    assert main(["predict", "afd", "--baseline", runs, "--system", "dep2", "--profile",
+                 "docs/results/sim/profile_decode.json", "--context", "2048", "8192", "--measured", runs,
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["predictions"]
+    assert [(r["b_afd"], r["measured"]["b_afd"]) for r in rows] == [(30, 30), (8, 8)]
