@@ -101,7 +101,7 @@ def decode_block_s(profile: dict, seqs: float, context: int) -> float:
     the profile's decode fit (c0 + per sequence + per cached key; a row's keys: context + itself)."""
     fit = (profile.get("decode") or {}).get("fit")
     if fit is None:
-        raise ValueError("the profile has no decode samples (profiles before issue 17's round two): "
+        raise ValueError("the profile has no decode fit (decode batches timed by moeflow profile): "
                          "re-run moeflow profile, or use the linear attention model")
     return fit["c0"] + fit["per_seq"] * seqs + fit["per_key"] * seqs * (context + 1)
 

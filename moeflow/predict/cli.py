@@ -8,7 +8,7 @@ import dataclasses
 import json
 
 from moeflow.bench.provenance import write_json
-from moeflow.predict.afd import Baseline, predict
+from moeflow.predict.afd import ATTENTION_MODELS, Baseline, predict
 
 
 def add_parser(sub) -> None:
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
                    help="the afd layout's (default: the baseline's; with the batch limit it sets how long a "
                         "group's prefill takes, hence each request's KV reservation)")
     a.add_argument("--no-overlap-scheduling", action="store_true")
-    a.add_argument("--attention", default="linear", choices=["linear", "profile"],
+    a.add_argument("--attention", default="linear", choices=ATTENTION_MODELS,
                    help="how the attention side grows from the baseline's batch to afd's: linear per request "
                         "(FastAFD), or the baseline's plus the profile's decode fit from B_base to B_AFD")
     a.add_argument("--batch", type=int, default=None,

@@ -76,7 +76,8 @@ class AfdSystem(StepSystem):
                 for i in range(len(ubs)):
                     ready[i][u] = max(daemon[j] for j in self.ffns[i]) + back[i][u]
             state = [*inst, *(x for r in ready for x in r), *daemon]
-            shift = _uniform_shift(before, state)
+            # the core calendar (sim/cores.py) is state the shift does not see: walk every layer there
+            shift = None if self.cores is not None else _uniform_shift(before, state)
             if shift is not None:  # periodic: every later MoE layer moves all of it by the same shift
                 k = m.num_layers - layer - 1
                 inst = [x + k * shift for x in inst]

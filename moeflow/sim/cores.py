@@ -9,6 +9,12 @@ longer one that was reserved earlier for later). Whole stages, not time slices: 
 end at w and 2w, where the operating system's time sharing would end both at 2w; a barrier that
 waits for both sees 2w either way, and the total work is conserved.
 
+Where a system prices a stretch of stages at once, the calendar favours whoever booked first: dwdp
+prices a rank's whole batch when it starts, so with more ranks than cores a later rank waits for an
+earlier one's batch instead of sharing the core with it (means are then low, a rank's throughput
+the same). The copy and communication threads book nothing (their CPU work is small against the
+stages here: the copy thread measured 1% of a dwdp rank).
+
 Only the profiled cost knows the machine's cores (the profile's provenance): device presets give
 every process its own device, and there is nothing to share.
 """
@@ -53,4 +59,3 @@ class CorePool:
                 break
             t = e
         return t
-

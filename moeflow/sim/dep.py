@@ -1,11 +1,13 @@
 """The synchronous baselines (ASAP §5.1 Default / ChunkedPrefill) as the real engine runs them:
 ``DepScheduler`` hands every rank one batch per global step, and every MoE layer is a barrier.
 
-Because every layer of a step ends at a barrier, a step's length has a closed form: per layer, the
+Because every layer of a step ends at a barrier, a step's length has a closed form (walked layer
+by layer instead where the ranks share fewer cores than they are, sim/cores.py): per layer, the
 slowest rank's attention, the all-to-all dispatch, the most loaded expert device's compute, the
 all-to-all combine. An all-to-all takes as long as its busiest endpoint: the rank that sends the
 most or, with skewed expert loads (sim/expert_load.py), the device that receives the most. One
-event per step keeps the simulator fast; the trace still shows every layer of the window it covers.
+event per step keeps the simulator fast; the trace still shows every layer of the window it covers
+(on shared cores, the step as one span).
 """
 from __future__ import annotations
 

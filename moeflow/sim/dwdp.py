@@ -10,7 +10,8 @@ after source, each pull at a drawn contention level, a ``sliced`` plan pays the 
 slices in flight. A layer's experts start when both its attention is done and its pull is in
 (with ``merge``, after a device copy of every expert into one buffer, DWDP §4.2's ablation): per
 layer max(compute, prefetch) in steady state, as DWDP models it. Ranks never wait for one
-another; one event per batch (its layer timeline has a closed form).
+another's work (only, with more ranks than the machine's cores, for a core: sim/cores.py); one
+event per batch (its layer timeline has a closed form).
 """
 from __future__ import annotations
 

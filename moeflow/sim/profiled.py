@@ -37,9 +37,13 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def fit_nonneg(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares with every coefficient >= 0 (drop the most negative one and refit)."""
+def fit_nonneg(rows: list[list[float]], y: list[float], relative: bool = False) -> list[float]:
+    """Least squares with every coefficient >= 0 (drop the most negative one and refit).
+    ``relative``: on relative errors (each row weighted by 1/y), for samples spanning decades, where
+    plain least squares serves only the largest."""
     a, b = np.asarray(rows, float), np.asarray(y, float)
+    if relative:
+        a, b = a / b[:, None], np.ones_like(b)
     keep = list(range(a.shape[1]))
     while True:
         coef, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
@@ -67,6 +71,8 @@ class ProfiledCost(CostModel):
         self.attn = profile["attention"]["fit"]
         # the stage costs are one process on one core of the profiled machine, whose cores all share
         self.shared_cores = (profile.get("provenance") or {}).get("cores")
+        need(self.shared_cores is None or (isinstance(self.shared_cores, int) and self.shared_cores >= 1),
+             f"provenance cores must be an int >= 1, got {self.shared_cores!r}")
         self.decode = (profile.get("decode") or {}).get("fit")  # None: decode rows priced as prompt rows
         self.head = profile["head"]["fit"]
         self.experts_table = {int(k): sorted((float(n), float(s)) for n, s in v) for k, v in profile["experts"].items()}

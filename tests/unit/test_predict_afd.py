@@ -69,7 +69,7 @@ def test_the_profile_attention_model_pays_fixed_costs_per_micro_batch_not_per_re
     prof = predict(base_fixed, fixed, **kw(b_afd=40), attention="profile", context=1024)
     assert prof.attention_per_layer_s == pytest.approx(2 * 0.005 + 40 * per_row)  # m = 2 micro-batches of 20
     assert lin.attention_per_layer_s == pytest.approx(4 * (0.005 + 10 * per_row))  # the fixed part x B ratio
-    with pytest.raises(ValueError, match="no decode samples"):
+    with pytest.raises(ValueError, match="no decode fit"):
         predict(base, PROFILE, **kw(), attention="profile", context=1024)
 
 

@@ -70,8 +70,12 @@ def _four_processes(core_sharing: bool):
                      "sim": {"core_sharing": core_sharing}},
             "asap_d2e2": {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "max_batch_tokens": 4096,
                           "engine": {"num_kv_blocks": 1024}, "sim": {"comm_overlap": False, "core_sharing": core_sharing}},
+            "asap_d2e2_overlap": {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "max_batch_tokens": 4096,
+                                  "engine": {"num_kv_blocks": 1024}, "sim": {"core_sharing": core_sharing}},
             "dwdp4": {"mode": "dwdp", "dp": 4, "max_batch_tokens": 4096, "engine": {"num_kv_blocks": 1024},
                       "sim": {"core_sharing": core_sharing}},
+            "afd2a2f": {"mode": "afd", "attn_workers": 2, "ffn_workers": 2, "micro_batches": 2,
+                        "max_batch_tokens": 4096, "engine": {"num_kv_blocks": 1024}, "sim": {"core_sharing": core_sharing}},
         }})
 
 
@@ -81,12 +85,13 @@ def _compute_per_core(cfg, name: str) -> float:
     spec = cfg.systems[name]
     _, run = run_point(spec, cost, cfg, 1.6)
     lay = spec.layout
-    entities = {"rank": lay.num_processes} if lay.mode in ("dep", "dwdp") else \
-        {"attention": lay.attn_dp, "moe": lay.moe_workers}
+    entities = {"dep": lambda: {"rank": lay.num_processes}, "dwdp": lambda: {"rank": lay.num_processes},
+                "asap": lambda: {"attention": lay.attn_dp, "moe": lay.moe_workers},
+                "afd": lambda: {"attention": lay.attn_workers, "ffn": lay.ffn_workers}}[lay.mode]()
     return sum(run.busy[role] * n for role, n in entities.items()) / cost.shared_cores
 
 
-@pytest.mark.parametrize("name", ["dep4", "asap_d2e2", "dwdp4"])
+@pytest.mark.parametrize("name", ["dep4", "asap_d2e2", "asap_d2e2_overlap", "dwdp4", "afd2a2f"])
 def test_four_processes_on_two_cores_compute_no_more_than_two_cores_can(name):
     """The profile was measured with one process per core on a 2-core machine. Priced as if each
     of four processes had its own core, a saturated run computes more than 2 cores hold (the
