@@ -31,6 +31,9 @@ def main() -> None:
     prof["derived_from"] = {"profile": args.src, "without_8192": args.without_8192, "relative": args.relative}
     write_json(args.dst, prof)
     print(f"{len(kept)} samples; fit {prof['attention']['fit']}")
+    for a in prof["attention"]["samples"]:  # the fit against every sample the profile has, kept or not
+        pred = fit[0] + fit[1] * a["tokens"] + fit[2] * a["pairs"] + fit[3] * a["seqs"]
+        print(f"  q {a['q_lens']} ctx {a['ctx_lens']}: {a['s'] * 1e3:.1f} ms measured, {pred / a['s'] - 1:+.0%}")
 
 
 if __name__ == "__main__":
