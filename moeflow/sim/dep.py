@@ -50,13 +50,13 @@ class DepSystem(StepSystem):
         attn = [c.attention_s(s, tp, False) for s in shapes]
         attn_dense = [c.attention_s(s, tp, True) for s in shapes]
         head = [c.head_s(s, tp) for s in shapes]
-        dispatch, experts, combine, experts_mean = self._moe_layers(tokens)
+        dispatch, experts, combine, experts_mean, per_device = self._moe_layers(tokens)
         dense_layer = max(attn_dense)
         if self.cores is None:
             step = (max(head) + m.num_dense_layers * dense_layer + m.num_moe_layers * max(attn)
                     + sum(dispatch) + sum(experts) + sum(combine))
         else:
-            step = self._step_on_shared_cores(now, attn, attn_dense, head, dispatch, experts, combine) - now
+            step = self._step_on_shared_cores(now, attn, attn_dense, head, dispatch, per_device, combine) - now
         for i, b in enumerate(batches):
             own = head[i] + m.num_dense_layers * attn_dense[i] + m.num_moe_layers * attn[i] + experts_mean
             self.busy_s["rank"] += own
@@ -75,11 +75,11 @@ class DepSystem(StepSystem):
                     self.span(f"rank{rank}/main", f"step ({self.cores.cores} shared cores)", now, now + step)
         self.loop.at(now + step, self._step_done, batches)
 
-    def _step_on_shared_cores(self, now, attn, attn_dense, head, dispatch, experts, combine) -> float:
+    def _step_on_shared_cores(self, now: float, attn: list[float], attn_dense: list[float], head: list[float],
+                              dispatch: list[float], per_device: list[list[float]], combine: list[float]) -> float:
         """When the step ends if the ranks take turns on fewer cores than they are: every phase
-        of a layer (attention, the experts) waits for its last rank, and each rank's compute
-        waits for a core. Every rank's experts are priced as the most loaded device's (equal
-        under balanced loads). Returns the end time."""
+        of a layer (attention, the experts) waits for its last rank or device, and each one's
+        compute waits for a core. Returns the end time."""
         m, ranks, tp, t = self.model, range(len(attn)), self.layout.tp, now
         for layer in range(m.num_layers):
             a = attn_dense if layer < m.num_dense_layers else attn
@@ -87,12 +87,13 @@ class DepSystem(StepSystem):
             if layer < m.num_dense_layers:
                 continue
             i = layer - m.num_dense_layers
-            t = max(self.finish_at(t + dispatch[i], experts[i], tp) for _ in ranks) + combine[i]
+            t = max(self.finish_at(t + dispatch[i], x) for x in per_device[i]) + combine[i]
         return max(self.finish_at(t, head[r], tp) for r in ranks)
 
-    def _moe_layers(self, tokens: list[int]) -> tuple[list[float], list[float], list[float], float]:
+    def _moe_layers(self, tokens: list[int]):
         """Per MoE layer: the all-to-all dispatch, the slowest expert device's compute, the
-        all-to-all combine; and one rank's expert compute summed over the layers (for busy)."""
+        all-to-all combine; one rank's expert compute summed over the layers (for busy); and per
+        MoE layer every expert device's compute (for shared cores)."""
         m, c, ep, n = self.model, self.cost, self.ep, self.model.num_moe_layers
         local = max(1, m.num_experts // ep)
         share = self.remote_share  # the rows that leave the device (per pair, or per device with dedup)
@@ -103,15 +104,17 @@ class DepSystem(StepSystem):
         pairs = sum(tokens) * m.top_k
         if self.loads.balanced:  # every expert device its exact share; receivers no busier than senders
             experts = c.experts_s(round(pairs / ep), local) + host
-            return [c.all_to_all_s(send)] * n, [experts] * n, [c.all_to_all_s(send_back)] * n, n * experts
+            return ([c.all_to_all_s(send)] * n, [experts] * n, [c.all_to_all_s(send_back)] * n, n * experts,
+                    [[experts] * ep] * n)
         loads = self.loads.draw(pairs)  # [L, ep]
         peak = loads.max(axis=1)  # the most loaded receiver of each layer
         per_pair_in, per_pair_out = c.dispatch_bytes(1) / m.top_k, c.combine_bytes(1) / m.top_k
         dispatch = [c.all_to_all_s(max(send, p * per_pair_in * share)) for p in peak.tolist()]
         combine = [c.all_to_all_s(max(send_back, p * per_pair_out * share)) for p in peak.tolist()]
         experts = (c.experts_s_many(peak, local) + host).tolist()
-        experts_mean = float(c.experts_s_many(loads, local).mean(axis=1).sum()) + n * host
-        return dispatch, experts, combine, experts_mean
+        per_device = c.experts_s_many(loads, local) + host
+        experts_mean = float(per_device.mean(axis=1).sum())
+        return dispatch, experts, combine, experts_mean, per_device.tolist()
 
     def _step_done(self, batches) -> None:
         now = self.loop.now

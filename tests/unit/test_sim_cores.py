@@ -70,6 +70,8 @@ def _four_processes(core_sharing: bool):
                      "sim": {"core_sharing": core_sharing}},
             "asap_d2e2": {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "max_batch_tokens": 4096,
                           "engine": {"num_kv_blocks": 1024}, "sim": {"comm_overlap": False, "core_sharing": core_sharing}},
+            "dep4_skew": {"mode": "dep", "dp": 4, "max_batch_tokens": 4096, "engine": {"num_kv_blocks": 1024},
+                          "sim": {"core_sharing": core_sharing, "expert_load_cv": 1.0}},
             "asap_d2e2_overlap": {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "max_batch_tokens": 4096,
                                   "engine": {"num_kv_blocks": 1024}, "sim": {"core_sharing": core_sharing}},
             "dwdp4": {"mode": "dwdp", "dp": 4, "max_batch_tokens": 4096, "engine": {"num_kv_blocks": 1024},
@@ -91,7 +93,7 @@ def _compute_per_core(cfg, name: str) -> float:
     return sum(run.busy[role] * n for role, n in entities.items()) / cost.shared_cores
 
 
-@pytest.mark.parametrize("name", ["dep4", "asap_d2e2", "asap_d2e2_overlap", "dwdp4", "afd2a2f"])
+@pytest.mark.parametrize("name", ["dep4", "dep4_skew", "asap_d2e2", "asap_d2e2_overlap", "dwdp4", "afd2a2f"])
 def test_four_processes_on_two_cores_compute_no_more_than_two_cores_can(name):
     """The profile was measured with one process per core on a 2-core machine. Priced as if each
     of four processes had its own core, a saturated run computes more than 2 cores hold (the
@@ -99,7 +101,8 @@ def test_four_processes_on_two_cores_compute_no_more_than_two_cores_can(name):
     shared = _compute_per_core(_four_processes(True), name)
     own = _compute_per_core(_four_processes(False), name)
     assert shared <= 1.0 + 1e-9, f"{name}: {shared:.3f} of two cores' time computing"
-    assert own > 1.0, f"{name}: without sharing the saturated run should exceed the cores ({own:.3f})"
+    if name != "dep4_skew":  # skewed: the ranks wait so much for the hottest device that they fit anyway
+        assert own > 1.0, f"{name}: without sharing the saturated run should exceed the cores ({own:.3f})"
 
 
 def test_as_many_processes_as_cores_change_nothing():
