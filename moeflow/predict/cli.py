@@ -59,7 +59,7 @@ def _afd_resident(result: dict, system: str, layout, context: int) -> int:
         return min(config.max_num_seqs, plan.num_kv_blocks // -(-(context + gen) // config.kv_block_size))
     # as bench decode sizes afd's own run: its reservation covers what its first requests decode
     # while the rest of the instance's group prefill, which grows with the group
-    warmup = result.get("warmup_steps", DecodeBench.__dataclass_fields__["warmup_steps"].default)
+    warmup = result.get("warmup_steps", DecodeBench.warmup_steps)  # files before it was recorded: the default
     return resident(capacity_at, context, warmup, result["steps"], step_tokens(layout, config))[0]
 
 
@@ -87,13 +87,13 @@ def run_afd(args: argparse.Namespace) -> int:
             measured = json.load(f)
     mc, _ = load_config(resolve_model(base_result["model"]))
     rows = []
+    base_sys = base_result["systems"][args.system]
+    limits = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens or base_sys.get("max_batch_tokens")),
+                                ("chunked_prefill_size", args.chunked_prefill_size or base_sys.get("chunked_prefill_size")))
+              if v}
     for c in args.context:
         base = Baseline.from_result(base_result, args.system, c)
         for m in args.micro_batches:
-            base_sys = base_result["systems"][args.system]
-            limits = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens or base_sys.get("max_batch_tokens")),
-                                        ("chunked_prefill_size",
-                                         args.chunked_prefill_size or base_sys.get("chunked_prefill_size"))) if v}
             layout = make_layout("afd", attn_workers=args.attn_workers, ffn_workers=args.ffn_workers, micro_batches=m,
                                  topology=args.topology, overlap_scheduling=not args.no_overlap_scheduling, **limits)
             b_afd = _given_resident(args.batch, args.attn_workers) or _afd_resident(base_result, args.system, layout, c)

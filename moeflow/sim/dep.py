@@ -114,7 +114,7 @@ class DepSystem(StepSystem):
         experts = (c.experts_s_many(peak, local) + host).tolist()
         per_device = c.experts_s_many(loads, local) + host
         experts_mean = float(per_device.mean(axis=1).sum())
-        return dispatch, experts, combine, experts_mean, per_device.tolist()
+        return dispatch, experts, combine, experts_mean, per_device  # [L, ep], read only on shared cores
 
     def _step_done(self, batches) -> None:
         now = self.loop.now

@@ -35,7 +35,6 @@ class DwdpSystem(System):
         super().__init__(spec, cost, trace_until_s)
         layout, m = spec.layout, cost.model
         self.sched = self._scheduler()
-        self._core_wait = 0.0  # of the batch being priced: time its stages waited for a shared core
         placement = layout.resident(m.num_experts)
         n = layout.dp
         # per rank: the bytes each source serves it per MoE layer, in the plan's order
@@ -90,13 +89,8 @@ class DwdpSystem(System):
             self.cycle[rank] += 1
 
     def _compute(self, rank: int, t: float, d: float) -> float:
-        """When ``d`` seconds of kernels ready at ``t`` end: slower while the copy engine pulls
-        (``copy_slowdown``, DWDP Appendix A: power-capped clocks and shared HBM), later while
-        every shared core is taken (sim/cores.py)."""
-        if self.cores is not None:
-            start = self.cores.reserve(t, d, self.loop.now)
-            self._core_wait += start - t
-            t = start
+        """When ``d`` seconds of kernels started at ``t`` end: slower while the copy engine pulls
+        (``copy_slowdown``, DWDP Appendix A: power-capped clocks and shared HBM)."""
         f, windows = self.slowdown, self.windows[rank]
         while windows and windows[0][1] <= t:  # a rank's time only moves forward
             windows.pop(0)
@@ -117,26 +111,31 @@ class DwdpSystem(System):
         experts = c.experts_s(round(shape.num_tokens * m.top_k), m.num_experts) + self.merge_s  # every expert runs here
         pulls = bool(self.by_source[rank])
         t = now = self.loop.now
-        waited = 0.0
+        waited = core_waited = 0.0
+
+        def on_core(t: float, d: float) -> float:  # later while every shared core is taken (sim/cores.py)
+            nonlocal core_waited
+            start = t if self.cores is None else self.cores.reserve(t, d, self.loop.now)
+            core_waited += start - t
+            return self._compute(rank, start, d)
         k0 = self.next_pass[rank]
         if pulls:
             self._issue(rank, k0 + 1)
         for layer in range(m.num_layers):
             if layer < m.num_dense_layers:
-                t = self._compute(rank, t, attn_dense)
+                t = on_core(t, attn_dense)
                 continue
             k = k0 + layer - m.num_dense_layers
             if pulls:
                 self._issue(rank, k + 1)  # the experts of k-1 ran: pull k+1's slot is free
-            t = self._compute(rank, t, attn)
+            t = on_core(t, attn)
             ready = self.pulled_at[rank].pop(k) if pulls else t
             waited += max(0.0, ready - t)
-            t = self._compute(rank, max(t, ready), experts)
+            t = on_core(max(t, ready), experts)
             self.released[rank][k % 2] = t
         self.next_pass[rank] = k0 + m.num_moe_layers
-        t = self._compute(rank, t, c.head_s(shape, 1))
-        compute = t - now - waited - self._core_wait
-        self._core_wait = 0.0
+        t = on_core(t, c.head_s(shape, 1))
+        compute = t - now - waited - core_waited
         self.busy_s["pull_wait"] += waited
         self.busy_s["rank"] += compute
         self.started([s.request_id for s in batch.seqs], compute, now)
