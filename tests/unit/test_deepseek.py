@@ -146,3 +146,38 @@ def test_mtp_layers_are_ignored_and_configs_validated(checkpoints, tmp_path):
     with pytest.raises(ConfigError, match=r"unsupported architecture.*DeepseekV4.*supports.*DeepseekV32ForCausalLM.*DeepseekV3ForCausalLM"):
         load_config(str(dst))
     assert os.path.isdir(src)
+
+
+def _logits_by_schedule(model, tokens: list[int], chunks: list[int], block_size: int = 8) -> torch.Tensor:
+    """Run ``tokens`` through the paged cache in pieces of ``chunks`` tokens (one piece: a full
+    prefill; pieces of 1: decode) and return every position's logits [N, V]."""
+    num_blocks = -(-len(tokens) // block_size)
+    cache = KVCache.for_model(model.cfg, num_blocks, block_size, torch.float32)
+    table, out, done = tuple(range(num_blocks)), [], 0
+    for n in chunks:
+        meta = AttentionMetadata.build([n], [done], [table], block_size)
+        out.append(model.logits(model.forward(torch.tensor(tokens[done:done + n]), meta, cache)))
+        done += n
+    assert done == len(tokens)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("forced_ties", [True, False])
+def test_dsa_selects_the_same_keys_in_prefill_chunks_and_decode(checkpoints, forced_ties):
+    """The keys a query attends to may not depend on how its position was computed. With the
+    indexer's queries zeroed every key scores exactly 0 and the top-k is decided by its tie rule
+    alone (torch.topk's depends on the row's length: a prefill row is masked, a decode row shorter)."""
+    from moeflow.model.transformer import MoETransformer
+
+    cfg, w = load_weights(checkpoints("deepseek_v32").path, torch.float32)
+    if forced_ties:
+        for a in w.attention.values():
+            a.index_wq = torch.zeros_like(a.index_wq)
+    model = MoETransformer(cfg, w)
+    tokens = [(7 * i + 3) % cfg.vocab_size for i in range(3 * cfg.index_topk)]
+    full = _logits_by_schedule(model, tokens, [len(tokens)])
+    p = cfg.index_topk // 2  # decode starts below index_topk and crosses it
+    decode = _logits_by_schedule(model, tokens, [p] + [1] * (len(tokens) - p))
+    chunked = _logits_by_schedule(model, tokens, [5] * (len(tokens) // 5) + [len(tokens) % 5])
+    torch.testing.assert_close(decode, full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunked, full, atol=1e-4, rtol=1e-4)

@@ -4,7 +4,8 @@
 The indexer has its own small projections: queries from the q latent (wq_b, index_n_heads heads of
 index_head_dim), one key per token (wk, then LayerNorm), per-head weights from the hidden state
 (weights_proj); its rope (rotate-half, on the first qk_rope_head_dim dims) is the main attention's
-cos/sin. index(q, s) = sum_h w_h relu(q_h . k_s / sqrt(Di)); each query keeps its top-k causal keys.
+cos/sin. index(q, s) = sum_h w_h relu(q_h . k_s / sqrt(Di)); each query keeps its top-k causal keys,
+the earlier of two equal scores first, so prefill, chunks and decode keep the same keys.
 Each token also caches its indexer key. transformers' reference computes the same scores in float32
 without the Hadamard rotation and fp8 of DeepSeek's kernels (the rotation preserves dot products).
 With at most ``index_topk`` keys every key is kept: below that length DSA is dense MLA.
@@ -84,5 +85,8 @@ class DSA(MLA):
         index = torch.einsum("nh,nhs->ns", wts, scores)  # [n, S]
         causal = torch.arange(s).unsqueeze(0) <= torch.arange(n).unsqueeze(1) + ctx  # [n, S]
         index = index.masked_fill(~causal, float("-inf"))
-        chosen = index.topk(self.topk, dim=-1).indices  # [n, topk]
+        # NOTE: not topk: its choice among equal scores (ReLU makes many exactly 0) depends on the
+        # row's length, so a prefill row (masked tail) and a decode row (shorter) kept different keys.
+        # A stable sort keeps the earliest of equal keys, whatever the row's length.
+        chosen = index.sort(dim=-1, descending=True, stable=True).indices[:, :self.topk]  # [n, topk]
         return torch.zeros(n, s, dtype=torch.bool).scatter_(1, chosen, True)
