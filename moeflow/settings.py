@@ -43,6 +43,17 @@ def paged_attention_mode() -> str:
     return os.environ.get("MOEFLOW_PAGED_ATTENTION", "auto").strip().lower() or "auto"
 
 
+def gloo_socket_ifname() -> str | None:
+    """$GLOO_SOCKET_IFNAME (gloo's own switch): the interface gloo binds between hosts; None: moeflow
+    picks the one on the route to node 0 (``workers/interface.py``)."""
+    return os.environ.get("GLOO_SOCKET_IFNAME") or None
+
+
+def set_gloo_socket_ifname(name: str) -> None:
+    """Make this process's gloo groups bind ``name``: gloo reads only its environment variable."""
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
 def launcher_env() -> dict[str, object]:
     """What a torchrun- or SLURM-style launcher says about the hosts, by ``ClusterConfig`` field
     (one moeflow process per host): nnodes from $GROUP_WORLD_SIZE (torchrun's node count) or

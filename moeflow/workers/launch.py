@@ -25,6 +25,7 @@ from moeflow.comm.segment import reclaim_stale
 from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
 from moeflow.messages import Shutdown, WorkerFailed, WorkerReady, WorkerSetup
+from moeflow.workers.interface import choose
 from moeflow.workers.remote import RemoteNode
 
 log = get_logger("moeflow.workers.launch")
@@ -148,6 +149,9 @@ class Deployment:
             remote = sorted({s.node for s in setups} - {0})
             if remote and (cluster is None or cluster.nnodes <= max(remote)):
                 raise ValueError(f"setups name nodes {remote}, but the cluster is {cluster}")
+            if remote:  # before anything starts: a host the others cannot reach fails now, saying why
+                iface = choose(cluster.master_addr)
+                log.info("gloo between hosts on %s (%s, chosen by %s)", iface.name, iface.addr, iface.chosen_by)
             for node in remote:  # first: their setups travel while ours start
                 mine = [s for s in setups if s.node == node]
                 self.nodes.append(RemoteNode(cluster, node, deployment_id, mine))

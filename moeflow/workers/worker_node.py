@@ -18,6 +18,7 @@ from moeflow.comm import cleanup
 from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
 from moeflow.messages import StartWorkers, StopWorkers, WorkerExited, WorkerFailed
+from moeflow.workers.interface import choose
 from moeflow.workers.launch import WorkerHandle, spawn, stop_workers
 from moeflow.workers.rendezvous import (Channel, Heartbeat, RendezvousError, connect, is_closed, node_inbox,
                                         node_outbox)
@@ -117,6 +118,8 @@ def run_worker_node(cluster: ClusterConfig) -> int:
     if cluster.node_rank == 0:
         raise ValueError("node 0 runs the engine (moeflow serve), not a worker node")
     k = cluster.node_rank
+    iface = choose(cluster.master_addr)  # before waiting: a host the others cannot reach fails now
+    log.info("node %d: gloo between hosts on %s (%s, chosen by %s)", k, iface.name, iface.addr, iface.chosen_by)
     log.info("node %d of %d: waiting for node 0 at %s:%d", k, cluster.nnodes, cluster.master_addr,
              cluster.master_port)
     inbox = Channel(connect(cluster), node_inbox(k))

@@ -2,7 +2,8 @@
 
 It exists only when something needs it: tensor-parallel attention (a gloo group per TP group for
 all-reduce / all-gather) or a torch.distributed comm transport. Between hosts gloo picks its
-network interface from $GLOO_SOCKET_IFNAME (or the address the host name resolves to).
+network interface from $GLOO_SOCKET_IFNAME, which a world across hosts sets to the interface on the
+route to node 0 unless it is set already (``interface.py``).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.messages import WorkerSetup
+from moeflow.workers.interface import use_between_hosts
 
 DIST_TRANSPORTS = ("dist", "p2p", "links")  # comm transports that need the world
 
@@ -50,6 +52,7 @@ def init_world(setup: WorkerSetup) -> TPGroup | None:
         dist.init_process_group("gloo", init_method=f"tcp://{w.addr}:{w.port}", world_size=w.size,
                                 rank=setup.world_rank)
     else:  # several hosts: the world meets in the cluster's rendezvous, hosted by node 0's engine
+        use_between_hosts(w.addr)
         timeout = timedelta(seconds=setup.engine.cluster.connect_timeout_s)
         store = dist.TCPStore(w.addr, w.port, None, False, timeout=timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore(w.store_prefix, store), world_size=w.size,

@@ -16,13 +16,14 @@ import pytest
 @dataclass(frozen=True)
 class Host:
     netns: str | None  # the namespace's name; None: this machine's own (the test's)
-    dev: str  # its end of the veth pair (gloo's interface: $GLOO_SOCKET_IFNAME)
+    dev: str  # its end of the veth pair
     addr: str  # its address on the pair
 
-    def command(self, *argv: str) -> list[str]:
-        """``argv`` run inside this host, with gloo on its veth."""
+    def command(self, *argv: str, env: dict[str, str] | None = None) -> list[str]:
+        """``argv`` run inside this host. NOTE: without $GLOO_SOCKET_IFNAME: moeflow must find the veth
+        itself (the host name resolves to a loopback address on these machines, as on many hosts)."""
         enter = ["ip", "netns", "exec", self.netns] if self.netns else []
-        return [*enter, "env", f"GLOO_SOCKET_IFNAME={self.dev}", *argv]
+        return [*enter, "env", *(f"{k}={v}" for k, v in (env or {}).items()), *argv]
 
 
 def _ip(*args: str) -> None:

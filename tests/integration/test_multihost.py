@@ -46,11 +46,12 @@ def _assert_same(outs: list, refs: list) -> None:
             assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-3
 
 
-def _worker_node(host, master_addr: str, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def _worker_node(host, master_addr: str, port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+    penv = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    penv.pop("GLOO_SOCKET_IFNAME", None)
     return subprocess.Popen(host.command(sys.executable, "-m", "moeflow", "worker-node", "--nnodes", "2", "--node-rank",
-                                         "1", "--master-addr", master_addr, "--master-port", str(port)),
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                         "1", "--master-addr", master_addr, "--master-port", str(port), env=env),
+                            env=penv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _children(pid: int) -> list[int]:
@@ -72,6 +73,7 @@ def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, t
     """Node 0 (the engine) in host A and a worker node in host B; returns node 0's result."""
     port = 29400  # node 0 is in a namespace of its own: every port is free there
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("GLOO_SOCKET_IFNAME", None)
     with two_hosts(tag) as (a, b):
         cluster = dict(nnodes=2, node_rank=0, master_addr=a.addr, master_port=port, connect_timeout_s=60.0,
                        heartbeat_timeout_s=3.0)
@@ -167,7 +169,7 @@ def test_the_server_survives_and_heals_a_lost_worker_node(checkpoints, tmp_path,
 
     port = free_port()  # node 0 is in this namespace: a port free here
     with two_hosts("s", a_is_here=True) as (a, b):
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", a.dev)  # the server's workers talk gloo on the veth
+        monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)  # the server finds the veth on its route to B
         node = _worker_node(b, a.addr, port)
         s = None
         try:
@@ -298,3 +300,23 @@ def test_torchrun_launches_both_nodes(checkpoints):
     logs = "\n".join(f"--- node {1 - i} ---\n{o}" for i, o in enumerate(outs))
     assert [p.returncode for p in procs] == [0, 0], logs
     assert "output (3 tokens" in outs[1] and "node 1: moe 0" in outs[1], logs
+
+
+def test_gloo_finds_the_shared_interface_and_refuses_a_loopback_one():
+    """Each host picks the interface on its route to node 0 (the veth, though the host name resolves
+    to a loopback address here); an interface whose address is loopback while node 0 is not (here
+    GLOO_SOCKET_IFNAME=lo) is refused before the node waits for anything, naming the address, the
+    interface and the fix."""
+    probe = "from moeflow.workers.interface import choose; import sys; print(choose(sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    with two_hosts("i") as (a, b):
+        for here, there in ((a, a), (b, a)):  # node 0 reaches its own address, node 1 node 0's
+            out = subprocess.run(here.command(sys.executable, "-c", probe, there.addr), env=env, capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0 and f"name='{here.dev}', addr='{here.addr}'" in out.stdout, out
+        t0 = time.monotonic()
+        node = _worker_node(b, a.addr, 29400, env={"GLOO_SOCKET_IFNAME": "lo"})
+        log = node.communicate(timeout=60)[0]
+        assert node.returncode == 2 and time.monotonic() - t0 < 30, log
+        assert "127.0.0.1 (interface lo, chosen by GLOO_SOCKET_IFNAME)" in log and "set GLOO_SOCKET_IFNAME" in log, log
