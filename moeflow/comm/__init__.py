@@ -10,9 +10,9 @@ from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessag
                                   SendStats)
 from moeflow.comm.segment import cleanup, list_segments
 from moeflow.comm.spec import CommSpec
-from moeflow.comm.transport import TRANSPORTS, Transport, make_transport
+from moeflow.comm.transport import TRANSPORTS, Transport, mailbox_bytes, make_transport
 from moeflow.comm.wait import POLICIES, WaitPolicy
 
-__all__ = ["CommConfig", "CommSpec", "WaitPolicy", "POLICIES", "Transport", "TRANSPORTS", "make_transport",
+__all__ = ["CommConfig", "CommSpec", "WaitPolicy", "POLICIES", "Transport", "TRANSPORTS", "make_transport", "mailbox_bytes",
            "DispatchMessage", "DispatchRow", "CombineMessage", "CombineSegment", "SendStats", "ProtocolError",
            "cleanup", "list_segments"]

@@ -172,3 +172,13 @@ class LinksTransport(Transport):
     combine_sender_cls = LinksCombineSender
     combine_receiver_cls = LinksCombineReceiver
     weight_store_cls = LinksWeightStore  # dwdp: a peer's experts from its shm on this host, its server elsewhere
+
+    @classmethod
+    def mailbox_bytes(cls, config, node: int = 0) -> int:
+        s = config.spec  # the mailboxes of the receivers on this host, each with every writer's lanes
+        if s is None:
+            return 0
+        nodes = config.rank_nodes or (0,) * s.world_size
+        experts = sum(nodes[s.expert_world_rank(e)] == node for e in range(s.num_expert_ranks))
+        lanes = sum(nodes[i] == node for i in range(s.num_lanes))
+        return experts * dispatch_layout(s).size_bytes + lanes * combine_layout(s).size_bytes

@@ -4,6 +4,8 @@ Names are ``moeflow-<deployment>.<what>``; ``cleanup(deployment)`` removes every
 deployment, so the process that launched it can clean up after workers that were SIGKILLed. A
 deployment id that starts with ``<pid>-`` (an engine's, ``<pid>-<hex>``) names the process that
 owns it: ``reclaim_stale`` unlinks what a SIGKILLed owner left behind when the next one starts.
+Every segment reserves its bytes when created (``posix_fallocate``): on a full tmpfs that fails at
+once with the numbers (``space.py``) instead of a SIGBUS at the first page nobody can back.
 Files are created mode 0600 (owner only) under a temporary name, initialized, then renamed into
 place: an attacher never sees a half-initialized segment, and a restart with the same deployment
 id atomically replaces stale ones. Linux only (/dev/shm is where shm_open puts them).
@@ -18,8 +20,11 @@ import glob
 import mmap
 import os
 import re
+import errno
 import time
 from typing import Callable
+
+from moeflow.comm.space import refusal
 
 SHM_DIR = "/dev/shm"
 PREFIX = "moeflow-"
@@ -109,9 +114,16 @@ class Segment:
         try:
             os.fchmod(fd, 0o600)  # the open mode is masked by umask; be exact
             os.ftruncate(fd, size_bytes)
-            buf = _map(fd, size_bytes)
+            room = _reserve(fd, size_bytes)
+            buf = _map(fd, size_bytes) if room else None
+        except BaseException:
+            os.unlink(tmp)
+            raise
         finally:
             os.close(fd)  # the mapping keeps the file alive
+        if buf is None:
+            os.unlink(tmp)  # first, so the free space reported is what there really is
+            raise refusal(os.path.dirname(path), size_bytes, f"segment {os.path.basename(path)}")
         init(buf)
         os.rename(tmp, path)
         return cls(path, buf, is_owner=True)
@@ -154,6 +166,18 @@ class Segment:
             self.buf.close()
         except BufferError:
             pass  # a tensor or memoryview still views it; the mapping goes when they do
+
+
+def _reserve(fd: int, size_bytes: int) -> bool:
+    """Back every byte now; False: the file system has no room for them."""
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            return False
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without fallocate: as before
+            raise
+    return True
 
 
 def _map(fd: int, size: int, writable: bool = True) -> mmap.mmap:

@@ -248,3 +248,9 @@ class ShmTransport(Transport):
     combine_sender_cls = ShmCombineSender
     combine_receiver_cls = ShmCombineReceiver
     weight_store_cls = ShmWeightStore
+
+    @classmethod
+    def mailbox_bytes(cls, config, node: int = 0) -> int:
+        s = config.spec  # one host: every expert rank's dispatch mailbox, every lane writer's combine one
+        return 0 if s is None else (s.num_expert_ranks * dispatch_layout(s).size_bytes +
+                                    s.num_lanes * combine_layout(s).size_bytes)

@@ -206,6 +206,12 @@ class Transport:
         """One-sided weight pulls (``comm/weights.py``): publish this rank's tensors, read peers'."""
         return self.endpoint("weight_store")
 
+    @classmethod
+    def mailbox_bytes(cls, config, node: int = 0) -> int:
+        """/dev/shm bytes the receivers of ``config`` create on host ``node`` (0: a transport without
+        shared buffers). Published weights (dwdp) are the caller's to add."""
+        return 0
+
 
 TRANSPORTS: dict[str, type[Transport]] = {}
 
@@ -217,6 +223,11 @@ def register(cls: type[Transport]) -> type[Transport]:
 
 def make_transport(config) -> Transport:
     return TRANSPORTS[config.transport](config)
+
+
+def mailbox_bytes(config, node: int = 0) -> int:
+    """What ``config``'s transport keeps in /dev/shm on host ``node`` for its dispatch and combine buffers."""
+    return TRANSPORTS[config.transport].mailbox_bytes(config, node)
 
 
 def check_payload(payload: torch.Tensor, spec, capacity: int) -> int:

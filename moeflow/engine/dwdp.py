@@ -15,7 +15,8 @@ from moeflow.engine.memory import ProcessFootprint, footprints_for
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DwdpLayout
 from moeflow.messages import WorkDone
-from moeflow.model.weights import load_config
+from moeflow.model.footprint import weight_footprint
+from moeflow.model.weights import TORCH_DTYPES, load_config
 from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied, WorkerHandle
 
@@ -36,7 +37,7 @@ def _footprints(layout: DwdpLayout, mc, config: EngineConfig):
 class DwdpEngine(ProcessEngine):
     def __init__(self, model_path: str, config: EngineConfig, layout: DwdpLayout):
         super().__init__(config, layout)
-        self.model_config, _ = load_config(model_path)
+        self.model_config, family = load_config(model_path)
         mc = self.model_config
         if not mc.num_moe_layers:
             raise ConfigError("mode 'dwdp' needs a model with MoE layers")
@@ -52,8 +53,11 @@ class DwdpEngine(ProcessEngine):
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         world = self._world(layout.dp) if transport != "shm" else None
+        fp = weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype])  # each rank publishes its experts
         self._launch([self._setup(model_path, comm, self.placement, world, "dwdp", r, r, r % nnodes)
-                      for r in range(layout.dp)])
+                      for r in range(layout.dp)],
+                     published_shm_bytes=sum(fp.experts(len(ids)) for r, ids in enumerate(self.placement)
+                                             if r % nnodes == 0))
         self.ranks = list(self.deployment.workers)
         self._inflight: dict[int, Work] = {}  # by rank
         self.dead: dict[int, str] = {}  # rank -> why it is gone

@@ -81,13 +81,13 @@ class ProcessEngine(Engine):
             return "links", tuple(rank_nodes)
         return c.transport, ()
 
-    def _launch(self, setups) -> None:
+    def _launch(self, setups, published_shm_bytes: int = 0) -> None:
         cluster = self.config.cluster
         if cluster.is_multinode:
             rendezvous.host(cluster)  # before any node's workers need it
             log.info("%s across %d nodes (rendezvous %s:%d): %s", self.mode_name, cluster.nnodes,
                      cluster.master_addr, cluster.master_port, describe_nodes(setups, cluster.nnodes))
-        self.deployment = Deployment(setups, self.deployment_id, cluster=cluster)
+        self.deployment = Deployment(setups, self.deployment_id, cluster=cluster, published_shm_bytes=published_shm_bytes)
 
     # -- intake -------------------------------------------------------------------------------
 

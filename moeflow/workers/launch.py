@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from moeflow import lifecycle
-from moeflow.comm import cleanup
-from moeflow.comm.segment import reclaim_stale
+from moeflow.comm import cleanup, mailbox_bytes
+from moeflow.comm.segment import SHM_DIR, reclaim_stale
+from moeflow.comm.space import check_room
 from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
 from moeflow.messages import Shutdown, WorkerFailed, WorkerReady, WorkerSetup
@@ -135,7 +136,9 @@ class Deployment:
     whose handles behave the same."""
 
     def __init__(self, setups: list[WorkerSetup], deployment_id: str, ready_timeout_s: float = 300.0,
-                 cluster: ClusterConfig | None = None):
+                 cluster: ClusterConfig | None = None, published_shm_bytes: int = 0):
+        """``published_shm_bytes``: what this host's workers publish in /dev/shm besides their
+        mailboxes (dwdp's resident experts); with the mailboxes it must fit before anything starts."""
         self.deployment_id = deployment_id
         self.workers: list[WorkerHandle] = []
         self.nodes: list[RemoteNode] = []  # the other hosts' workers, one entry per host
@@ -143,6 +146,9 @@ class Deployment:
         if freed:
             log.warning("reclaimed %.1f MiB of shared memory left by dead deployments %s",
                         sum(freed.values()) / 2**20, sorted(freed))
+        needed = sum(mailbox_bytes(c) for c in {id(s.comm): s.comm for s in setups}.values()) + published_shm_bytes
+        if needed:
+            check_room(SHM_DIR, needed, f"deployment {deployment_id} ({len(setups)} workers)")
         lifecycle.handle_signals()
         lifecycle.release_at_exit(self)
         try:
