@@ -2,8 +2,14 @@
 
 NOTE: ``-march=native`` code built on one processor can crash on another (an AVX-512 build runs
 into SIGILL on an AVX2 machine), and the processor changes between sessions while the cache
-directory stays. So the build directory's name hashes the source, the flags, the CPU model and
-flags, torch and Python: another CPU or source builds afresh, the same one loads what is cached.
+directory stays. And torch's build file names torch's headers and libraries by their install path,
+so two environments with the same torch version (two venvs, a CI clone's) that shared a directory
+made ninja rebuild whenever the other one had used it last (41 s restarts). So the build
+directory's name hashes everything the build file and the compiled code depend on
+(``build_inputs``: source, flags, compiler binary, CPU model and flags, torch's version and path,
+Python's version and headers): another CPU, source or environment builds afresh in its own
+directory, the same one loads what is cached. Every build, and any rebuild ninja still decides on,
+is logged with its reason.
 
 Worker processes may build at once. torch serializes them with a lock file, but a builder that
 was killed leaves that file behind and every later process would wait on it forever; so each
@@ -15,9 +21,11 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import platform
 import shutil
+import sysconfig
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,11 +56,30 @@ class Extension:
     built: bool  # this process compiled it; False: a cached build was loaded
 
 
+def build_inputs(source: str, cflags: tuple[str, ...], cxx: str) -> dict[str, str]:
+    """What the build file and the compiled code depend on, by name (``INPUTS.json`` of a build)."""
+    path = shutil.which(cxx) or cxx
+    try:
+        st = os.stat(os.path.realpath(path))
+        compiler = f"{os.path.realpath(path)} ({st.st_size} bytes, mtime {st.st_mtime_ns})"  # an upgrade changes it
+    except OSError:
+        compiler = path
+    return {"source_sha256": hashlib.sha256(source.encode()).hexdigest(), "cflags": " ".join(cflags),
+            "compiler": compiler, "cpu": cpu_model(), "cpu_flags": " ".join(sorted(cpu_flags())),
+            "torch": torch.__version__, "torch_dir": os.path.dirname(os.path.abspath(torch.__file__)),
+            "python": platform.python_version(), "python_include": sysconfig.get_paths()["include"],
+            "machine": platform.machine()}
+
+
 def build_key(source: str, cflags: tuple[str, ...], cxx: str) -> str:
-    """What the compiled code depends on: source, flags, compiler, CPU (for -march=native), torch, Python."""
-    parts = [source, " ".join(cflags), cxx, cpu_model(), " ".join(sorted(cpu_flags())), torch.__version__,
-             platform.python_version(), platform.machine()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(build_inputs(source, cflags, cxx), sort_keys=True).encode()).hexdigest()
+
+
+def _mtime_ns(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return None
 
 
 @contextmanager
@@ -76,6 +103,7 @@ def load_extension(name: str, source_path: str) -> Extension:
         raise ExtensionError("ninja is not on PATH (torch builds extensions with it)")
     with open(source_path) as f:
         source = f.read()
+    inputs = build_inputs(source, CFLAGS, cxx)
     build_dir = os.path.join(extension_dir(), f"{name}_{build_key(source, CFLAGS, cxx)[:16]}")
     os.makedirs(build_dir, exist_ok=True)
     failed = os.path.join(build_dir, "FAILED")
@@ -89,9 +117,10 @@ def load_extension(name: str, source_path: str) -> Extension:
         if os.path.exists(baton):  # NOTE: we hold the flock, so its builder is gone
             log.warning("removing the lock file %s left by a build that did not finish", baton)
             os.remove(baton)
-        built = not os.path.exists(library)
-        if built:
-            log.info("building the %s extension for this CPU (first use; tens of seconds) in %s", name, build_dir)
+        before = _mtime_ns(library)
+        if before is None:
+            log.info("building the %s extension in %s (tens of seconds): no build yet for this source, CPU, "
+                     "compiler and torch at %s", name, build_dir, inputs["torch_dir"])
         # NOTE: torch's build file names the source by its path, and a changed path rebuilds: two
         # checkouts of one source (worktrees, CI clones) would rebuild each other's cache in turn.
         # The build directory's own copy has one path for every checkout of this source.
@@ -111,6 +140,16 @@ def load_extension(name: str, source_path: str) -> Extension:
             raise ExtensionError(f"building {name} failed (output in {failed}): "
                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
         load_s = time.perf_counter() - t0
-    if built:
-        log.info("built the %s extension in %.1f s", name, load_s)
+        built = _mtime_ns(library) != before
+        if built:
+            recorded = os.path.join(build_dir, "INPUTS.json")
+            if before is not None:  # under the same key: a header or the build file changed in place
+                log.warning("rebuilt the %s extension in %s (%.1f s): ninja found its build file or a file it "
+                            "depends on changed since the last build (same source, flags, CPU, compiler and "
+                            "torch at %s)", name, build_dir, load_s, inputs["torch_dir"])
+            else:
+                log.info("built the %s extension in %.1f s", name, load_s)
+            with open(recorded + ".tmp", "w") as f:
+                json.dump(inputs, f, indent=1, sort_keys=True)
+            os.replace(recorded + ".tmp", recorded)
     return Extension(library, build_dir, load_s, built)
