@@ -182,6 +182,9 @@ class EngineConfig:
     memory_budget_gib: float | None = None
     activation_reserve_gib: float | None = None  # None: estimated from the model and the batch limits
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the hosts the deployment spans
+    # a work item with no answer from its workers this long fails the deployment as a dead worker
+    # would (vLLM's engine iteration timeout): a stopped or wedged process is noticed and healed
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if isinstance(self.cluster, dict):  # from a result file or dataclasses.asdict
@@ -196,6 +199,9 @@ class EngineConfig:
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
         _require(self.transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        _require(isinstance(self.stall_timeout_s, (int, float)) and not isinstance(self.stall_timeout_s, bool)
+                 and self.stall_timeout_s > 0, f"EngineConfig.stall_timeout_s must be a number > 0, "
+                                               f"got {self.stall_timeout_s!r}")
         for name in ("memory_budget_gib", "activation_reserve_gib"):
             v = getattr(self, name)
             _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0

@@ -107,7 +107,7 @@ class AfdEngine(ProcessEngine):
         done: dict[int, WorkDone] = {}
         while len(done) < len(works):
             waiting = [self.attention[w.group] for w in works if w.group not in done]
-            for _, msg in self.deployment.recv_any(waiting, 0.5):
+            for _, msg in self._recv_any(waiting, 0.5):
                 if isinstance(msg, WorkDone):
                     done[msg.group] = msg
         self._steps.popleft()

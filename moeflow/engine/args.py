@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--pin-cpus", action="store_true", help="pin each worker process to one CPU")
     run.add_argument("--transport", default="shm", choices=list(TRANSPORTS), help="dispatch/combine transport")
     run.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    run.add_argument("--stall-timeout-s", type=float, default=None,
+                     help="a work item its workers leave unanswered this long fails the deployment as a dead "
+                          "worker would (default 60)")
     add_cluster_args(p)
     lay = p.add_argument_group("layout (each applies to the modes named)")
     for flag, (f, default, modes, kind) in sorted(_layout_options().items()):
@@ -113,7 +116,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               num_threads=args.threads,
               pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None,
               cluster=cluster_config(args))
-    for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib"):
+    for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib",
+                 "stall_timeout_s"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     given = layout_kwargs(args)

@@ -94,7 +94,7 @@ class AsapEngine(ProcessEngine):
             timeout = min(_IDLE_WAIT_S, max(0.0, wake - clock()))
         leaders = [self.attention[g * self.layout.attn_tp] for g in self._inflight]
         outputs, finished, busy_s = {}, [], {}
-        for _, msg in self.deployment.recv_any(leaders, timeout):
+        for _, msg in self._recv_any(leaders, timeout):
             if isinstance(msg, WorkDone):
                 busy_s[f"attention{msg.group}"] = sum(t.compute_s for t in msg.timings)
                 work = self._inflight.pop(msg.group)

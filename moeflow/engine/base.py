@@ -43,6 +43,7 @@ class Engine(abc.ABC):
     config: EngineConfig
     max_model_len: int
     failed: str | None = None  # why the deployment stopped serving (a worker died); None while healthy
+    stalls: int = 0  # work items that went unanswered past the stall timeout (each failed the deployment)
     memory_plan = None  # engine.memory.MemoryPlan when the config sets a memory budget
 
     @abc.abstractmethod
@@ -69,6 +70,20 @@ class Engine(abc.ABC):
         """Notice a dead worker between steps (an idle deployment runs no step that would);
         its requests end with errors as in ``step``. In-process modes have nothing to check."""
         return StepResult({}, [])
+
+    def degraded(self) -> str | None:
+        """Why the deployment serves with less than it was built with (dwdp: a rank died and the
+        others go on), None when whole. A degraded deployment is still serving, not ``failed``."""
+        return None
+
+    def heal(self) -> bool:
+        """Replace what a degraded deployment lost while it goes on serving (it is whole again some
+        steps later); False when that cannot be done in place (the caller rebuilds it)."""
+        return False
+
+    def oldest_work_age_s(self) -> tuple[float, int | None]:
+        """(seconds, group) of the oldest work item its workers have not answered; (0, None): none."""
+        return 0.0, None
 
     def load(self) -> EngineLoad:
         pool = self.scheduler.pool

@@ -76,7 +76,7 @@ class DepEngine(ProcessEngine):
                 self._run_work(w.group, w.batches, [self.ranks[w.group]])
             done: dict[int, WorkDone] = {}
             while len(done) < len(self.ranks):  # the global step boundary: every rank, slowest included
-                for _, msg in self.deployment.recv_any([w for i, w in enumerate(self.ranks) if i not in done], 0.5):
+                for _, msg in self._recv_any([w for i, w in enumerate(self.ranks) if i not in done], 0.5):
                     if isinstance(msg, WorkDone):
                         done[msg.group] = msg
         except WorkerDied as e:

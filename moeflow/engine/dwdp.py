@@ -2,12 +2,17 @@
 layer ahead out of their shared memory. No global step and no all-to-all: a rank that finished
 its work item takes its next at once, and no rank waits for another.
 
-A rank that dies fails only its own requests; the others keep serving (their mappings of its
-experts stay valid) and nothing new is placed on it. The deployment fails once no rank is left.
+A rank that dies (or stalls: it is killed) fails only its own requests; the others keep serving
+(their mappings of its experts stay valid) and nothing new is placed on it: the deployment is
+degraded. ``heal`` starts the rank again from its setup (one host): it publishes its experts anew,
+maps its peers', and takes requests once it has reported ready, while the others never stopped.
+The deployment fails once no rank is left.
 """
 from __future__ import annotations
 
 from moeflow.comm import CommConfig
+from moeflow.comm.segment import SHM_DIR
+from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len, register_mode
@@ -18,7 +23,7 @@ from moeflow.messages import WorkDone
 from moeflow.model.footprint import weight_footprint
 from moeflow.model.weights import TORCH_DTYPES, load_config
 from moeflow.scheduler import make_scheduler
-from moeflow.workers.launch import WorkerDied, WorkerHandle
+from moeflow.workers.launch import WorkerDied, WorkerHandle, WorkerStalled
 
 _IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
 
@@ -53,21 +58,24 @@ class DwdpEngine(ProcessEngine):
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         world = self._world(layout.dp) if transport != "shm" else None
-        fp = weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype])  # each rank publishes its experts
+        fp = weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype])
+        self._published = [fp.experts(len(ids)) for ids in self.placement]  # each rank's experts in /dev/shm
         self._launch([self._setup(model_path, comm, self.placement, world, "dwdp", r, r, r % nnodes)
                       for r in range(layout.dp)],
-                     published_shm_bytes=sum(fp.experts(len(ids)) for r, ids in enumerate(self.placement)
-                                             if r % nnodes == 0))
+                     published_shm_bytes=sum(b for r, b in enumerate(self._published) if r % nnodes == 0))
         self.ranks = list(self.deployment.workers)
         self._inflight: dict[int, Work] = {}  # by rank
-        self.dead: dict[int, str] = {}  # rank -> why it is gone
+        self.dead: dict[int, str] = {}  # rank -> why it is gone (until its replacement is ready)
+        self._respawning: dict[int, WorkerHandle] = {}  # rank -> its replacement, not yet ready
 
     def _alive(self) -> list[WorkerHandle]:
         return [w for i, w in enumerate(self.ranks) if i not in self.dead]
 
     def step(self) -> StepResult:
         self._check_alive()
-        finished = []
+        finished = self._rejoin()
+        if self.failed is not None:
+            return StepResult({}, finished)
         for work in self.scheduler.schedule(clock()):
             try:
                 self._run_work(work.group, work.batches, [self.ranks[work.group]])
@@ -83,7 +91,11 @@ class DwdpEngine(ProcessEngine):
         timeout = _IDLE_WAIT_S if self._inflight or not self.scheduler.has_unfinished() else 0.0
         outputs, finished, busy_s = {}, [], {}
         try:
-            got = self.deployment.recv_any([self.ranks[r] for r in self._inflight], timeout, watch=self._alive())
+            got = self._recv_any([self.ranks[r] for r in self._inflight], timeout, watch=self._alive())
+        except WorkerStalled as e:  # that rank only: it is killed, its requests fail, the others go on
+            rank = e.group
+            self.ranks[rank].process.kill()
+            return StepResult({}, self._rank_died(rank, str(e)))
         except WorkerDied as e:
             return StepResult({}, self._rank_died(e.worker.index if e.worker else -1, str(e)))
         for _, msg in got:
@@ -102,20 +114,66 @@ class DwdpEngine(ProcessEngine):
 
     def _rank_died(self, rank: int, reason: str) -> list:
         """Fail what ``rank`` held; keep serving on the others (or fail the deployment, if none is left)."""
+        if rank in self.dead:
+            return []
         if rank < 0 or len(self.dead) + 1 >= len(self.ranks):
             return self._fail(reason).finished
         self.dead[rank] = reason
-        group = self.scheduler.pool.groups[rank]
-        group.dead, group.busy = True, True
-        self.scheduler.placement.exclude(rank)
         self._inflight.pop(rank, None)
+        self._issued.pop(rank, None)
         failed = []
-        for r in list(group.requests):
+        for r in self.scheduler.lose(rank):
             self.scheduler.abort(r.request_id, "error")
             r.error = f"rank {rank} failed: {reason}"
             failed.append(r)
             self._forget(r.request_id)
+        self._known[rank].clear()
+        self._freed[rank].clear()  # its replacement knows none of them
         return failed
+
+    def check_workers(self) -> StepResult:
+        """A rank that died while idle is lost like one that died in a step; replacements that are
+        ready rejoin."""
+        if self.failed is not None:
+            return StepResult({}, [])
+        finished = self._rejoin()
+        for rank, w in enumerate(self.ranks):
+            if rank not in self.dead and not w.process.is_alive():
+                finished += self._rank_died(rank, f"{w.name} exited unexpectedly (exit code {w.process.exitcode})")
+        return StepResult({}, finished)
+
+    def degraded(self) -> str | None:
+        if not self.dead or self.failed is not None:
+            return None
+        return "; ".join(f"rank {r} {'is being replaced' if r in self._respawning else 'is lost'} ({why})"
+                         for r, why in sorted(self.dead.items()))
+
+    def heal(self) -> bool:
+        """Start a replacement for every lost rank; False when one cannot come back in place (its
+        host is another, or /dev/shm lacks the room for its experts beside the old copy its peers
+        still map)."""
+        for rank in sorted(set(self.dead) - set(self._respawning)):
+            try:
+                check_room(SHM_DIR, self._published[rank], f"a replacement for rank {rank}")
+                self._respawning[rank] = self.deployment.respawn(rank)
+            except (ValueError, ShmSpaceError) as e:
+                self.dead[rank] += f"; cannot be replaced in place: {e}"
+                return False
+        return True
+
+    def _rejoin(self) -> list:
+        """Ranks whose replacement reported ready take requests again; one that failed to start
+        fails the deployment (the caller's restart policy decides what next)."""
+        for rank, w in list(self._respawning.items()):
+            try:
+                ready = self.deployment.is_ready(w)
+            except WorkerDied as e:
+                return self._fail(f"rank {rank} could not be replaced: {e}").finished
+            if ready:
+                del self._respawning[rank], self.dead[rank]
+                self.ranks[rank] = w
+                self.scheduler.rejoin(rank)
+        return []
 
     def memory(self) -> dict[str, dict]:
         """What each rank reported holding at start (bytes by kind)."""

@@ -12,7 +12,7 @@ from moeflow.config import ClusterConfig, ConfigError, EngineConfig
 from moeflow.core import Request, RequestError, RequestOutput, SamplingParams
 from moeflow.engine.base import clock, create_engine
 from moeflow.engine.output import OutputTracker
-from moeflow.engine.restart import RestartPolicy
+from moeflow.engine.restart import RestartCount, RestartPolicy
 from moeflow.engine.tokenizer import load_tokenizer
 from moeflow.layout import Layout, make_layout
 from moeflow.model.tiny import EMBEDDED, tiny_path
@@ -63,11 +63,14 @@ class LLM:
                  kv_block_size: int = 16, max_model_len: int | None = None, num_threads: int = 1,
                  pin_cpus: bool = False, transport: str = "shm", trace: bool = False, revision: str | None = None,
                  memory_budget_gib: float | None = None, activation_reserve_gib: float | None = None,
-                 max_restarts: int = 0, restart_backoff_s: float = 1.0, cluster: ClusterConfig | None = None,
+                 max_restarts: int = 0, restart_backoff_s: float = 1.0, stall_timeout_s: float = 60.0,
+                 cluster: ClusterConfig | None = None,
                  layout: Layout | None = None, **layout_kwargs):
         """``max_restarts``: when a worker dies, its requests end with errors and, before the next
         ``generate``, the deployment is rebuilt up to this many times in a row (back-off from
-        ``restart_backoff_s``, doubling); 0 (the default): a failed deployment raises. ``cluster``:
+        ``restart_backoff_s``, doubling); 0 (the default): a failed deployment raises (a degraded one,
+        dwdp with a lost rank, is healed in place only when restarts are on). ``stall_timeout_s``: a
+        work item its workers leave unanswered this long fails the deployment. ``cluster``:
         the hosts the deployment spans (this is node 0; the others run ``moeflow worker-node``)."""
         if layout is None:
             layout = make_layout(mode, **layout_kwargs)
@@ -79,15 +82,14 @@ class LLM:
                               num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                               num_threads=num_threads, seed=seed, pin_cpus=pin_cpus, transport=transport, trace=trace,
                               memory_budget_gib=memory_budget_gib, activation_reserve_gib=activation_reserve_gib,
+                              stall_timeout_s=stall_timeout_s,
                               cluster=cluster or ClusterConfig())
         self.restart_policy = RestartPolicy(max_restarts, restart_backoff_s)
         self.model_path = resolve_model(model, revision)
         self.layout, self.mode = layout, layout.mode
         self._requested = config
         self.engine = create_engine(layout, self.model_path, config)
-        self.restarts = 0  # deployments rebuilt after a failure
-        self._streak = 0  # attempts in the current run (reset by a deployment that stayed up)
-        self._up_since = clock()
+        self._restarts = RestartCount(self.restart_policy, up_since_s=clock())
         self.config = self.engine.config  # with "auto" resolved
         mc = self.engine.model_config
         self.tokenizer = load_tokenizer(self.model_path, mc.vocab_size)
@@ -105,34 +107,42 @@ class LLM:
 
     def restart(self, sleep=time.sleep) -> None:
         """Rebuild the failed deployment under the restart policy: back off, then build the same
-        layout and config again; raises the last build error (or the failure) when the attempts of
-        this run are spent. Requests of the old deployment are not carried over (they ended with
-        errors when it failed)."""
-        policy, reason = self.restart_policy, self.engine.failed
-        if clock() - self._up_since >= policy.min_uptime_s:
-            self._streak = 0
+        layout and config again; raises WorkerDied, naming the failure and the last build error,
+        once ``max_restarts`` attempts in a row have failed to bring it up. Requests of the old
+        deployment are not carried over (they ended with errors when it failed)."""
+        count, reason = self._restarts, self.engine.failed
+        count.failed(clock())
         self.engine.shutdown()
-        while True:
-            if self._streak >= policy.max_restarts:
-                raise WorkerDied(f"the {self.mode} deployment failed ({reason}) and {policy.max_restarts} "
-                                 f"restart attempt(s) in a row did not bring it back")
-            sleep(policy.delay_s(self._streak))
-            self._streak += 1
+        last = None
+        while not count.exhausted:
+            sleep(count.delay_s())
             try:
                 self.engine = create_engine(self.layout, self.model_path, self._requested)
             except Exception as e:  # noqa: BLE001  (any build error is one failed attempt)
-                reason = f"restart attempt {self._streak} failed: {type(e).__name__}: {e}"
-                logger.warning(reason)
+                count.attempt_failed()
+                last = f"{type(e).__name__}: {e}"
+                logger.warning("restart attempt %d failed: %s", count.failed_attempts, last)
                 continue
-            self.restarts += 1
-            self._up_since = clock()
-            logger.warning("the %s deployment is back after restart %d (attempt %d of this run)",
-                           self.mode, self.restarts, self._streak)
+            count.came_up(clock())
+            logger.warning("the %s deployment is back after restart %d", self.mode, count.restarts)
             return
+        raise WorkerDied(f"the {self.mode} deployment failed ({reason}) and {count.failed_attempts} restart "
+                         f"attempt(s) in a row failed to bring it back (the last: {last})")
+
+    @property
+    def restarts(self) -> int:
+        """Deployments rebuilt after a failure so far."""
+        return self._restarts.restarts
 
     def _heal(self) -> None:
-        """Before new work: a failed deployment is rebuilt if the policy allows."""
-        if self.engine.failed is not None and self.restart_policy.enabled:
+        """Before new work, if the policy allows: a failed deployment is rebuilt, a degraded one
+        healed in place (rebuilt when it cannot be)."""
+        if not self.restart_policy.enabled:
+            return
+        why = self.engine.degraded()
+        if why is not None and not self.engine.heal():
+            self.engine.failed = f"{why}; rebuilding the whole deployment"
+        if self.engine.failed is not None:
             self.restart()
 
     def _to_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:

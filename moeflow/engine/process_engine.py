@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections import deque
 
 from moeflow.config import EngineConfig
 from moeflow.core import Batch, Request
@@ -17,7 +18,7 @@ from moeflow.layout import Layout
 from moeflow.logs import get_logger
 from moeflow.messages import BatchTiming, DumpSpans, NewRequest, RunWork, Spans, WorkerSetup, World
 from moeflow.workers import rendezvous
-from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle, free_port
+from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle, WorkerStalled, free_port, process_state
 
 log = get_logger("moeflow.engine")
 
@@ -41,6 +42,9 @@ class ProcessEngine(Engine):
         self._freed: list[list[str]] = [[] for _ in range(num_groups)]
         self._work_ids = 0
         self._batch_failures: list[Request] = []  # requests of failed batches, not yet reported
+        # per group, when each work item still unanswered was sent, oldest first (the stall watchdog)
+        self._issued: dict[int, deque[float]] = {}
+        self.stalls = 0  # stalls this deployment noticed (a server counts them)
         self.failed: str | None = None
         self.scheduler = None  # set by the subclass
 
@@ -117,13 +121,44 @@ class ProcessEngine(Engine):
         self._work_ids += 1
         msg = RunWork(self._work_ids, batches, new, self._freed[group])
         self._freed[group] = []
+        self._issued.setdefault(group, deque()).append(clock())
         for w in members:
             self.deployment.send(w, msg)
+
+    def _recv_any(self, conns: list[WorkerHandle], timeout_s: float,
+                  watch: list[WorkerHandle] | None = None) -> list[tuple[WorkerHandle, object]]:
+        """``Deployment.recv_any``, then the stall watchdog: raises WorkerStalled once the oldest
+        unanswered work item is older than ``stall_timeout_s`` (every mode waits through here)."""
+        got = self.deployment.recv_any(conns, timeout_s, watch)
+        age, group = self.oldest_work_age_s()
+        if age > self.config.stall_timeout_s:
+            self.stalls += 1
+            local = [w for w in self.deployment.workers if getattr(w.process, "node", None) is None]
+            stopped = [f"{w.name} is {'stopped' if s in 'Tt' else 'in uninterruptible sleep'}" for w in local
+                       if (s := process_state(w.process.pid)) is not None and s in "TtD"]
+            raise WorkerStalled(f"stalled: group {group}'s work item had no answer for {age:.1f} s (stall timeout "
+                                f"{self.config.stall_timeout_s:g} s){'; ' if stopped else ''}{'; '.join(stopped)}", group)
+        return got
+
+    def oldest_work_age_s(self) -> tuple[float, int | None]:
+        """(seconds, group) of the oldest work item without an answer; (0, None) when none is out.
+        NOTE: read by a server's scrape thread too: a copy, and a change meanwhile reads as nothing out."""
+        try:
+            firsts = [(q[0], g) for g, q in list(self._issued.items()) if q]
+        except (RuntimeError, IndexError):
+            return 0.0, None
+        if not firsts:
+            return 0.0, None
+        t, g = min(firsts)
+        return clock() - t, g
 
     def _attach_timing(self, done, batches: tuple[Batch, ...]) -> dict:
         """Per request, its output of this work item with its batch's timing. A request split over
         both batches of a pair (a halved lone batch) gets one merged output, in position order.
         The requests of a batch that failed on the worker end with its error (``_failed_batches``)."""
+        issued = self._issued.get(done.group)
+        if issued:
+            issued.popleft()
         timing = {t.batch_id: t for t in done.timings}
         outputs, failed = {}, set()
         for b in batches:
@@ -169,6 +204,7 @@ class ProcessEngine(Engine):
     def _fail(self, reason: str) -> StepResult:
         """A worker died: every request still here ends with an error, and the deployment stops."""
         self.failed = reason
+        self._issued.clear()
         finished = []
         for rid in list(self.scheduler.pool.requests):
             r = self.scheduler.abort(rid, "error")

@@ -35,6 +35,9 @@ class Placement:
     def exclude(self, rank: int) -> None:
         """``rank`` is gone: place nothing there from now on."""
 
+    def include(self, rank: int) -> None:
+        """``rank`` is back (a replaced dwdp rank): place requests there again."""
+
 
 class LeastLoaded(Placement):
     """"Default": each waiting request, first come first served, to the rank with the fewest
@@ -62,6 +65,11 @@ class RoundRobin(Placement):
         for rid, r in self.rank_of.items():  # requests fixed to the dead rank move on, in turn
             if r == rank and self._alive:
                 self.rank_of[rid] = next(self._turn)
+
+    def include(self, rank):
+        if rank not in self._alive:
+            self._alive = sorted([*self._alive, rank])
+            self._turn = itertools.cycle(self._alive)
 
     def on_arrival(self, request):
         self.rank_of[request.request_id] = next(self._turn)
@@ -93,6 +101,19 @@ class DepScheduler(Scheduler):
     def abort(self, request_id: str, reason: str) -> Request | None:
         self.placement.forget(request_id)
         return super().abort(request_id, reason)
+
+    def lose(self, rank: int) -> list[Request]:
+        """``rank``'s process is gone: nothing is placed there until ``rejoin``; returns the requests
+        it held (their caller ends them)."""
+        group = self.pool.groups[rank]
+        group.dead, group.busy = True, True
+        self.placement.exclude(rank)
+        return list(group.requests)
+
+    def rejoin(self, rank: int) -> None:
+        group = self.pool.groups[rank]
+        group.dead, group.busy = False, False
+        self.placement.include(rank)
 
     def _step_tokens(self, r: Request) -> int:
         """Tokens ``r`` computes in the next step: 1 when decoding, else (the next chunk of) its prompt."""

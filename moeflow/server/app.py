@@ -86,10 +86,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
         logger.exception("unhandled error in %s", request.url.path)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
-    @app.get("/health", summary="200 while the engine serves, 503 (with the reason) after a failure or while "
-             "it restarts")
+    @app.get("/health", summary="200 while the engine serves ('ok', or 'degraded' with the reason while a lost "
+             "part is replaced), 503 (with the reason) after a failure or while it restarts")
     async def health():
         s = engine.snapshot()
+        if s.healthy and s.degraded is not None:  # serving: 200, and says what it lost
+            return {"status": "degraded", "reason": s.degraded}
         if s.healthy:
             return {"status": "ok"}
         if s.restarting:

@@ -10,6 +10,10 @@ not queue memory.
 Invariant: every request ``submit`` accepted gets exactly one answer from the thread — a refusal
 (``RequestStream.accepted`` raises) or deltas ending in one with a ``finish_reason`` (completion,
 engine error, or shutdown) — unless its handler aborted it first. No handler waits forever.
+
+A failed deployment is rebuilt, a degraded one healed in place, and the server gives up when the
+restart policy says so (``health.Supervisor``); the thread checks its workers after every
+iteration, busy or idle, and the engine's stall watchdog fails work nobody answers.
 """
 from __future__ import annotations
 
@@ -17,62 +21,24 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
 from moeflow.core import Request, RequestError
 from moeflow.engine.base import StepResult, clock
+from moeflow.server.health import EngineUnavailable, Overloaded, Snapshot, Stopping, Supervisor
 from moeflow.server.metrics import ServerMetrics
-from moeflow.server.stream import Delta, RequestStream
+from moeflow.server.stream import Delta, RequestStream, Tracked
 
 logger = logging.getLogger("moeflow.server")
 
 _IDLE_POLL_S = 0.25  # an idle thread wakes this often to notice a dead worker
 
 
-class Overloaded(Exception):
-    """``max_pending`` requests are unfinished already."""
-
-
-class EngineUnavailable(Exception):
-    """The engine failed (a worker died, a step raised) or is shutting down; ``retry_after_s``
-    is set while the deployment is being restarted (the server answers 503 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class _Stopping(Exception):
-    """Shutdown was asked for during a restart's back-off."""
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The engine's state after the thread's latest iteration (what /metrics and /health read)."""
-
-    healthy: bool
-    failure: str | None  # why not healthy
-    num_pending: int  # accepted by submit, not finished
-    num_waiting: int = 0
-    num_running: int = 0
-    num_free_kv_blocks: int = 0
-    num_kv_blocks: int = 0
-    running_per_group: tuple[int, ...] = ()
-    restarting: bool = False  # a failed deployment is being rebuilt (healthy again when it is up)
-
-
-@dataclass
-class _Tracked:
-    """What the server adds to a request the engine's pool owns: its client stream and when its
-    last token was delivered (for inter-token latency); the request itself is the stream's."""
-
-    stream: RequestStream
-    last_token_s: float | None = None  # None until the first token
-
-
 class AsyncEngine:
-    def __init__(self, make_llm: Callable[[], object], max_pending: int, metrics: ServerMetrics):
+    def __init__(self, make_llm: Callable[[], object], max_pending: int, metrics: ServerMetrics,
+                 on_give_up: Callable[[str], None] | None = None):
+        """``on_give_up(reason)``: called (on the engine thread) when the deployment stays failed for
+        good; None: the server goes on answering 503."""
         self._make_llm = make_llm
         self.max_pending = max_pending
         self.metrics = metrics
@@ -85,7 +51,8 @@ class AsyncEngine:
         self._restarting = False  # the engine thread is rebuilding the deployment
         self._gave_up = False  # the restart policy's attempts were spent: failed for good
         self._stopping = threading.Event()  # cuts a restart's back-off short at shutdown
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self.supervisor = Supervisor(metrics, self._stopping, on_give_up)
+        self._tracked: dict[str, Tracked] = {}  # engine thread only
         self._snap = Snapshot(False, "starting", 0)
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -104,6 +71,12 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.llm.engine.max_model_len  # fixed at construction: safe to read from any thread
+
+    def oldest_work_age_s(self) -> float:
+        """Any thread: how long the deployment's oldest unanswered work item has been out (a stall
+        shows here before the watchdog fires, even while a step blocks the engine thread)."""
+        llm = self.llm
+        return 0.0 if llm is None else llm.engine.oldest_work_age_s()[0]
 
     def submit(self, request: Request) -> RequestStream:
         """Queue a request for the engine thread; raises Overloaded or EngineUnavailable at once."""
@@ -174,50 +147,44 @@ class AsyncEngine:
                     cmd = None
             if self._failure is None:
                 try:
-                    result = engine.step() if engine.has_unfinished() else engine.check_workers()
+                    result = engine.step() if engine.has_unfinished() else StepResult({}, [])
+                    checked = engine.check_workers()  # busy or idle: a worker may die while others work
+                    result.finished += checked.finished
                 except Exception as e:
                     logger.exception("engine step failed")
                     self._fail(f"an engine step raised {type(e).__name__}: {e}")
                 else:
                     self._deliver(result)
+                    self.supervisor.count_stalls(engine)
                     if engine.failed is not None:
                         self._fail(engine.failed)
-                if self._failure is not None and self.llm.restart_policy.enabled and not self._gave_up:
-                    try:
-                        self._restart()
-                    except _Stopping:
-                        return
+                    elif (rebuild := self.supervisor.mend(engine, self.llm.restart_policy.enabled)) is not None:
+                        engine.failed = rebuild  # the restart below shuts it down and builds it anew
+                        self._fail(rebuild)
+            if self._failure is not None and not self._gave_up:
+                try:
+                    self._restart()
+                except Stopping:
+                    return
             self._update_snapshot()
 
     def _restart(self) -> None:
         """Rebuild the failed deployment (its requests already ended with errors); meanwhile new
-        requests get 503 with Retry-After. When the policy's attempts are spent it stays failed."""
+        requests get 503 with Retry-After. When the policy gives up (or has no restarts) it stays
+        failed, and the supervisor is told."""
         reason = self._failure
-        with self._lock:
-            self._restarting = True
-        self._update_snapshot()
-        logger.warning("restarting the deployment after: %s", reason)
-        t0 = clock()
-        try:
-            self.llm.restart(sleep=self._backoff)
-        except _Stopping:
-            raise
-        except Exception as e:  # noqa: BLE001  (spent attempts, or a build that raised)
-            logger.error("the deployment stays failed: %s", e)
-            self.metrics.restarts.labels("failed").inc()
+        if self.llm.restart_policy.enabled:
             with self._lock:
-                self._restarting, self._gave_up = False, True
-                self._failure = f"{reason}; restart failed: {e}"
-            return
-        self.metrics.restarts.labels("ok").inc()
-        self.metrics.restart_seconds.observe(clock() - t0)
+                self._restarting = True
+            self._update_snapshot()
+            reason = self.supervisor.restart(self.llm, reason)
         with self._lock:
-            self._restarting, self._failure = False, None
-        logger.warning("serving again after %.1f s", clock() - t0)
-
-    def _backoff(self, seconds: float) -> None:
-        if self._stopping.wait(seconds):
-            raise _Stopping()
+            self._restarting = False
+            self._gave_up = reason is not None
+            self._failure = reason
+        if reason is not None:
+            self._update_snapshot()
+            self.supervisor.give_up(reason)
 
     def _unavailable(self) -> EngineUnavailable:
         """The refusal for a request arriving now (caller holds the lock)."""
@@ -248,7 +215,7 @@ class AsyncEngine:
             return self._refuse(stream, e)
         except Exception as e:  # the deployment failed under us (WorkerDied)
             return self._refuse(stream, EngineUnavailable(f"{type(e).__name__}: {e}"))
-        self._tracked[r.request_id] = _Tracked(stream)
+        self._tracked[r.request_id] = Tracked(stream)
         self.metrics.prompt_tokens.inc(r.num_prompt_tokens)
         stream.accept()
 
@@ -322,5 +289,5 @@ class AsyncEngine:
             self._snap = Snapshot(False, failure, pending, restarting=restarting)
             return
         load = self.llm.engine.load()
-        self._snap = Snapshot(True, None, pending, load.num_waiting, load.num_running,
-                              load.num_free_kv_blocks, load.num_kv_blocks, load.running_per_group)
+        self._snap = Snapshot(True, None, pending, load.num_waiting, load.num_running, load.num_free_kv_blocks,
+                              load.num_kv_blocks, load.running_per_group, degraded=self.supervisor.degraded)

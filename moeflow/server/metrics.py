@@ -39,6 +39,8 @@ class ServerMetrics:
                                 "serving again; failed: the policy's attempts were spent)", ["result"], registry=r)
         self.restart_seconds = Histogram("moeflow_engine_restart_seconds", "Failure to serving again, per restart "
                                          "(back-off included)", buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.stalls = Counter("moeflow_engine_stalls", "Work items that went unanswered past --stall-timeout-s "
+                              "(each failed the deployment, or a dwdp rank, as a dead worker would)", registry=r)
         self._busy_window_s = busy_window_s
         self._busy: deque[tuple[float, str, float]] = deque()  # (when, worker, seconds), oldest first
         self._workers: set[str] = set()
@@ -46,6 +48,7 @@ class ServerMetrics:
         self._clock = clock
         self._start_s = clock()
         self._snapshot: Callable[[], object] | None = None
+        self._work_age: Callable[[], float] = lambda: 0.0
 
     def observe_busy(self, busy_s: dict[str, float]) -> None:
         """Engine thread: the compute each worker reported in one step."""
@@ -69,9 +72,12 @@ class ServerMetrics:
                     totals[worker] += secs
         return {w: min(1.0, s / span) for w, s in totals.items()}
 
-    def watch(self, snapshot: Callable[[], object]) -> None:
-        """Export the gauges of ``snapshot()`` (an ``async_engine.Snapshot``) at every scrape."""
+    def watch(self, snapshot: Callable[[], object], work_age: Callable[[], float] | None = None) -> None:
+        """Export the gauges of ``snapshot()`` (a ``health.Snapshot``) and ``work_age()`` (seconds the
+        oldest unanswered work item has been out) at every scrape."""
         self._snapshot = snapshot
+        if work_age is not None:
+            self._work_age = work_age
         self.registry.register(_Gauges(self))
 
     def render(self) -> bytes:
@@ -87,6 +93,10 @@ class _Gauges:
         gauges = [
             ("moeflow_healthy", "1 while the engine serves, 0 after a failure", float(s.healthy)),
             ("moeflow_restarting", "1 while a failed deployment is being rebuilt", float(s.restarting)),
+            ("moeflow_degraded", "1 while the deployment serves with a lost part (a dwdp rank) being replaced",
+             float(s.degraded is not None)),
+            ("moeflow_oldest_work_age_seconds", "How long the oldest work item without an answer from its "
+             "workers has been out (the stall watchdog fails it past --stall-timeout-s)", self.metrics._work_age()),
             ("moeflow_requests_pending", "Accepted and not finished (the admission bound counts these)",
              s.num_pending),
             ("moeflow_requests_waiting", "Queue depth: accepted, not yet admitted to a group", s.num_waiting),

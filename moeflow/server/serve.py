@@ -11,6 +11,7 @@ from moeflow.engine.worker_node import run_node
 from moeflow.server.config import ServerConfig
 
 _DEFAULTS = ServerConfig()
+GAVE_UP_EXIT = 3  # the deployment could not be brought back: a supervisor should restart the server
 
 
 def add_parser(sub) -> None:
@@ -26,10 +27,14 @@ def add_parser(sub) -> None:
     s.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
                    help="larger request bodies get 413")
     s.add_argument("--max-restarts", type=int, default=5,
-                   help="when a worker dies, rebuild the deployment up to this many times in a row "
-                        "(0: stay failed; /health answers 503 until it is back)")
+                   help="when a worker dies, rebuild the deployment; give up after this many attempts in a row "
+                        "that fail to bring it up (0: never rebuild)")
     s.add_argument("--restart-backoff-s", type=float, default=1.0,
-                   help="wait before the first restart attempt, doubled before each next one (at most 30 s)")
+                   help="wait before the first restart attempt, doubled before each next one and in a crash "
+                        "loop (at most 30 s)")
+    s.add_argument("--keep-alive-on-failure", action="store_true",
+                   help=f"once the deployment stays failed, keep answering 503 instead of exiting with status "
+                        f"{GAVE_UP_EXIT} (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -53,7 +58,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_body_bytes=args.max_body_bytes)
     kwargs = {**engine_kwargs(args), "max_restarts": args.max_restarts, "restart_backoff_s": args.restart_backoff_s}
     metrics = ServerMetrics(config.busy_window_s, clock)
-    engine = AsyncEngine(lambda: LLM(**kwargs), config.max_pending_requests, metrics)
+    http: list[uvicorn.Server] = []  # set below; the engine thread stops it when it gives up
+    gave_up: list[str] = []
+
+    def give_up(reason: str) -> None:
+        gave_up.append(reason)
+        if http:
+            http[0].should_exit = True  # a graceful stop: requests in flight get their answers
+
+    engine = AsyncEngine(lambda: LLM(**kwargs), config.max_pending_requests, metrics,
+                         on_give_up=None if args.keep_alive_on_failure else give_up)
     # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; with
     # SIGTERM's default action that would kill us before the workers and shared memory are
     # released, so SIGTERM (and SIGHUP, which uvicorn leaves alone) become an exception that
@@ -61,14 +75,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lifecycle.handle_signals()
     try:
         engine.start()  # loads the model (and starts the workers) on the engine thread
-        metrics.watch(engine.snapshot)
+        metrics.watch(engine.snapshot, engine.oldest_work_age_s)
         app = build_app(engine, config, metrics)
         print(f"moeflow: serving {config.model_name!r} (mode {args.mode}, context {engine.max_model_len}) "
               f"on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, lifespan="off",
-                    timeout_graceful_shutdown=5)
+        http.append(uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                                                  lifespan="off", timeout_graceful_shutdown=5)))
+        if not gave_up:  # it may have given up already, before there was a server to stop
+            http[0].run()
     except KeyboardInterrupt:
         return 130
     finally:
         engine.shutdown()
+    if gave_up:
+        print(f"moeflow: the deployment could not be brought back ({gave_up[0]}); exiting with status "
+              f"{GAVE_UP_EXIT} for a supervisor to restart the server (--keep-alive-on-failure keeps it "
+              f"answering 503)", file=sys.stderr, flush=True)
+        return GAVE_UP_EXIT
     return 0

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from moeflow.core import RequestError, SamplingParams
 from moeflow.engine.detokenizer import IncrementalDetokenizer
 from moeflow.server import errors
-from moeflow.server.async_engine import AsyncEngine, EngineUnavailable, Overloaded
+from moeflow.server.async_engine import AsyncEngine
+from moeflow.server.health import EngineUnavailable, Overloaded
 from moeflow.server.stream import RequestStream
 from moeflow.server.chat import render_chat
 from moeflow.server.config import ServerConfig

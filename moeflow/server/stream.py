@@ -59,3 +59,12 @@ class RequestStream:
             d = await self._queue.get()
             self.finished = d.finish_reason is not None
             yield d
+
+
+@dataclass
+class Tracked:
+    """What the server adds to a request the engine's pool owns: its client stream and when its
+    last token was delivered (for inter-token latency); the request itself is the stream's."""
+
+    stream: RequestStream
+    last_token_s: float | None = None  # None until the first token

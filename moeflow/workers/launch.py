@@ -40,6 +40,24 @@ class WorkerDied(RuntimeError):
         self.worker = worker  # which one (None: not known)
 
 
+class WorkerStalled(WorkerDied):
+    """Work went unanswered past the stall timeout: the deployment is handled as if a worker died."""
+
+    def __init__(self, message: str, group: int):
+        super().__init__(message)
+        self.group = group  # the group whose work item went unanswered
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a local process (R running, S sleeping, T stopped, D in uninterruptible
+    sleep, Z zombie, ...), None when it is gone (Linux's /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def worker_main(setup: WorkerSetup, conn: Connection) -> None:
     """Entry point of every worker process."""
     lifecycle.die_with_parent()
@@ -140,6 +158,7 @@ class Deployment:
         """``published_shm_bytes``: what this host's workers publish in /dev/shm besides their
         mailboxes (dwdp's resident experts); with the mailboxes it must fit before anything starts."""
         self.deployment_id = deployment_id
+        self.setups = list(setups)
         self.workers: list[WorkerHandle] = []
         self.nodes: list[RemoteNode] = []  # the other hosts' workers, one entry per host
         freed = reclaim_stale()
@@ -212,6 +231,29 @@ class Deployment:
             w = by_conn.get(ready) or by_sentinel[ready]
             out.append((w, self._recv(w)))
         return out
+
+    def respawn(self, index: int) -> WorkerHandle:
+        """Start worker ``index`` (a dead one, on this host) again from its setup; it takes the old
+        one's place in ``workers`` and is ready once ``is_ready`` says so."""
+        setup = self.setups[index]
+        if setup.node != 0 or setup.world is not None:
+            raise ValueError(f"{self.workers[index].name} is in a torch.distributed world or on another host: "
+                             f"it can only come back with the whole deployment")
+        old = self.workers[index]
+        old.process.join(timeout=1.0)
+        old.conn.close()
+        self.workers[index] = spawn(setup)
+        return self.workers[index]
+
+    def is_ready(self, w: WorkerHandle) -> bool:
+        """Whether a (re)started worker has reported ready; raises WorkerDied if it failed instead."""
+        if not w.conn.poll(0) and w.process.is_alive():
+            return False
+        msg = self._recv(w)
+        if not isinstance(msg, WorkerReady):
+            raise WorkerDied(f"{w.name} sent {type(msg).__name__} while starting", w)
+        w.memory = msg.memory
+        return True
 
     def send(self, w: WorkerHandle, msg) -> None:
         try:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
 from moeflow import LLM, SamplingParams
 from moeflow.comm import list_segments
 from moeflow.config import ConfigError
-from moeflow.engine.restart import RestartPolicy
+from moeflow.engine.restart import RestartCount, RestartPolicy
 
 from parity import PARAMS, PROMPTS, assert_same
 
@@ -91,7 +92,7 @@ def test_a_failing_batch_fails_only_its_requests(checkpoints, reference, mode):
         assert list_segments(deployment_id) == []
 
 
-def test_the_python_api_restarts_a_failed_deployment_when_asked(checkpoints, reference):
+def test_the_python_api_restarts_a_failed_deployment_when_asked(checkpoints, reference, monkeypatch, tmp_path):
     sleeps = []
     llm = LLM(checkpoints("qwen3").path, dtype="float32", mode="dep", dp=2, max_restarts=2, restart_backoff_s=0.01)
     try:
@@ -103,17 +104,38 @@ def test_the_python_api_restarts_a_failed_deployment_when_asked(checkpoints, ref
         assert_same(llm.generate(PROMPTS, PARAMS), reference)  # rebuilt before this call
         assert llm.restarts == 1 and llm.engine.deployment_id != old_id
         assert list_segments(old_id) == []  # nothing of the dead deployment is left
-        # a back-off doubles per attempt of one run
+        # a deployment that fails again at once after coming up is rebuilt again (a crash loop backs
+        # off further but never counts towards max_restarts: only attempts that fail to build do)
+        for _ in range(2):
+            llm.engine.failed = "pretend"
+            llm.restart(sleep=sleeps.append)
+        assert sleeps == [0.02, 0.04] and llm.restarts == 3  # more than max_restarts, each one up
         llm.engine.failed = "pretend"
-        llm._up_since = float("inf")  # it "failed again at once": the same run of attempts goes on
-        llm.restart(sleep=sleeps.append)
-        assert sleeps == [0.02] and llm.restarts == 2
-        llm.engine.failed = "pretend"
-        with pytest.raises(Exception, match="2 restart attempt"):
-            llm.restart(sleep=sleeps.append)  # the run's two attempts are spent
+        monkeypatch.setattr(llm, "model_path", str(tmp_path / "gone"))  # every build fails now
+        with pytest.raises(Exception, match=r"failed \(pretend\) and 2 restart attempt\(s\) in a row failed to "
+                                            r"bring it back \(the last: CheckpointError: .*gone"):
+            llm.restart(sleep=sleeps.append)
     finally:
         llm.shutdown()
     assert list_segments(llm.engine.deployment_id) == []
+
+
+def test_a_stopped_rank_fails_the_global_step_after_the_stall_timeout(checkpoints):
+    """dep's step waits for every rank: a SIGSTOPped one held it forever. The watchdog inside that
+    wait fails the step's requests, naming the stall and the stopped process, and kills it."""
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="dep", dp=2, stall_timeout_s=2.0) as llm:
+        victim = llm.engine.ranks[1].process.pid
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+        finally:
+            if os.path.exists(f"/proc/{victim}"):
+                os.kill(victim, signal.SIGCONT)
+        took_s = time.monotonic() - t0
+        assert out.error and "stalled" in out.error and f"pid {victim}) is stopped" in out.error, out.error
+        assert 2.0 <= took_s < 10, took_s
+        assert llm.engine.stalls == 1 and llm.engine.failed is not None
 
 
 def test_the_python_api_does_not_restart_by_default(checkpoints):
@@ -122,6 +144,28 @@ def test_the_python_api_does_not_restart_by_default(checkpoints):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=20, ignore_eos=True))
         with pytest.raises(Exception, match="has failed"):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+
+def test_only_attempts_that_fail_to_come_up_count():
+    """Six deaths, each after a successful restart, with max_restarts 5: never given up (the server
+    used to say "5 restart attempt(s) in a row did not bring it back" although all five had); two
+    failed builds in a row with max_restarts 2 are."""
+    count = RestartCount(RestartPolicy(5, 1.0, max_backoff_s=30.0, min_uptime_s=60.0), up_since_s=0.0)
+    delays = []
+    for t in range(6):
+        count.failed(now_s=20.0 * t + 10)  # every 20 s: a crash loop
+        assert not count.exhausted
+        delays.append(count.delay_s())
+        count.came_up(now_s=20.0 * t + 11)
+    assert count.restarts == 6 and delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0]  # the loop backs off
+    count.failed(now_s=1000.0)  # up for long: a fresh back-off
+    assert count.delay_s() == 1.0
+    two = RestartCount(RestartPolicy(2, 1.0))
+    two.failed(now_s=0.0)
+    for _ in range(2):
+        assert not two.exhausted
+        two.attempt_failed()
+    assert two.exhausted and two.failed_attempts == 2
 
 
 def test_restart_policy_validation():

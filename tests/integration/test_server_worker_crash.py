@@ -1,4 +1,5 @@
-"""A worker SIGKILLed under ``moeflow serve --mode asap`` or ``--mode afd`` with restarts off (``--max-restarts 0``):
+"""A worker SIGKILLed under ``moeflow serve --mode asap`` or ``--mode afd`` with restarts off and the server kept up
+(``--max-restarts 0 --keep-alive-on-failure``; without the latter it exits with status 3, test_server_self_heal.py):
 the requests in flight get errors (500, or an error event on a stream), /health turns 503, new requests get 503 —
 never a hung connection. With restarts on (the default) see test_server_self_heal.py.
 """
@@ -25,7 +26,8 @@ MODES = {"asap": ["--attn-dp", "1", "--moe-workers", "1"], "afd": ["--attn-worke
 @pytest.fixture(params=sorted(MODES))
 def server(checkpoints, tmp_path, request):
     s = ServerProcess(checkpoints("qwen3").path, "--mode", request.param, *MODES[request.param],
-                      "--dtype", "float32", "--max-restarts", "0", log_path=str(tmp_path / "server.log"))
+                      "--dtype", "float32", "--max-restarts", "0", "--keep-alive-on-failure",
+                      log_path=str(tmp_path / "server.log"))
     pids = s.worker_pids()
     assert len(pids) == 2, s.log()
     yield s, pids

@@ -8,9 +8,10 @@ import threading
 import pytest
 
 from moeflow.core import Request, RequestError, SamplingParams
-from moeflow.engine.base import EngineLoad, StepResult, clock
+from moeflow.engine.base import Engine, EngineLoad, StepResult, clock
 from moeflow.engine.restart import RestartPolicy
-from moeflow.server.async_engine import AsyncEngine, EngineUnavailable, Overloaded
+from moeflow.server.async_engine import AsyncEngine
+from moeflow.server.health import EngineUnavailable, Overloaded
 from moeflow.server.metrics import ServerMetrics
 
 
@@ -19,8 +20,9 @@ class _Out:
         self.token_id = token_id
 
 
-class FakeEngine:
-    """One token per request per step; ``max_tokens`` ends a request; ``explode`` makes step raise."""
+class FakeEngine(Engine):
+    """One token per request per step; ``max_tokens`` ends a request; ``explode`` makes step raise
+    (the interface's defaults: never degraded, no stall watchdog)."""
 
     max_model_len = 100
     failed = None
@@ -213,3 +215,83 @@ def test_shutdown_answers_requests_in_flight():
 
 async def _submit_now(e):
     e.submit(_request(e, "after"))
+
+
+class BrokenBuildLLM(FakeLLM):
+    """Restarts are on, but every rebuild fails to come up."""
+
+    restart_policy = RestartPolicy(max_restarts=2, backoff_s=0.0)
+
+    def restart(self, sleep):
+        raise RuntimeError("the deployment failed (boom) and 2 restart attempt(s) in a row failed to bring it back")
+
+
+@pytest.mark.parametrize("llm", [FakeLLM, BrokenBuildLLM])  # restarts off; restarts that all fail
+def test_a_deployment_that_stays_failed_tells_the_server_once(llm):
+    told = []
+    e = AsyncEngine(llm, 8, ServerMetrics(10.0, clock), on_give_up=told.append)
+    e.start()
+    e.llm.engine.explode = True
+
+    async def main():
+        s = e.submit(_request(e, "r", max_tokens=5))
+        await s.accepted()
+        return await _drain(s)
+
+    _, last = asyncio.run(main())
+    deadline = clock() + 5
+    while not told and clock() < deadline:
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.3)  # more iterations of the thread: still told once
+    assert len(told) == 1 and "boom" in told[0], told
+    assert last.finish_reason == "error" and not e.snapshot().healthy and not e.snapshot().restarting
+    if llm is BrokenBuildLLM:
+        assert "restart failed" in told[0] and e.metrics.restarts.labels("failed")._value.get() == 1
+    e.shutdown()
+
+
+class DegradedEngine(FakeEngine):
+    """A deployment that lost a part: it goes on serving; ``heal`` makes it whole a few checks later."""
+
+    def __init__(self):
+        super().__init__()
+        self.lost, self.heals, self.checks_to_whole = "rank 1 is lost (killed)", 0, None
+
+    def degraded(self):
+        return self.lost
+
+    def heal(self):
+        self.heals += 1
+        if self.checks_to_whole is None:
+            self.checks_to_whole = 3
+        return True
+
+    def check_workers(self):
+        if self.checks_to_whole is not None:
+            self.checks_to_whole -= 1
+            if self.checks_to_whole <= 0:
+                self.lost = None
+        return StepResult({}, [])
+
+
+class DegradedLLM(HealingLLM):
+    def __init__(self):
+        super().__init__()
+        self.engine = DegradedEngine()
+
+
+def test_a_degraded_deployment_is_healed_in_place_and_says_so():
+    e = AsyncEngine(DegradedLLM, 8, ServerMetrics(10.0, clock), on_give_up=lambda why: None)
+    e.start()
+    deadline = clock() + 5
+    seen = set()
+    while clock() < deadline:
+        s = e.snapshot()
+        seen.add(s.degraded)
+        if s.degraded is None and len(seen) > 1:
+            break
+        threading.Event().wait(0.01)
+    assert "rank 1 is lost (killed)" in seen and e.snapshot().healthy and e.snapshot().degraded is None, seen
+    assert e.llm.engine.heals >= 1 and e.llm.restarts == 0  # in place: no rebuild
+    assert e.metrics.restarts.labels("ok")._value.get() == 1
+    e.shutdown()
