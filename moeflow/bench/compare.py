@@ -121,8 +121,8 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
                 pr, rep = probers[n][k], runs[n]["repeats"][k]
                 if find_slo:
                     res = pr.find_slo(SloSearch(exp.slo_ttft_s, exp.slo_probes, exp.slo_rel_tol, metric=metric))
-                    rep["search"] = {"rps": res.rps, "upper_rps": res.upper_rps, "num_probes": res.num_probes}
-                    print(f"[repeat {k}] {n}: SLO throughput ({metric.name}) {res.rps} rps", flush=True)
+                    rep["search"] = dataclasses.asdict(res)
+                    print(f"[repeat {k}] {n}: SLO throughput ({metric.name}) {res.describe()}", flush=True)
                     _drop_spans({n: llms[n]})
                 rep["probes"] = [p for r, p in sorted(pr.points.items()) if r not in rates]
                 if sat_rps:
@@ -176,7 +176,8 @@ def _assemble(exp, names, runs, repeats, metric, profile_path, config_path) -> d
                       "config": {"name": n, **system_to_dict(exp.systems[n]), "model": exp.model, "dtype": runs[n]["dtype"]},
                       "workload": {k: v for k, v in exp.workload.to_dict().items() if k != "rate_rps"},
                       "slo_ttft_s": exp.slo_ttft_s, "slo_metric": metric.name,
-                      "slo_rps": slo[metric.name]["median"], "slo_rps_by_metric": slo,
+                      "slo_rps": slo[metric.name]["median"], "slo_rps_at_least": slo[metric.name]["median_at_least"],
+                      "slo_rps_by_metric": slo,
                       "points": report.aggregate_points(reps), "repeats": reps,
                       "saturation": report.saturation_summary(reps, capacity["tok_s"] if capacity else None)}
     pairs = exp.compare or tuple((n, names[0]) for n in names[1:])

@@ -82,10 +82,3 @@ def verdict(a: Interval | None, b: Interval | None, ratio: Interval | None) -> s
         return "not distinguishable"
     return "distinguishable"
 
-
-def median_range(values: list[float | None]) -> dict:
-    """Median and range of per-repeat values (SLO throughput: a search result, not a mean)."""
-    xs = sorted(v for v in values if v is not None)
-    if not xs:
-        return {"median": None, "min": None, "max": None, "values": list(values)}
-    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "values": list(values)}

@@ -168,13 +168,16 @@ def slo_metrics(text: str) -> tuple:
 
 
 def print_slo_table(out: dict, names: list[str], metrics: tuple, slo_s: float) -> None:
-    """SLO throughput of every system under every searched metric, then each ratio a / b > 1."""
-    fmt = lambda r: f"{r:g}" if r is not None else "-"  # noqa: E731
+    """SLO throughput of every system under every searched metric (``>= X``: no rate up to the
+    search's cap missed it), then each ratio a / b > 1 of known values."""
+    from moeflow.bench.slo import format_slo
+
     print(f"\nSLO throughput (rps; TTFT <= {slo_s:g} s under each metric):")
     print(f"  {'':>24}" + "".join(f"{m.name:>16}" for m in metrics))
     for name in names:
         by = out[name]["slo_rps_by_metric"]
-        print(f"  {name:>24}" + "".join(f"{fmt(by[m.name]['median']):>16}" for m in metrics))
+        print(f"  {name:>24}" + "".join(f"{format_slo(by[m.name]['median'], by[m.name].get('median_at_least')):>16}"
+                                        for m in metrics))
     for a in names:
         for b in names:
             ra = [out[a]["slo_rps_by_metric"][m.name]["median"] for m in metrics]

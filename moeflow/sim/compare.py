@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from moeflow.bench.slo import format_slo
+
 
 def compare(simulated: dict, measured: dict) -> dict:
     """Both in ``bench serve``'s schema. Rates are matched exactly; the measured runs' rates that
@@ -22,14 +24,19 @@ def compare(simulated: dict, measured: dict) -> dict:
             row.update(measured_ci=ci, within_ci=ci[0] <= s["ttft_mean_s"] <= ci[1],
                        ci_half_width_rel=(ci[1] - ci[0]) / 2 / p["ttft_mean_s"])
         rows.append(row)
-    ms, ss = (r.get("slo_rps") or _table_slo(r, r.get("slo_metric")) for r in (measured, simulated))
+    (ms, ms_min), (ss, ss_min) = (_slo(r) for r in (measured, simulated))
     return {"points": rows, "measured_slo_rps": ms, "simulated_slo_rps": ss,
+            "measured_slo_rps_at_least": ms_min, "simulated_slo_rps_at_least": ss_min,
             "slo_error": (ss / ms - 1) if ms and ss else None}
 
 
-def _table_slo(result: dict, metric: str | None):
-    """Without a search: the SLO throughput read off the measured rates (median over repeats)."""
-    return ((result.get("slo_rps_by_metric") or {}).get(metric or "mean") or {}).get("median")
+def _slo(result: dict) -> tuple[float | None, float | None]:
+    """(SLO throughput, lower bound when only that is known): the search's, else the one read off
+    the measured rates (``bench compare``/``simulate``: the median over repeats; ``bench serve``: its rates)."""
+    if result.get("slo_rps") is not None or result.get("slo_rps_at_least") is not None:
+        return result.get("slo_rps"), result.get("slo_rps_at_least")
+    t = (result.get("slo_rps_by_metric") or {}).get(result.get("slo_metric") or "mean") or {}
+    return (t["median"], t.get("median_at_least")) if "median" in t else (t.get("rps"), t.get("at_least_rps"))
 
 
 def compare_saturation(simulated_tok_s: list[float], measured: dict) -> dict | None:
@@ -62,6 +69,10 @@ def format_comparison(name: str, c: dict, below_rps: float | None = None) -> str
     if c["slo_error"] is not None:
         lines.append(f"{'':>{len(name) + 1}} SLO throughput: measured {c['measured_slo_rps']:g} rps, simulated "
                      f"{c['simulated_slo_rps']:g} rps ({c['slo_error'] * 100:+.1f}%)")
+    elif c.get("measured_slo_rps_at_least") is not None or c.get("simulated_slo_rps_at_least") is not None:
+        meas, simu = (format_slo(c[f"{k}_slo_rps"], c[f"{k}_slo_rps_at_least"]) for k in ("measured", "simulated"))
+        lines.append(f"{'':>{len(name) + 1}} SLO throughput: measured {meas} rps, simulated {simu} rps "
+                     "(a bound: no error)")
     return "\n".join(lines)
 
 
