@@ -152,6 +152,14 @@ def format_slo(rps: float | None, at_least_rps: float | None = None, fmt: str = 
     return f">= {at_least_rps:{fmt}}" if at_least_rps is not None else "-"
 
 
+def as_bounded(result: dict | None) -> dict | None:
+    """An ``SloResult`` dict as this module writes it; one written before bounds were kept apart
+    (a rate with no failing rate above it given as ``rps``) is read as the bound it was."""
+    if result and result.get("rps") is not None and result.get("upper_rps") is None:
+        return {**result, "rps": None, "at_least_rps": result["rps"]}
+    return result
+
+
 def slo_over_repeats(results: list[dict | None]) -> dict:
     """Median and range of per-repeat SLO throughputs (``SloResult`` dicts; None: not measured).
 

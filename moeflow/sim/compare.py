@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from moeflow.bench.slo import format_slo
+from moeflow.bench.slo import as_bounded, format_slo, slo_over_repeats
 
 
 def compare(simulated: dict, measured: dict) -> dict:
@@ -31,12 +31,22 @@ def compare(simulated: dict, measured: dict) -> dict:
 
 
 def _slo(result: dict) -> tuple[float | None, float | None]:
-    """(SLO throughput, lower bound when only that is known): the search's, else the one read off
-    the measured rates (``bench compare``/``simulate``: the median over repeats; ``bench serve``: its rates)."""
-    if result.get("slo_rps") is not None or result.get("slo_rps_at_least") is not None:
-        return result.get("slo_rps"), result.get("slo_rps_at_least")
-    t = (result.get("slo_rps_by_metric") or {}).get(result.get("slo_metric") or "mean") or {}
-    return (t["median"], t.get("median_at_least")) if "median" in t else (t.get("rps"), t.get("at_least_rps"))
+    """(SLO throughput, lower bound when only that is known) under the result's metric: over its
+    repeats (``bench compare``, ``simulate --repeats``), else its search's, else read off its rates."""
+    metric = result.get("slo_metric") or "mean"
+    reps = result.get("repeats")
+    if isinstance(reps, list) and reps and all("slo" in r for r in reps):
+        per = [r["slo"].get(metric) for r in reps]
+    elif result.get("slo_rps") is not None or result.get("slo_rps_at_least") is not None:
+        per = [{"rps": result["slo_rps"], "upper_rps": result.get("slo_upper_rps"),
+                "at_least_rps": result.get("slo_rps_at_least")}]
+    else:
+        t = (result.get("slo_rps_by_metric") or {}).get(metric) or {}
+        if "median" in t:  # simulate, one seed, no search
+            return t["median"], t.get("median_at_least")
+        per = [t]  # bench serve's table
+    s = slo_over_repeats([as_bounded(r) for r in per])
+    return s["median"], s["median_at_least"]
 
 
 def compare_saturation(simulated_tok_s: list[float], measured: dict) -> dict | None:

@@ -64,6 +64,22 @@ def test_slo_throughput_under_every_metric_from_the_same_points():
     assert (unbracketed.rps, unbracketed.upper_rps, getattr(unbracketed, "at_least_rps", None)) == (None, None, 1.0)
 
 
+def test_the_simulator_comparison_reads_an_unbracketed_measured_slo_as_a_bound():
+    from moeflow.bench.slo import slo_over_repeats
+    from moeflow.sim.compare import compare, format_comparison
+
+    point = {"rps": 0.8, "ttft_mean_s": 2.0}
+    # a bench compare result written before bounds were kept apart: 0.8 rps, the sweep's highest
+    # rate, met the SLO in every repeat and its median was stored as the SLO throughput
+    measured = {"slo_metric": "mean", "slo_rps": 0.8, "points": [point],
+                "repeats": [{"slo": {"mean": {"rps": 0.8, "upper_rps": None, "num_probes": 0}}}] * 3}
+    simulated = {"slo_metric": "mean", "slo_rps": None, "points": [point],
+                 "slo_rps_by_metric": {"mean": slo_over_repeats([{"rps": 0.5, "upper_rps": 0.8}])}}
+    c = compare(simulated, measured)
+    assert (c["measured_slo_rps"], c["measured_slo_rps_at_least"], c["simulated_slo_rps"]) == (None, 0.8, 0.5)
+    assert c["slo_error"] is None and "measured >= 0.8 rps, simulated 0.5 rps" in format_comparison("x", c)
+
+
 PROFILE = {"num_layers": 2, "num_experts": 4, "top_k": 2, "hidden_size": 8, "dtype": "float32",
            "attention": {"fit": {"c0": 0.0, "per_token": 1e-4, "per_pair": 1e-7, "per_seq": 0.0}},
            "head": {"fit": {"c0": 0.0, "per_token": 0.0, "per_sampled": 1e-3}},
