@@ -81,8 +81,8 @@ def format_comparison(name: str, c: dict, below_rps: float | None = None) -> str
                      f"{c['simulated_slo_rps']:g} rps ({c['slo_error'] * 100:+.1f}%)")
     elif c.get("measured_slo_rps_at_least") is not None or c.get("simulated_slo_rps_at_least") is not None:
         meas, simu = (format_slo(c[f"{k}_slo_rps"], c[f"{k}_slo_rps_at_least"]) for k in ("measured", "simulated"))
-        lines.append(f"{'':>{len(name) + 1}} SLO throughput: measured {meas} rps, simulated {simu} rps "
-                     "(a bound: no error)")
+        meas, simu = (f"{t} rps" if t != "-" else "no rate meeting it" for t in (meas, simu))
+        lines.append(f"{'':>{len(name) + 1}} SLO throughput: measured {meas}, simulated {simu} (a bound: no error)")
     return "\n".join(lines)
 
 

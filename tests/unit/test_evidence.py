@@ -77,7 +77,7 @@ def test_the_simulator_comparison_reads_an_unbracketed_measured_slo_as_a_bound()
                  "slo_rps_by_metric": {"mean": slo_over_repeats([{"rps": 0.5, "upper_rps": 0.8}])}}
     c = compare(simulated, measured)
     assert (c["measured_slo_rps"], c["measured_slo_rps_at_least"], c["simulated_slo_rps"]) == (None, 0.8, 0.5)
-    assert c["slo_error"] is None and "measured >= 0.8 rps, simulated 0.5 rps" in format_comparison("x", c)
+    assert c["slo_error"] is None and "measured >= 0.8 rps, simulated 0.5 rps (a bound" in format_comparison("x", c)
 
 
 PROFILE = {"num_layers": 2, "num_experts": 4, "top_k": 2, "hidden_size": 8, "dtype": "float32",
