@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 from moeflow.bench.slo import ALL_METRICS, format_slo, slo_over_repeats
-from moeflow.bench.stats import mean_ci, paired_ratio_ci, verdict
+from moeflow.bench.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
 
 POINT_FIELDS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "prefill_tok_s")
 
@@ -132,7 +132,8 @@ def markdown(result: dict) -> str:
              f"Command: `{prov['command']}`  ", f"Commit {prov['commit']}{' (dirty)' if prov.get('dirty') else ''}, "
              f"{prov['date']}, {prov['cpu_model']} ({prov.get('isa', '?')}), {prov['cores']} cores, "
              f"torch {prov['torch']}; dtype {result.get('dtype')}; {result['repeats']} repeats (seeds "
-             f"{result['seeds']}), systems in rotated order at every rate; 95% t-intervals over repeats.", ""]
+             f"{result['seeds']}), systems in rotated order at every rate; 95% t-intervals over repeats; "
+             f"{VERDICT_RULE}.", ""]
     rates = sorted({p["rps"] for s in systems.values() for p in s["points"]})
     # a saturation-only experiment (no rates) has no TTFT tables and no SLO throughput
     for field, title in (("ttft_mean_s", "Mean TTFT (s)"), ("ttft_p90_s", "p90 TTFT (s)"),

@@ -71,14 +71,21 @@ def paired_ratio_ci(a: list[float | None], b: list[float | None]) -> Interval | 
     return mean_ci(ratios)
 
 
+# what every report says of its verdicts
+VERDICT_RULE = ("verdicts are on the paired interval: distinguishable when the 95% interval of the paired ratio "
+                "excludes 1")
+
+
 def verdict(a: Interval | None, b: Interval | None, ratio: Interval | None) -> str:
-    """"distinguishable" when the two systems' intervals are disjoint (and the paired ratio's
-    excludes 1); otherwise "not distinguishable"; "single run" without repeats."""
+    """"distinguishable" when the paired ratio's 95% interval excludes 1, else "not
+    distinguishable"; "single run" without repeats. Pairing (same seed, same slot of the rotation)
+    removes what the two systems' runs of one repeat share, the workload draw and the machine's
+    drift, which is what widens each system's own interval: their overlap is not evidence of
+    noise. Without a paired ratio of >= 2 repeats, the unpaired test: the two intervals disjoint."""
     if a is None or b is None:
         return "no data"
     if a.n < 2 or b.n < 2:
         return "single run"
-    if a.overlaps(b) or (ratio is not None and ratio.n >= 2 and ratio.contains(1.0)):
-        return "not distinguishable"
-    return "distinguishable"
-
+    if ratio is not None and ratio.n >= 2:
+        return "not distinguishable" if ratio.contains(1.0) else "distinguishable"
+    return "not distinguishable" if a.overlaps(b) else "distinguishable"

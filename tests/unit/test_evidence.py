@@ -27,6 +27,10 @@ def test_t_intervals_match_the_tables():
     assert verdict(a, b, paired_ratio_ci([2.0, 2.1, 1.9], [1.0, 1.1, 0.9])) == "distinguishable"
     assert verdict(a, mean_ci([1.05, 0.95, 1.0]), None) == "not distinguishable"
     assert verdict(mean_ci([1.0]), mean_ci([2.0]), None) == "single run"
+    # overlapping intervals of each system, a paired ratio that excludes 1: decided on the pairing
+    spread, shifted = [2.0, 3.0, 4.0], [2.6, 3.8, 5.2]
+    assert mean_ci(spread).overlaps(mean_ci(shifted))
+    assert verdict(mean_ci(spread), mean_ci(shifted), paired_ratio_ci(shifted, spread)) == "distinguishable"
 
 
 def _point(rps, ttfts, unfinished=0, **kw):
