@@ -42,8 +42,11 @@ def saturation_summary(repeats: list[dict], capacity_tok_s: float | None) -> dic
     if not sat:
         return None
     tok = mean_ci([s["prefill_tok_s"] for s in sat])
-    out = {"rps": sat[0]["rps"], "tok_s": tok.to_dict() if tok else None}
-    if capacity_tok_s and tok:
+    flags = [s.get("saturated") for s in sat]  # None: measured before the probe checked (one fixed rate)
+    out = {"rps": max(s["rps"] for s in sat), "offered_rps": [s["rps"] for s in sat],
+           "saturated": False if False in flags else None if None in flags else True,
+           "tok_s": tok.to_dict() if tok else None}
+    if capacity_tok_s and tok and out["saturated"] is not False:  # the offered load is no share of capacity
         frac = mean_ci([s["prefill_tok_s"] / capacity_tok_s for s in sat if s["prefill_tok_s"]])
         out["capacity_fraction"] = frac.to_dict() if frac else None
     splits = [s["time_split"] for s in sat if s.get("time_split")]
@@ -74,8 +77,13 @@ def comparison(name_a: str, a: dict, name_b: str, b: dict, metric: str) -> dict:
     slo_ratio = slo_over_repeats([_slo_ratio(r.get("slo", {}).get(metric), q.get("slo", {}).get(metric))
                                   for r, q in zip(a["repeats"], b["repeats"])])
     out = {"a": name_a, "b": name_b, "metric": metric, "per_rate": rows, "slo_ratio_a_over_b": slo_ratio}
+    unsaturated = {n: max(r["saturation"]["rps"] for r in x["repeats"] if r.get("saturation"))
+                   for n, x in ((name_a, a), (name_b, b))
+                   if any((r.get("saturation") or {}).get("saturated") is False for r in x["repeats"])}
     ta, tb = ([(r.get("saturation") or {}).get("prefill_tok_s") for r in x["repeats"]] for x in (a, b))
-    if any(ta) and any(tb):  # saturation throughput a / b, paired per repeat
+    if unsaturated:  # a served offered load is not a saturation throughput: no ratio of it
+        out["not_saturated_at_rps"] = unsaturated
+    elif any(ta) and any(tb):  # saturation throughput a / b, paired per repeat
         ratio = paired_ratio_ci(ta, tb)
         out["saturation_ratio_a_over_b"] = {"ratio": ratio.to_dict() if ratio else None,
                                             "verdict": verdict(mean_ci(ta), mean_ci(tb), ratio)}
@@ -170,13 +178,17 @@ def markdown(result: dict) -> str:
         if sat:
             lines += [f"Saturation prefill tokens/s {c['a']}/{c['b']} (paired, 95% CI): {_ratio(sat['ratio'])}, "
                           f"{sat['verdict']}"]
+        for name, rps in (c.get("not_saturated_at_rps") or {}).items():
+            lines += [f"No saturation ratio: {name} not saturated at {rps:g} rps."]
         lines.append("")
     cap = result.get("capacity")
     if cap:
         lines += ["## The machine's capacity and each system's share of it", "",
                   f"Capacity: {cap['tok_s']:.0f} prompt tok/s = {cap['cores']} cores x mean "
                   f"{cap['mean_prompt_tokens']:.0f} tokens / {cap['mean_request_compute_s']:.3f} s colocated "
-                  f"compute per request (profile: `{cap.get('profile')}`, {cap.get('profile_dtype')}).", "",
+                  f"compute per request (profile: `{cap.get('profile')}`, {cap.get('profile_dtype')}). Each "
+                  "saturation probe doubles its offered rate until a doubling raises prefill tok/s by less than "
+                  "10% (`bench/saturation.py`); one that never does is not saturated and has no share.", "",
                   "| system | offered rps | prefill tok/s | fraction of capacity | time split per process "
                   "(compute / transport / wait / idle) |", "|---|---|---|---|---|"]
         for name, s in systems.items():
@@ -185,11 +197,16 @@ def markdown(result: dict) -> str:
                 continue
             tok, frac = sat.get("tok_s"), sat.get("capacity_fraction")
             tok_txt = "-" if not tok else f"{tok['mean']:.0f} [{tok['ci95'][0]:.0f}, {tok['ci95'][1]:.0f}]"
+            if sat.get("saturated") is False:
+                tok_txt = f"not saturated at {sat['rps']:g} rps (served {tok_txt})"
+            elif sat.get("saturated") is None:  # a result from before the probe checked
+                tok_txt += " (saturation not checked)"
             frac_txt = "-" if not frac else f"{frac['mean']:.1%} [{frac['ci95'][0]:.1%}, {frac['ci95'][1]:.1%}]"
             copy = sat.get("copy_busy") or {}
             split = "; ".join(f"{p}: {v['compute']:.0%}/{v['transport']:.0%}/{v['wait']:.0%}/{v['idle']:.0%}"
                               + (f" (copy thread {copy[p]:.0%})" if p in copy else "")
                               for p, v in (sat.get("time_split") or {}).items())
-            lines.append(f"| {name} | {sat['rps']:g} | {tok_txt} | {frac_txt} | {split or '-'} |")
+            offered = ", ".join(f"{r:g}" for r in sorted(set(sat.get("offered_rps") or [sat["rps"]])))
+            lines.append(f"| {name} | {offered} | {tok_txt} | {frac_txt} | {split or '-'} |")
         lines.append("")
     return "\n".join(lines)

@@ -58,12 +58,14 @@ def compare_saturation(simulated_tok_s: list[float], measured: dict) -> dict | N
     m = sat["tok_s"]["mean"]
     sim = sum(simulated_tok_s) / len(simulated_tok_s)
     lo, hi = sat["tok_s"].get("ci95", (m, m))
-    return {"rps": sat["rps"], "measured_tok_s": m, "measured_ci": [lo, hi], "simulated_tok_s": sim,
+    checked = {"saturated": sat["saturated"]} if "saturated" in sat else {}  # older results did not check
+    return {"rps": sat["rps"], **checked, "measured_tok_s": m, "measured_ci": [lo, hi], "simulated_tok_s": sim,
             "simulated_values": simulated_tok_s, "error": sim / m - 1, "within_ci": lo <= sim <= hi}
 
 
 def format_saturation(name: str, c: dict) -> str:
-    return (f"{name}: saturation at {c['rps']:g} rps: measured {c['measured_tok_s']:.0f} tok/s "
+    what = "not saturated (measured)" if c.get("saturated") is False else "saturation"
+    return (f"{name}: {what} at {c['rps']:g} rps: measured {c['measured_tok_s']:.0f} tok/s "
             f"[{c['measured_ci'][0]:.0f}, {c['measured_ci'][1]:.0f}], simulated {c['simulated_tok_s']:.0f} tok/s "
             f"({c['error'] * 100:+.1f}%, {'inside' if c['within_ci'] else 'outside'} the measured interval)")
 

@@ -56,8 +56,9 @@ class SystemRun:
 
 
 def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float, seed: int | None = None,
-              stop: StopRule | None = None, trace_until_s: float = 0.0) -> tuple[dict, RunResult]:
-    workload = cfg.point_workload(rate, cfg.workload.seed if seed is None else seed)
+              stop: StopRule | None = None, trace_until_s: float = 0.0,
+              num_requests: int | None = None) -> tuple[dict, RunResult]:
+    workload = cfg.point_workload(rate, cfg.workload.seed if seed is None else seed, num_requests)
     sim = make_system(system, cost, trace_until_s)
     res = sim.run(generate_requests(workload), stop)
     p = summarize(rate, res.records, 0.0, cfg.workload.length_scale, num_aborted=res.num_pending)
