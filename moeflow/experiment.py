@@ -118,7 +118,9 @@ class Experiment:
     title: str | None = None
     repeats: int = 3  # the whole sweep, with seeds seed, seed+1, ...
     min_requests: int = 100  # requests per point at least (the window grows to hold them)
-    saturation_rps: float | None = None  # an offered rate well above every SLO rate: throughput vs capacity
+    # the saturation probe's first offered rate, doubled until throughput stops growing
+    # (bench/saturation.py): throughput vs capacity; the simulator's sweeps run at it as given
+    saturation_rps: float | None = None
     compare: tuple[tuple[str, str], ...] = ()  # (a, b) pairs reported as ratios; default: each vs the first
     # simulator only
     hardware: str | None = None  # hardware preset (sim/hardware.py)

@@ -6,7 +6,8 @@ reads), all started up front and idle between their probes. ``repeats`` times, w
 ...: at every rate of the sweep the systems run one after another in rotated order (A B C, then
 B C A, ...) so slow drift of a shared machine hits them alike; then, per repeat, each system's
 SLO search (probes stopped early once they certainly miss, and drained so the next probe starts
-idle) and its saturation probe (prefill tokens/s at ``saturation_rps``, traced for the time
+idle) and its saturation probe (``bench.saturation``: from ``saturation_rps``, the offered rate
+doubled until prefill tokens/s stops growing, or "not saturated at X rps"; traced for the time
 split). Writes one JSON (``bench serve``'s schema per system, points averaged over repeats with
 95% intervals, every repeat kept) and a Markdown report (``compare_report``).
 
@@ -39,7 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--find-slo-rps", action="store_true", help="per repeat and system, bisect for the SLO throughput")
     p.add_argument("--slo-metric", default=None, help="the metric the search bisects on (default: the config's)")
     p.add_argument("--profile", default=None, help="moeflow profile JSON for the capacity (default: the config's)")
-    p.add_argument("--saturation-rps", type=float, default=None, help="offered rate of the saturation probe")
+    p.add_argument("--saturation-rps", type=float, default=None,
+                   help="first offered rate of the saturation probe (doubled until throughput stops growing)")
     p.add_argument("--json", default=None, metavar="OUT.json")
     p.add_argument("--md", default=None, metavar="OUT.md")
     p.add_argument("--merge", nargs="+", default=None, metavar="RESULT.json", help="combine earlier results")
@@ -91,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dict[str, dict]:
     from moeflow import LLM
-    from moeflow.bench.capacity import steady_window, thread_busy, time_split
     from moeflow.bench.probe import Prober
-    from moeflow.engine.base import clock
 
     seed0 = exp.workload.seed
     llms = {}
@@ -121,22 +121,14 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
                 pr, rep = probers[n][k], runs[n]["repeats"][k]
                 if find_slo:
                     res = pr.find_slo(SloSearch(exp.slo_ttft_s, exp.slo_probes, exp.slo_rel_tol, metric=metric))
-                    rep["search"] = {"rps": res.rps, "upper_rps": res.upper_rps, "num_probes": res.num_probes}
-                    print(f"[repeat {k}] {n}: SLO throughput ({metric.name}) {res.rps} rps", flush=True)
+                    rep["search"] = dataclasses.asdict(res)
+                    print(f"[repeat {k}] {n}: SLO throughput ({metric.name}) {res.describe()}", flush=True)
                     _drop_spans({n: llms[n]})
                 rep["probes"] = [p for r, p in sorted(pr.points.items()) if r not in rates]
                 if sat_rps:
-                    t0 = clock()
-                    p = pr.measure(sat_rps, label=f"{n} r{k} saturation")
-                    spans = _spans(llms[n])
-                    window = steady_window(spans, t0, clock())  # the middle 80% of this run's spans
-                    if window is not None:
-                        p["time_split"] = time_split(spans, *window)
-                        copy = thread_busy(spans, *window, thread="copy")
-                        if copy:
-                            p["copy_busy"] = copy
-                    rep["saturation"] = p
-                    print(f"[repeat {k}] {n}: saturation at {sat_rps:g} rps: {p['prefill_tok_s']} tok/s", flush=True)
+                    sat = _saturation(exp, llms[n], seed0 + k, sat_rps, args, label=f"{n} r{k} saturation")
+                    rep["saturation"] = sat.to_point()
+                    print(f"[repeat {k}] {n}: {sat.describe()}", flush=True)
     finally:
         for llm in llms.values():
             llm.shutdown()
@@ -146,6 +138,34 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
             rep["slo"] = {m.name: dataclasses.asdict(slo_rps_from_points(points, m, exp.slo_ttft_s))
                           for m in ALL_METRICS} if exp.slo_ttft_s else {}
     return runs
+
+
+def _saturation(exp, llm, seed: int, start_rps: float, args, label: str):
+    """The saturation probe (``bench.saturation``): the same requests offered at rising rates
+    until throughput stops growing, each probe with the time split of its steady middle."""
+    from moeflow.bench.capacity import steady_window, thread_busy, time_split
+    from moeflow.bench.probe import Prober
+    from moeflow.bench.saturation import SaturationSearch, find_saturation
+    from moeflow.bench.workload import generate_requests
+    from moeflow.engine.base import clock
+
+    num = len(generate_requests(exp.point_workload(start_rps, seed, args.num_requests)))
+    prober = Prober(llm, lambda rate: exp.point_workload(rate, seed, num), seed, progress=not args.no_progress)
+
+    def probe(rate: float) -> dict:
+        _spans(llm)  # drop what came before
+        t0 = clock()
+        p = prober.measure(rate, label=f"{label} {rate:g}rps")
+        spans = _spans(llm)
+        window = steady_window(spans, t0, clock())  # the middle 80% of this run's spans
+        if window is not None:
+            p["time_split"] = time_split(spans, *window)
+            copy = thread_busy(spans, *window, thread="copy")
+            if copy:
+                p["copy_busy"] = copy
+        return p
+
+    return find_saturation(probe, SaturationSearch(start_rps))
 
 
 def _spans(llm) -> list:
@@ -176,7 +196,8 @@ def _assemble(exp, names, runs, repeats, metric, profile_path, config_path) -> d
                       "config": {"name": n, **system_to_dict(exp.systems[n]), "model": exp.model, "dtype": runs[n]["dtype"]},
                       "workload": {k: v for k, v in exp.workload.to_dict().items() if k != "rate_rps"},
                       "slo_ttft_s": exp.slo_ttft_s, "slo_metric": metric.name,
-                      "slo_rps": slo[metric.name]["median"], "slo_rps_by_metric": slo,
+                      "slo_rps": slo[metric.name]["median"], "slo_rps_at_least": slo[metric.name]["median_at_least"],
+                      "slo_rps_by_metric": slo,
                       "points": report.aggregate_points(reps), "repeats": reps,
                       "saturation": report.saturation_summary(reps, capacity["tok_s"] if capacity else None)}
     pairs = exp.compare or tuple((n, names[0]) for n in names[1:])

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import statistics
 
-from moeflow.bench.slo import ALL_METRICS
-from moeflow.bench.stats import mean_ci, median_range, paired_ratio_ci, verdict
+from moeflow.bench.slo import ALL_METRICS, format_slo, slo_over_repeats
+from moeflow.bench.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
 
 POINT_FIELDS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "prefill_tok_s")
 
@@ -32,9 +32,9 @@ def aggregate_points(repeats: list[dict]) -> list[dict]:
 
 
 def slo_by_metric(repeats: list[dict]) -> dict[str, dict]:
-    """Per metric: the per-repeat SLO throughputs, their median and range."""
-    return {m.name: median_range([r["slo"][m.name]["rps"] if m.name in r.get("slo", {}) else None
-                                  for r in repeats]) for m in ALL_METRICS}
+    """Per metric: the per-repeat SLO throughputs, their median and range (``slo_over_repeats``:
+    an unbracketed repeat counts as the bound it is)."""
+    return {m.name: slo_over_repeats([r.get("slo", {}).get(m.name) for r in repeats]) for m in ALL_METRICS}
 
 
 def saturation_summary(repeats: list[dict], capacity_tok_s: float | None) -> dict | None:
@@ -42,8 +42,11 @@ def saturation_summary(repeats: list[dict], capacity_tok_s: float | None) -> dic
     if not sat:
         return None
     tok = mean_ci([s["prefill_tok_s"] for s in sat])
-    out = {"rps": sat[0]["rps"], "tok_s": tok.to_dict() if tok else None}
-    if capacity_tok_s and tok:
+    flags = [s.get("saturated") for s in sat]  # None: measured before the probe checked (one fixed rate)
+    out = {"rps": max(s["rps"] for s in sat), "offered_rps": [s["rps"] for s in sat],
+           "saturated": False if False in flags else None if None in flags else True,
+           "tok_s": tok.to_dict() if tok else None}
+    if capacity_tok_s and tok and out["saturated"] is not False:  # the offered load is no share of capacity
         frac = mean_ci([s["prefill_tok_s"] / capacity_tok_s for s in sat if s["prefill_tok_s"]])
         out["capacity_fraction"] = frac.to_dict() if frac else None
     splits = [s["time_split"] for s in sat if s.get("time_split")]
@@ -71,16 +74,28 @@ def comparison(name_a: str, a: dict, name_b: str, b: dict, metric: str) -> dict:
         ratio = paired_ratio_ci(vb, va)
         rows.append({"rps": pa["rps"], "ttft_ratio_b_over_a": ratio.to_dict() if ratio else None,
                      "verdict": verdict(ia, ib, ratio)})
-    sa = [r["slo"].get(metric, {}).get("rps") for r in a["repeats"]]
-    sb = [r["slo"].get(metric, {}).get("rps") for r in b["repeats"]]
-    slo_ratio = median_range([x / y if x and y else None for x, y in zip(sa, sb)])
+    slo_ratio = slo_over_repeats([_slo_ratio(r.get("slo", {}).get(metric), q.get("slo", {}).get(metric))
+                                  for r, q in zip(a["repeats"], b["repeats"])])
     out = {"a": name_a, "b": name_b, "metric": metric, "per_rate": rows, "slo_ratio_a_over_b": slo_ratio}
+    unsaturated = {n: max(r["saturation"]["rps"] for r in x["repeats"] if r.get("saturation"))
+                   for n, x in ((name_a, a), (name_b, b))
+                   if any((r.get("saturation") or {}).get("saturated") is False for r in x["repeats"])}
     ta, tb = ([(r.get("saturation") or {}).get("prefill_tok_s") for r in x["repeats"]] for x in (a, b))
-    if any(ta) and any(tb):  # saturation throughput a / b, paired per repeat
+    if unsaturated:  # a served offered load is not a saturation throughput: no ratio of it
+        out["not_saturated_at_rps"] = unsaturated
+    elif any(ta) and any(tb):  # saturation throughput a / b, paired per repeat
         ratio = paired_ratio_ci(ta, tb)
         out["saturation_ratio_a_over_b"] = {"ratio": ratio.to_dict() if ratio else None,
                                             "verdict": verdict(mean_ci(ta), mean_ci(tb), ratio)}
     return out
+
+
+def _slo_ratio(a: dict | None, b: dict | None) -> dict | None:
+    """One repeat's SLO throughput a / b: known when both are; a bound when only a's is a bound."""
+    x, y, x_min = (a or {}).get("rps"), (b or {}).get("rps"), (a or {}).get("at_least_rps")
+    if not y:
+        return None
+    return {"rps": x / y} if x else {"at_least_rps": x_min / y} if x_min else None
 
 
 def _field(repeat: dict, rate: float, field: str = "ttft_mean_s"):
@@ -103,14 +118,19 @@ def _ratio(r: dict | None) -> str:
     return f"{r['mean']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" if r["n"] > 1 else f"{r['mean']:.3f}"
 
 
-def _mr(d: dict, fmt: str = ".3g") -> str:
-    if d.get("median") is None:
-        return "none meets it" if any(v is None for v in d.get("values", [])) else "-"
+def format_over_repeats(d: dict, fmt: str = ".3g") -> str:
+    """``slo_over_repeats``'s median [min, max], each ``>= X`` where only a bound is known."""
+    def stat(name: str) -> str:
+        return format_slo(d.get(name), d.get(name + "_at_least"), fmt)
+
     vals = d.get("values", [])
-    met = sum(v is not None for v in vals)
+    bounds = d.get("at_least_values") or [None] * len(vals)
+    if d.get("median") is None and d.get("median_at_least") is None:
+        return "none meets it" if vals else "-"
+    met = sum(v is not None or b is not None for v, b in zip(vals, bounds))
     # the median is over the repeats that met the SLO at some probed rate: say how many did
-    return f"{d['median']:{fmt}} [{d['min']:{fmt}}, {d['max']:{fmt}}]" + (f" ({met} of {len(vals)} repeats)"
-                                                                        if met < len(vals) else "")
+    return f"{stat('median')} [{stat('min')}, {stat('max')}]" + (f" ({met} of {len(vals)} repeats)"
+                                                                if met < len(vals) else "")
 
 
 def markdown(result: dict) -> str:
@@ -120,7 +140,8 @@ def markdown(result: dict) -> str:
              f"Command: `{prov['command']}`  ", f"Commit {prov['commit']}{' (dirty)' if prov.get('dirty') else ''}, "
              f"{prov['date']}, {prov['cpu_model']} ({prov.get('isa', '?')}), {prov['cores']} cores, "
              f"torch {prov['torch']}; dtype {result.get('dtype')}; {result['repeats']} repeats (seeds "
-             f"{result['seeds']}), systems in rotated order at every rate; 95% t-intervals over repeats.", ""]
+             f"{result['seeds']}), systems in rotated order at every rate; 95% t-intervals over repeats; "
+             f"{VERDICT_RULE}.", ""]
     rates = sorted({p["rps"] for s in systems.values() for p in s["points"]})
     # a saturation-only experiment (no rates) has no TTFT tables and no SLO throughput
     for field, title in (("ttft_mean_s", "Mean TTFT (s)"), ("ttft_p90_s", "p90 TTFT (s)"),
@@ -136,16 +157,19 @@ def markdown(result: dict) -> str:
     if slo is not None and rates:
         lines += [f"## SLO throughput (rps) at TTFT SLO {slo:g} s, median [range] over repeats", "",
                   "Each metric decided on the same measured points (sweep + search probes); the search "
-                  f"itself bisected on `{result.get('slo_metric')}`.", "",
+                  f"itself bisected on `{result.get('slo_metric')}`. `>= X`: no rate above X was measured to miss "
+                  "the SLO (X is the sweep's highest rate or the search's cap), so X is a lower bound only.", "",
                   "| system | " + " | ".join(m.name for m in ALL_METRICS) + " |", "|---|" + "---|" * len(ALL_METRICS)]
         for name, s in systems.items():
-            lines.append(f"| {name} | " + " | ".join(_mr(s["slo_rps_by_metric"][m.name]) for m in ALL_METRICS) + " |")
+            by = s["slo_rps_by_metric"]
+            lines.append(f"| {name} | " + " | ".join(format_over_repeats(by[m.name]) for m in ALL_METRICS) + " |")
         lines.append("")
     for c in result.get("comparisons", []):
         lines += [f"## {c['a']} vs {c['b']}", ""]
         if rates:
             if slo is not None:
-                lines += [f"SLO throughput ratio {c['a']}/{c['b']} ({c['metric']}): {_mr(c['slo_ratio_a_over_b'])}", ""]
+                lines += [f"SLO throughput ratio {c['a']}/{c['b']} ({c['metric']}): "
+                          f"{format_over_repeats(c['slo_ratio_a_over_b'])}", ""]
             lines += [f"| rate | mean TTFT {c['b']} / {c['a']} (paired, 95% CI) | verdict |", "|---|---|---|"]
             for row in c["per_rate"]:
                 lines.append(f"| {row['rps']:g} | {_ratio(row['ttft_ratio_b_over_a'])} | {row['verdict']} |")
@@ -154,13 +178,17 @@ def markdown(result: dict) -> str:
         if sat:
             lines += [f"Saturation prefill tokens/s {c['a']}/{c['b']} (paired, 95% CI): {_ratio(sat['ratio'])}, "
                           f"{sat['verdict']}"]
+        for name, rps in (c.get("not_saturated_at_rps") or {}).items():
+            lines += [f"No saturation ratio: {name} not saturated at {rps:g} rps."]
         lines.append("")
     cap = result.get("capacity")
     if cap:
         lines += ["## The machine's capacity and each system's share of it", "",
                   f"Capacity: {cap['tok_s']:.0f} prompt tok/s = {cap['cores']} cores x mean "
                   f"{cap['mean_prompt_tokens']:.0f} tokens / {cap['mean_request_compute_s']:.3f} s colocated "
-                  f"compute per request (profile: `{cap.get('profile')}`, {cap.get('profile_dtype')}).", "",
+                  f"compute per request (profile: `{cap.get('profile')}`, {cap.get('profile_dtype')}). Each "
+                  "saturation probe doubles its offered rate until a doubling raises prefill tok/s by less than "
+                  "10% (`bench/saturation.py`); one that never does is not saturated and has no share.", "",
                   "| system | offered rps | prefill tok/s | fraction of capacity | time split per process "
                   "(compute / transport / wait / idle) |", "|---|---|---|---|---|"]
         for name, s in systems.items():
@@ -169,11 +197,16 @@ def markdown(result: dict) -> str:
                 continue
             tok, frac = sat.get("tok_s"), sat.get("capacity_fraction")
             tok_txt = "-" if not tok else f"{tok['mean']:.0f} [{tok['ci95'][0]:.0f}, {tok['ci95'][1]:.0f}]"
+            if sat.get("saturated") is False:
+                tok_txt = f"not saturated at {sat['rps']:g} rps (served {tok_txt})"
+            elif sat.get("saturated") is None:  # a result from before the probe checked
+                tok_txt += " (saturation not checked)"
             frac_txt = "-" if not frac else f"{frac['mean']:.1%} [{frac['ci95'][0]:.1%}, {frac['ci95'][1]:.1%}]"
             copy = sat.get("copy_busy") or {}
             split = "; ".join(f"{p}: {v['compute']:.0%}/{v['transport']:.0%}/{v['wait']:.0%}/{v['idle']:.0%}"
                               + (f" (copy thread {copy[p]:.0%})" if p in copy else "")
                               for p, v in (sat.get("time_split") or {}).items())
-            lines.append(f"| {name} | {sat['rps']:g} | {tok_txt} | {frac_txt} | {split or '-'} |")
+            offered = ", ".join(f"{r:g}" for r in sorted(set(sat.get("offered_rps") or [sat["rps"]])))
+            lines.append(f"| {name} | {offered} | {tok_txt} | {frac_txt} | {split or '-'} |")
         lines.append("")
     return "\n".join(lines)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from moeflow.bench.stats import mean_ci, paired_ratio_ci, verdict
+from moeflow.bench.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
 
 KINDS = ("attention", "ffn", "transport", "wait", "bubble")
 
@@ -52,7 +52,8 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {c} | {r['batch']} ({r['resident_per_group']:g}) | "
                          f"{_fmt(t, 1e3)} | {_fmt(k, 1)} |")
     if result["comparisons"]:
-        lines += ["", "| a / b | context | tok/s per process ratio | verdict |", "|---|---|---|---|"]
+        lines += ["", f"Ratios paired by repeat; {VERDICT_RULE}.", "",
+                  "| a / b | context | tok/s per process ratio | verdict |", "|---|---|---|---|"]
         for cmp in result["comparisons"]:
             lines.append(f"| {cmp['a']} / {cmp['b']} | {cmp['context']} | {_fmt(cmp['ratio_tok_s_per_process'], 1)} | "
                          f"{cmp['verdict']} |")

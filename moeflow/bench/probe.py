@@ -59,7 +59,7 @@ def slo_table(points: list[dict], slo_s: float | None) -> dict[str, dict]:
     out = {}
     for m in ALL_METRICS:
         r = slo_rps_from_points(points, m, slo_s)
-        out[m.name] = {"rps": r.rps, "upper_rps": r.upper_rps}
+        out[m.name] = {"rps": r.rps, "upper_rps": r.upper_rps, "at_least_rps": r.at_least_rps}
     return out
 
 

@@ -126,10 +126,8 @@ def run(args: argparse.Namespace) -> int:
             for r in sorted(prober.points):
                 if r not in rates:
                     print(format_point(prober.points[r]), flush=True)
-            print(f"SLO throughput ({metric.name} TTFT <= {search.slo_ttft_s:g} s): "
-                  + (f"{slo.rps:g} rps" if slo.rps is not None else "none of the probed rates meets it")
-                  + (f" (misses at {slo.upper_rps:g} rps)" if slo.upper_rps is not None else " (no failing rate found)")
-                  + f", {slo.num_probes} probes")
+            print(f"SLO throughput ({metric.name} TTFT <= {search.slo_ttft_s:g} s): {slo.describe()}, "
+                  f"{slo.num_probes} probes")
         spans = llm.engine.collect_spans() if args.trace else None
         config = {**kw, "dtype": llm.config.dtype}
     points = [prober.points[r] for r in sorted(prober.points)]
@@ -138,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                            .to_dict().items() if k != "rate_rps"},
               "slo_ttft_s": args.slo_ttft_s, "slo_metric": metric.name, "slo_rps": slo.rps if slo is not None else None,
               "slo_upper_rps": slo.upper_rps if slo is not None else None,
+              "slo_rps_at_least": slo.at_least_rps if slo is not None else None,  # unbracketed: a bound only
               "slo_rps_by_metric": slo_table(points, args.slo_ttft_s),
               "points": points}
     if args.json:

@@ -12,11 +12,16 @@ rates already measured by the sweep to bracket the threshold before probing anyt
 
 1. Bracket. lo = the highest measured rate that meets the SLO below the lowest one that misses
    it; hi = the lowest measured rate above lo that misses it. With no passing rate, halve below
-   the lowest rate until one passes; with no failing rate, double above the highest until one
-   fails (at most ``max_expand`` probes each way).
+   the lowest rate until one passes (at most ``max_halvings`` probes); with no failing rate,
+   double above the highest until one fails (at most ``max_doublings`` probes: the cap).
 2. Bisect. Probe the midpoint of [lo, hi]; it becomes lo if it meets the SLO, else hi. Stop after
    ``max_probes`` probes or once hi / lo <= 1 + rel_tol.
 3. Answer lo: the highest rate *measured* to meet the SLO with a failing rate above it.
+
+A rate that meets the SLO with no failing rate above it is only a lower bound: it is never the
+answer. Reaching the cap (or a sweep whose every rate meets it) gives ``rps = None`` and
+``at_least_rps`` = the highest rate that met it; results write it as ``"slo_rps": null,
+"slo_rps_at_least": X`` and tables print ``>= X``.
 
 NOTE: measured TTFT is noisy and not strictly monotone in the rate; bisection assumes it is, so
 the answer is only as sharp as the run-to-run noise at the threshold.
@@ -24,6 +29,7 @@ the answer is only as sharp as the run-to-run noise at the threshold.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,23 +100,82 @@ class SloSearch:
     slo_ttft_s: float
     max_probes: int = 5  # bisection probes after the bracket is found
     rel_tol: float = 0.05  # stop once hi / lo <= 1 + rel_tol
-    max_expand: int = 4  # probes spent looking for a bracket on either side
+    max_halvings: int = 4  # probes below the lowest rate while none meets the SLO
+    # probes above the highest rate while every one meets it (the cap: that rate x 2**max_doublings); a
+    # probe far above the SLO rate stops early, so the doublings that matter are the passing ones
+    max_doublings: int = 10
     metric: SloMetric = MEAN
 
     def __post_init__(self) -> None:
         if not self.slo_ttft_s > 0:
             raise ValueError(f"SloSearch: slo_ttft_s must be > 0, got {self.slo_ttft_s}")
-        if self.max_probes < 0 or self.max_expand < 0:
-            raise ValueError("SloSearch: max_probes and max_expand must be >= 0")
+        if min(self.max_probes, self.max_halvings, self.max_doublings) < 0:
+            raise ValueError("SloSearch: max_probes, max_halvings and max_doublings must be >= 0")
         if not self.rel_tol > 0:
             raise ValueError(f"SloSearch: rel_tol must be > 0, got {self.rel_tol}")
 
 
 @dataclass(frozen=True)
 class SloResult:
-    rps: float | None  # highest rate measured to meet the SLO; None: none did
+    rps: float | None  # highest rate measured to meet the SLO below upper_rps; None: not bracketed
     upper_rps: float | None  # lowest rate above it measured to miss it; None: none did
     num_probes: int  # replays the search ran (the sweep's rates not counted)
+    # no rate up to the cap missed the SLO: the SLO throughput is at least this (rps is None)
+    at_least_rps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rps is not None and self.upper_rps is None:
+            raise ValueError(f"SloResult: {self.rps} rps is not bracketed (no failing rate above it): "
+                             "give it as at_least_rps")
+        if self.at_least_rps is not None and (self.rps is not None or self.upper_rps is not None):
+            raise ValueError("SloResult: at_least_rps is for a search that found no failing rate")
+
+    def describe(self) -> str:
+        """The result in words, as ``bench serve`` prints it."""
+        if self.at_least_rps is not None:
+            return f">= {self.at_least_rps:g} rps (no failing rate found up to the search's cap)"
+        if self.rps is None:
+            return "none of the probed rates meets it" + (f" (misses at {self.upper_rps:g} rps)"
+                                                         if self.upper_rps is not None else "")
+        return f"{self.rps:g} rps (misses at {self.upper_rps:g} rps)"
+
+
+def _bracketed(lo: float | None, hi: float | None, num_probes: int) -> SloResult:
+    """lo with no failing rate above it is a lower bound only."""
+    return SloResult(None, None, num_probes, lo) if hi is None and lo is not None else SloResult(lo, hi, num_probes)
+
+
+def format_slo(rps: float | None, at_least_rps: float | None = None, fmt: str = "g") -> str:
+    """An SLO throughput (or a bound on it) for a table: ``X``, ``>= X`` or ``-``."""
+    if rps is not None:
+        return f"{rps:{fmt}}"
+    return f">= {at_least_rps:{fmt}}" if at_least_rps is not None else "-"
+
+
+def as_bounded(result: dict | None) -> dict | None:
+    """An ``SloResult`` dict as this module writes it; one written before bounds were kept apart
+    (a rate with no failing rate above it given as ``rps``) is read as the bound it was."""
+    if result and result.get("rps") is not None and result.get("upper_rps") is None:
+        return {**result, "rps": None, "at_least_rps": result["rps"]}
+    return result
+
+
+def slo_over_repeats(results: list[dict | None]) -> dict:
+    """Median and range of per-repeat SLO throughputs (``SloResult`` dicts; None: not measured).
+
+    A repeat no rate met is left out, as is one not measured. An unbracketed repeat bounds its
+    value from below only: each statistic is computed once with the bounds and once with +inf in
+    their place; where the two agree it is known (``median``, ``min``, ``max``), else only the
+    first is, as ``*_at_least`` (and the value is None)."""
+    rps = [r.get("rps") if r else None for r in results]
+    bounds = [r.get("at_least_rps") if r else None for r in results]
+    low = [v if v is not None else b for v, b in zip(rps, bounds) if v is not None or b is not None]
+    high = [v if v is not None else math.inf for v, b in zip(rps, bounds) if v is not None or b is not None]
+    out = {"values": rps, "at_least_values": bounds}
+    for name, stat in (("median", statistics.median), ("min", min), ("max", max)):
+        lo, hi = (stat(xs) if xs else None for xs in (low, high))
+        out[name], out[name + "_at_least"] = (lo, None) if lo == hi else (None, lo)
+    return out
 
 
 def probe_ttft_s(point: dict, metric: SloMetric = MEAN) -> float:
@@ -130,7 +195,7 @@ def slo_rps_from_points(points: list[dict], metric: SloMetric, slo_s: float) -> 
     first_fail = min(fails, default=math.inf)
     lo = max((r for r, s in scores.items() if s <= slo_s and r < first_fail), default=None)
     hi = min((r for r in fails if lo is None or r > lo), default=None)
-    return SloResult(lo, hi, 0)
+    return _bracketed(lo, hi, 0)
 
 
 def find_slo_rps(probe: Callable[[float], float], search: SloSearch, measured: dict[float, float]) -> SloResult:
@@ -156,16 +221,18 @@ def find_slo_rps(probe: Callable[[float], float], search: SloSearch, measured: d
         return lo, hi
 
     lo, hi = bracket()
-    for _ in range(search.max_expand):
-        if lo is None:
-            run(min(measured) / 2)
-        elif hi is None:
-            run(max(measured) * 2)
-        else:
+    for _ in range(search.max_halvings):
+        if lo is not None:
             break
+        run(min(measured) / 2)
+        lo, hi = bracket()
+    for _ in range(search.max_doublings):
+        if lo is None or hi is not None:
+            break
+        run(max(measured) * 2)
         lo, hi = bracket()
     if lo is None or hi is None:
-        return SloResult(lo, hi, num_probes)
+        return _bracketed(lo, hi, num_probes)
     for _ in range(search.max_probes):
         if hi / lo <= 1 + search.rel_tol:
             break

@@ -71,21 +71,21 @@ def paired_ratio_ci(a: list[float | None], b: list[float | None]) -> Interval | 
     return mean_ci(ratios)
 
 
+# what every report says of its verdicts
+VERDICT_RULE = ("verdicts are on the paired interval: distinguishable when the 95% interval of the paired ratio "
+                "excludes 1")
+
+
 def verdict(a: Interval | None, b: Interval | None, ratio: Interval | None) -> str:
-    """"distinguishable" when the two systems' intervals are disjoint (and the paired ratio's
-    excludes 1); otherwise "not distinguishable"; "single run" without repeats."""
+    """"distinguishable" when the paired ratio's 95% interval excludes 1, else "not
+    distinguishable"; "single run" without repeats. Pairing (same seed, same slot of the rotation)
+    removes what the two systems' runs of one repeat share, the workload draw and the machine's
+    drift, which is what widens each system's own interval: their overlap is not evidence of
+    noise. Without a paired ratio of >= 2 repeats, the unpaired test: the two intervals disjoint."""
     if a is None or b is None:
         return "no data"
     if a.n < 2 or b.n < 2:
         return "single run"
-    if a.overlaps(b) or (ratio is not None and ratio.n >= 2 and ratio.contains(1.0)):
-        return "not distinguishable"
-    return "distinguishable"
-
-
-def median_range(values: list[float | None]) -> dict:
-    """Median and range of per-repeat values (SLO throughput: a search result, not a mean)."""
-    xs = sorted(v for v in values if v is not None)
-    if not xs:
-        return {"median": None, "min": None, "max": None, "values": list(values)}
-    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "values": list(values)}
+    if ratio is not None and ratio.n >= 2:
+        return "not distinguishable" if ratio.contains(1.0) else "distinguishable"
+    return "not distinguishable" if a.overlaps(b) else "distinguishable"

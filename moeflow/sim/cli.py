@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _saturation_comparisons(cfg, cost, names: list[str], measured: dict, repeats: int) -> dict:
-    """Each measured saturation run simulated once per seed it was measured with."""
+    """Each measured saturation run simulated once per seed it was measured with, at the rate and
+    with the requests its probe ended on (the saturation probe raises the rate per repeat)."""
     from moeflow.sim.compare import compare_saturation, format_saturation
     from moeflow.sim.run import run_point
 
@@ -149,9 +150,15 @@ def _saturation_comparisons(cfg, cost, names: list[str], measured: dict, repeats
         sat = measured["systems"][name].get("saturation")
         if not sat:
             continue
-        seeds = [r["seed"] for r in measured["systems"][name].get("repeats", [])] or \
-            [cfg.workload.seed + k for k in range(repeats)]
-        tok_s = [run_point(cfg.systems[name], cost, cfg, sat["rps"], seed)[0]["prefill_tok_s"] for seed in seeds]
+        reps = measured["systems"][name].get("repeats", [])
+        # the raising probe offers its first probe's request count at every rate, which the rate
+        # alone does not give; a fixed-rate probe (older results) is simulated as it always was
+        runs = [(r["seed"], r["saturation"]["rps"], r["saturation"]["num_requests"] if "saturated" in r["saturation"]
+                 else None) for r in reps if r.get("saturation")]
+        runs = runs or [(seed, sat["rps"], None) for seed in [r["seed"] for r in reps]
+                        or [cfg.workload.seed + k for k in range(repeats)]]
+        tok_s = [run_point(cfg.systems[name], cost, cfg, rate, seed, num_requests=n)[0]["prefill_tok_s"]
+                 for seed, rate, n in runs]
         c = compare_saturation(tok_s, measured["systems"][name])
         out[name] = {"saturation": c}
         print(format_saturation(name, c))
@@ -168,13 +175,16 @@ def slo_metrics(text: str) -> tuple:
 
 
 def print_slo_table(out: dict, names: list[str], metrics: tuple, slo_s: float) -> None:
-    """SLO throughput of every system under every searched metric, then each ratio a / b > 1."""
-    fmt = lambda r: f"{r:g}" if r is not None else "-"  # noqa: E731
+    """SLO throughput of every system under every searched metric (``>= X``: no rate up to the
+    search's cap missed it), then each ratio a / b > 1 of known values."""
+    from moeflow.bench.slo import format_slo
+
     print(f"\nSLO throughput (rps; TTFT <= {slo_s:g} s under each metric):")
     print(f"  {'':>24}" + "".join(f"{m.name:>16}" for m in metrics))
     for name in names:
         by = out[name]["slo_rps_by_metric"]
-        print(f"  {name:>24}" + "".join(f"{fmt(by[m.name]['median']):>16}" for m in metrics))
+        print(f"  {name:>24}" + "".join(f"{format_slo(by[m.name]['median'], by[m.name].get('median_at_least')):>16}"
+                                        for m in metrics))
     for a in names:
         for b in names:
             ra = [out[a]["slo_rps_by_metric"][m.name]["median"] for m in metrics]

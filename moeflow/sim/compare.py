@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from moeflow.bench.slo import as_bounded, format_slo, slo_over_repeats
+
 
 def compare(simulated: dict, measured: dict) -> dict:
     """Both in ``bench serve``'s schema. Rates are matched exactly; the measured runs' rates that
@@ -22,14 +24,29 @@ def compare(simulated: dict, measured: dict) -> dict:
             row.update(measured_ci=ci, within_ci=ci[0] <= s["ttft_mean_s"] <= ci[1],
                        ci_half_width_rel=(ci[1] - ci[0]) / 2 / p["ttft_mean_s"])
         rows.append(row)
-    ms, ss = (r.get("slo_rps") or _table_slo(r, r.get("slo_metric")) for r in (measured, simulated))
+    (ms, ms_min), (ss, ss_min) = (_slo(r) for r in (measured, simulated))
     return {"points": rows, "measured_slo_rps": ms, "simulated_slo_rps": ss,
+            "measured_slo_rps_at_least": ms_min, "simulated_slo_rps_at_least": ss_min,
             "slo_error": (ss / ms - 1) if ms and ss else None}
 
 
-def _table_slo(result: dict, metric: str | None):
-    """Without a search: the SLO throughput read off the measured rates (median over repeats)."""
-    return ((result.get("slo_rps_by_metric") or {}).get(metric or "mean") or {}).get("median")
+def _slo(result: dict) -> tuple[float | None, float | None]:
+    """(SLO throughput, lower bound when only that is known) under the result's metric: over its
+    repeats (``bench compare``, ``simulate --repeats``), else its search's, else read off its rates."""
+    metric = result.get("slo_metric") or "mean"
+    reps = result.get("repeats")
+    if isinstance(reps, list) and reps and all("slo" in r for r in reps):
+        per = [r["slo"].get(metric) for r in reps]
+    elif result.get("slo_rps") is not None or result.get("slo_rps_at_least") is not None:
+        per = [{"rps": result["slo_rps"], "upper_rps": result.get("slo_upper_rps"),
+                "at_least_rps": result.get("slo_rps_at_least")}]
+    else:
+        t = (result.get("slo_rps_by_metric") or {}).get(metric) or {}
+        if "median" in t:  # simulate, one seed, no search
+            return t["median"], t.get("median_at_least")
+        per = [t]  # bench serve's table
+    s = slo_over_repeats([as_bounded(r) for r in per])
+    return s["median"], s["median_at_least"]
 
 
 def compare_saturation(simulated_tok_s: list[float], measured: dict) -> dict | None:
@@ -41,12 +58,14 @@ def compare_saturation(simulated_tok_s: list[float], measured: dict) -> dict | N
     m = sat["tok_s"]["mean"]
     sim = sum(simulated_tok_s) / len(simulated_tok_s)
     lo, hi = sat["tok_s"].get("ci95", (m, m))
-    return {"rps": sat["rps"], "measured_tok_s": m, "measured_ci": [lo, hi], "simulated_tok_s": sim,
+    checked = {"saturated": sat["saturated"]} if "saturated" in sat else {}  # older results did not check
+    return {"rps": sat["rps"], **checked, "measured_tok_s": m, "measured_ci": [lo, hi], "simulated_tok_s": sim,
             "simulated_values": simulated_tok_s, "error": sim / m - 1, "within_ci": lo <= sim <= hi}
 
 
 def format_saturation(name: str, c: dict) -> str:
-    return (f"{name}: saturation at {c['rps']:g} rps: measured {c['measured_tok_s']:.0f} tok/s "
+    what = "not saturated (measured)" if c.get("saturated") is False else "saturation"
+    return (f"{name}: {what} at {c['rps']:g} rps: measured {c['measured_tok_s']:.0f} tok/s "
             f"[{c['measured_ci'][0]:.0f}, {c['measured_ci'][1]:.0f}], simulated {c['simulated_tok_s']:.0f} tok/s "
             f"({c['error'] * 100:+.1f}%, {'inside' if c['within_ci'] else 'outside'} the measured interval)")
 
@@ -62,6 +81,10 @@ def format_comparison(name: str, c: dict, below_rps: float | None = None) -> str
     if c["slo_error"] is not None:
         lines.append(f"{'':>{len(name) + 1}} SLO throughput: measured {c['measured_slo_rps']:g} rps, simulated "
                      f"{c['simulated_slo_rps']:g} rps ({c['slo_error'] * 100:+.1f}%)")
+    elif c.get("measured_slo_rps_at_least") is not None or c.get("simulated_slo_rps_at_least") is not None:
+        meas, simu = (format_slo(c[f"{k}_slo_rps"], c[f"{k}_slo_rps_at_least"]) for k in ("measured", "simulated"))
+        meas, simu = (f"{t} rps" if t != "-" else "no rate meeting it" for t in (meas, simu))
+        lines.append(f"{'':>{len(name) + 1}} SLO throughput: measured {meas}, simulated {simu} (a bound: no error)")
     return "\n".join(lines)
 
 

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from moeflow.bench.metrics import summarize
 from moeflow.bench import compare_report as report
 from moeflow.bench.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
-                               slo_rps_from_points)
-from moeflow.bench.stats import median_range
+                               slo_over_repeats, slo_rps_from_points)
 from moeflow.bench.workload import generate_requests
 from moeflow.experiment import Experiment, SystemSpec, system_to_dict
 from moeflow.sim.asap import AsapSystem
@@ -57,8 +56,9 @@ class SystemRun:
 
 
 def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float, seed: int | None = None,
-              stop: StopRule | None = None, trace_until_s: float = 0.0) -> tuple[dict, RunResult]:
-    workload = cfg.point_workload(rate, cfg.workload.seed if seed is None else seed)
+              stop: StopRule | None = None, trace_until_s: float = 0.0,
+              num_requests: int | None = None) -> tuple[dict, RunResult]:
+    workload = cfg.point_workload(rate, cfg.workload.seed if seed is None else seed, num_requests)
     sim = make_system(system, cost, trace_until_s)
     res = sim.run(generate_requests(workload), stop)
     p = summarize(rate, res.records, 0.0, cfg.workload.length_scale, num_aborted=res.num_pending)
@@ -129,7 +129,7 @@ def run_system(name: str, cfg: Experiment, cost: CostModel, rates: tuple[float, 
                      "slo": slo, "search": dataclasses.asdict(found[metric.name]) if found else None,
                      "all_points": all_points})
     names = list(dict.fromkeys([m.name for m in ALL_METRICS] + [m.name for m in searched]))
-    by_metric = {n: median_range([r["slo"][n]["rps"] if n in r["slo"] else None for r in reps]) for n in names}
+    by_metric = {n: slo_over_repeats([r["slo"].get(n) for r in reps]) for n in names}
     points = reps[0]["all_points"] if repeats == 1 else report.aggregate_points(reps)
     result = {"mode": system.layout.mode, "simulated": True,
               "config": {"name": system.name, **system_to_dict(system), "model": cfg.model, "hardware": cfg.hardware,
@@ -138,6 +138,7 @@ def run_system(name: str, cfg: Experiment, cost: CostModel, rates: tuple[float, 
               "slo_ttft_s": cfg.slo_ttft_s, "slo_metric": metric.name,
               "slo_metrics_searched": [m.name for m in searched] if find_slo else [],
               "slo_rps": by_metric[metric.name]["median"] if find_slo else None,
+              "slo_rps_at_least": by_metric[metric.name]["median_at_least"] if find_slo else None,
               "slo_upper_rps": reps[0]["search"]["upper_rps"] if find_slo and repeats == 1 else None,
               "slo_rps_by_metric": by_metric, "points": points}
     if repeats > 1:

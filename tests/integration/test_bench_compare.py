@@ -46,7 +46,9 @@ def test_compare_runs_every_system_interleaved_with_intervals(checkpoints, tmp_p
         assert p["ttft_mean_s_ci"][0] <= p["ttft_mean_s"] <= p["ttft_mean_s_ci"][1]
         assert {"mean", "p50", "p90", "p99", "attainment:0.95"} == set(s["slo_rps_by_metric"])
         sat = s["saturation"]
-        assert sat["tok_s"]["n"] == 2 and 0 < sat["capacity_fraction"]["mean"]
+        assert sat["tok_s"]["n"] == 2 and 0 < sat["capacity_fraction"]["mean"] and sat["saturated"] is True
+        probes = s["repeats"][0]["saturation"]["saturation_probes"]
+        assert probes[0]["rps"] == 60 and [p["rps"] for p in probes] == [60 * 2 ** i for i in range(len(probes))]
         assert all(abs(sum(v.values()) - 1) < 1e-6 for v in sat["time_split"].values())
     (c,) = r["comparisons"]
     assert (c["a"], c["b"]) == ("asap", "dep2") and c["per_rate"][0]["verdict"] in (

@@ -88,7 +88,7 @@ def _queue_ttft(capacity: float):
 @pytest.mark.parametrize("start", [[1.0], [0.5, 4.0], [20.0], [9.5, 9.8]])
 def test_bisection_finds_the_threshold(start):
     f = _queue_ttft(10.0)
-    search = SloSearch(slo_ttft_s=0.7, max_probes=20, rel_tol=0.01, max_expand=6)
+    search = SloSearch(slo_ttft_s=0.7, max_probes=20, rel_tol=0.01, max_halvings=6)
     threshold = 10 * (1 - 1 / 7)  # 0.1 / (1 - r / 10) = 0.7
     measured = {r: f(r) for r in start}
     res = find_slo_rps(f, search, measured)
@@ -100,21 +100,62 @@ def test_bisection_finds_the_threshold(start):
 def test_bisection_stops_after_max_probes_and_answers_a_measured_passing_rate():
     f = _queue_ttft(10.0)
     calls = []
-    res = find_slo_rps(lambda r: calls.append(r) or f(r), SloSearch(1.0, max_probes=2, max_expand=4), {1.0: f(1.0)})
+    res = find_slo_rps(lambda r: calls.append(r) or f(r), SloSearch(1.0, max_probes=2), {1.0: f(1.0)})
     # bracketing doubles 1 -> 2, 4, 8 (pass), 16 (fails); then two midpoints: 12 and 10, both fail
     assert calls == [2.0, 4.0, 8.0, 16.0, 12.0, 10.0]
     assert (res.rps, res.upper_rps, res.num_probes) == (8.0, 10.0, 6)
 
 
 def test_bisection_without_a_bracket():
-    always_fast = find_slo_rps(lambda r: 0.1, SloSearch(1.0, max_expand=2), {1.0: 0.1})
-    assert (always_fast.rps, always_fast.upper_rps, always_fast.num_probes) == (4.0, None, 2)
-    always_slow = find_slo_rps(lambda r: 5.0, SloSearch(1.0, max_expand=2), {1.0: 5.0})
-    assert (always_slow.rps, always_slow.upper_rps) == (None, 0.25)
+    always_slow = find_slo_rps(lambda r: 5.0, SloSearch(1.0, max_halvings=2), {1.0: 5.0})
+    assert (always_slow.rps, always_slow.upper_rps, always_slow.at_least_rps) == (None, 0.25, None)
     with pytest.raises(ValueError, match="at least one"):
         find_slo_rps(lambda r: 0.0, SloSearch(1.0), {})
     with pytest.raises(ValueError, match="slo_ttft_s"):
         SloSearch(0.0)
+
+
+def test_the_search_doubles_until_a_rate_misses_the_slo():
+    # the true SLO throughput is 40 rps and the search starts at 1: four doublings reach only 16,
+    # which the search used to answer as the SLO throughput
+    f = lambda r: 0.5 if r <= 40.0 else 5.0  # noqa: E731
+    calls = []
+    res = find_slo_rps(lambda r: calls.append(r) or f(r), SloSearch(1.0, max_probes=10, rel_tol=0.01), {1.0: f(1.0)})
+    assert calls[:6] == [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+    assert res.rps <= 40.0 < res.upper_rps and res.upper_rps / res.rps <= 1.01 and res.at_least_rps is None
+
+
+def test_an_slo_throughput_above_the_cap_is_a_bound_not_a_value():
+    from moeflow.bench.slo import SloResult, format_slo
+
+    res = find_slo_rps(lambda r: 0.1, SloSearch(1.0, max_doublings=3), {1.0: 0.1})
+    assert (res.rps, res.upper_rps, res.at_least_rps, res.num_probes) == (None, None, 8.0, 3)
+    assert format_slo(res.rps, res.at_least_rps) == ">= 8" and res.describe().startswith(">= 8 rps")  # bench serve
+    with pytest.raises(ValueError, match="bracketed"):
+        SloResult(8.0, None, 0)  # a value needs the failing rate above it
+
+
+def test_slo_throughput_over_repeats_keeps_bounds_as_bounds(capsys):
+    from moeflow.bench.compare_report import format_over_repeats
+    from moeflow.bench.slo import MEAN, format_slo, slo_over_repeats
+    from moeflow.sim.cli import print_slo_table
+
+    exact, bound, none = ({"rps": 0.5, "upper_rps": 0.8}, {"rps": None, "upper_rps": None, "at_least_rps": 0.8},
+                          {"rps": None, "upper_rps": 0.5})
+    # one repeat's bound lies above the other two values: the median is known exactly
+    s = slo_over_repeats([bound, exact, exact])
+    assert (s["median"], s["median_at_least"], s["max"], s["max_at_least"]) == (0.5, None, None, 0.8)
+    # two bounds of three: only "at least" is known about the median
+    s = slo_over_repeats([bound, exact, bound])
+    assert (s["median"], s["median_at_least"], s["min"]) == (None, 0.8, 0.5)
+    assert format_slo(s["median"], s["median_at_least"]) == ">= 0.8"
+    assert slo_over_repeats([none, exact])["median"] == 0.5  # a repeat no rate met is left out, as before
+    s3 = slo_over_repeats([{"rps": 3.0, "upper_rps": 4.0}, None, {"rps": 1.0, "upper_rps": 2.0}])
+    assert (s3["median"], s3["min"], s3["max"], s3["values"]) == (2.0, 1.0, 3.0, [3.0, None, 1.0])
+    # the tables of bench compare and simulate print the bound
+    assert format_over_repeats(s) == ">= 0.8 [0.5, >= 0.8]"
+    print_slo_table({"a": {"slo_rps_by_metric": {"mean": s}}}, ["a"], (MEAN,), 4.0)
+    assert ">= 0.8" in capsys.readouterr().out
 
 
 def test_plot_labels_name_mode_and_layout():

@@ -11,7 +11,7 @@ import pytest
 
 from moeflow.bench.capacity import capacity_tok_s, request_compute_s, steady_window, time_split
 from moeflow.bench.slo import ALL_METRICS, MEAN, SloMetric, slo_rps_from_points
-from moeflow.bench.stats import mean_ci, median_range, paired_ratio_ci, t975, verdict
+from moeflow.bench.stats import mean_ci, paired_ratio_ci, t975, verdict
 from moeflow.bench.workload import WorkloadConfig
 from moeflow.messages import Span
 
@@ -27,7 +27,10 @@ def test_t_intervals_match_the_tables():
     assert verdict(a, b, paired_ratio_ci([2.0, 2.1, 1.9], [1.0, 1.1, 0.9])) == "distinguishable"
     assert verdict(a, mean_ci([1.05, 0.95, 1.0]), None) == "not distinguishable"
     assert verdict(mean_ci([1.0]), mean_ci([2.0]), None) == "single run"
-    assert median_range([3.0, None, 1.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "values": [3.0, None, 1.0]}
+    # overlapping intervals of each system, a paired ratio that excludes 1: decided on the pairing
+    spread, shifted = [2.0, 3.0, 4.0], [2.6, 3.8, 5.2]
+    assert mean_ci(spread).overlaps(mean_ci(shifted))
+    assert verdict(mean_ci(spread), mean_ci(shifted), paired_ratio_ci(shifted, spread)) == "distinguishable"
 
 
 def _point(rps, ttfts, unfinished=0, **kw):
@@ -60,6 +63,25 @@ def test_slo_throughput_under_every_metric_from_the_same_points():
     pts2 = pts[:2] + [stopped]
     assert slo_rps_from_points(pts2, SloMetric.parse("p90"), 2.0).upper_rps == 4.0
     assert slo_rps_from_points(pts2, MEAN, 2.0).upper_rps == 2.0  # the mean ignores it
+    # every measured rate meets it: the highest is a lower bound, not the SLO throughput
+    unbracketed = slo_rps_from_points(pts[:1], MEAN, 2.0)
+    assert (unbracketed.rps, unbracketed.upper_rps, getattr(unbracketed, "at_least_rps", None)) == (None, None, 1.0)
+
+
+def test_the_simulator_comparison_reads_an_unbracketed_measured_slo_as_a_bound():
+    from moeflow.bench.slo import slo_over_repeats
+    from moeflow.sim.compare import compare, format_comparison
+
+    point = {"rps": 0.8, "ttft_mean_s": 2.0}
+    # a bench compare result written before bounds were kept apart: 0.8 rps, the sweep's highest
+    # rate, met the SLO in every repeat and its median was stored as the SLO throughput
+    measured = {"slo_metric": "mean", "slo_rps": 0.8, "points": [point],
+                "repeats": [{"slo": {"mean": {"rps": 0.8, "upper_rps": None, "num_probes": 0}}}] * 3}
+    simulated = {"slo_metric": "mean", "slo_rps": None, "points": [point],
+                 "slo_rps_by_metric": {"mean": slo_over_repeats([{"rps": 0.5, "upper_rps": 0.8}])}}
+    c = compare(simulated, measured)
+    assert (c["measured_slo_rps"], c["measured_slo_rps_at_least"], c["simulated_slo_rps"]) == (None, 0.8, 0.5)
+    assert c["slo_error"] is None and "measured >= 0.8 rps, simulated 0.5 rps (a bound" in format_comparison("x", c)
 
 
 PROFILE = {"num_layers": 2, "num_experts": 4, "top_k": 2, "hidden_size": 8, "dtype": "float32",

@@ -9,6 +9,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))
+from moeflow.bench.slo import format_slo  # noqa: E402
 from moeflow.bench.stats import Interval  # noqa: E402
 
 SWEEPS = [("every prompt ISL tokens (ISL ratio 1.0)", "ISL",
@@ -90,7 +91,8 @@ def main() -> None:
                     if x in by and by[x].get("ttft_mean_s_ci") else "-" for x in rates]
             slo = s["slo_rps_by_metric"]
             lines.append(f"| {name} | " + " | ".join(ttft) + f" | {iv(s['saturation']['tok_s'])} | "
-                         f"{slo['mean']['median']} | {slo['p90']['median']} | "
+                         f"{format_slo(slo['mean']['median'], slo['mean'].get('median_at_least'))} | "
+                         f"{format_slo(slo['p90']['median'], slo['p90'].get('median_at_least'))} | "
                          f"{split(s['saturation'], ('compute', 'transport', 'wait', 'idle'))} |")
         c = pair(r, "dwdp2", "dep2")
         for row in c["per_rate"]:
