@@ -54,6 +54,12 @@ def set_gloo_socket_ifname(name: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
+def api_key() -> str | None:
+    """The server's API key from $MOEFLOW_API_KEY, else $VLLM_API_KEY (vLLM's, for drop-in use): a key
+    on the command line is visible to every user in /proc/<pid>/cmdline."""
+    return os.environ.get("MOEFLOW_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+
 def launcher_env() -> dict[str, object]:
     """What a torchrun- or SLURM-style launcher says about the hosts, by ``ClusterConfig`` field
     (one moeflow process per host): nnodes from $GROUP_WORLD_SIZE (torchrun's node count) or

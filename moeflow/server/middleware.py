@@ -56,13 +56,14 @@ async def _refuse(response, scope, receive, send, body_pending: bool) -> None:
 class ApiKeyAuth:
     def __init__(self, app, api_key: str | None):
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if self.expected is None or scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
             return await self.app(scope, receive, send)
-        got = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(got, self.expected):
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        # RFC 7235: the scheme is case-insensitive ("bearer KEY" is as good as "Bearer KEY")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
             err = ApiError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})

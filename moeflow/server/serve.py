@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moeflow import lifecycle
+from moeflow import lifecycle, settings
 from moeflow.config import ConfigError
 from moeflow.engine.args import add_engine_args, cluster_config, engine_kwargs
 from moeflow.engine.worker_node import run_node
@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     s = p.add_argument_group("HTTP server")
     s.add_argument("--host", default=_DEFAULTS.host, help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=_DEFAULTS.port)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $MOEFLOW_API_KEY, else $VLLM_API_KEY; the environment keeps it out of the process list)")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     s.add_argument("--max-pending-requests", type=int, default=_DEFAULTS.max_pending_requests,
                    help="requests accepted and unfinished (queued + running); past it new ones get 429")
@@ -54,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.trace:
         raise ConfigError("moeflow serve records no trace (--trace); use moeflow bench serve --trace")
     config = ServerConfig(model_name=args.served_model_name or args.model, host=args.host, port=args.port,
-                          api_key=args.api_key, max_pending_requests=args.max_pending_requests,
+                          api_key=args.api_key or settings.api_key(), max_pending_requests=args.max_pending_requests,
                           max_body_bytes=args.max_body_bytes)
     kwargs = {**engine_kwargs(args), "max_restarts": args.max_restarts, "restart_backoff_s": args.restart_backoff_s}
     metrics = ServerMetrics(config.busy_window_s, clock)

@@ -26,8 +26,9 @@ LIMIT = 3
 @pytest.fixture(scope="module")
 def server(checkpoints, tmp_path_factory):
     log = tmp_path_factory.mktemp("server_limits") / "server.log"
-    s = ServerProcess(checkpoints("qwen3").path, "--served-model-name", "m", "--api-key", KEY,
-                      "--max-pending-requests", str(LIMIT), "--max-num-seqs", "1", log_path=str(log))
+    # the key from vLLM's variable (MOEFLOW_API_KEY comes first): not on the command line for all to read
+    s = ServerProcess(checkpoints("qwen3").path, "--served-model-name", "m", "--max-pending-requests", str(LIMIT),
+                      "--max-num-seqs", "1", log_path=str(log), env={"VLLM_API_KEY": KEY, "MOEFLOW_API_KEY": ""})
     yield s
     assert s.stop() in (0, 143), s.log()
 
@@ -55,6 +56,10 @@ def test_api_key_guards_every_route_but_health(server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as client:
         out = client.completions.create(model="m", prompt="hi", max_tokens=2)
     assert out.usage.completion_tokens == 2
+    for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 7235)
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    with open(f"/proc/{server.proc.pid}/cmdline", "rb") as f:
+        assert KEY.encode() not in f.read()
 
 
 @pytest.mark.parametrize("headers,status,code", [({}, 401, "invalid_api_key"), (AUTH, 413, "body_too_large")])

@@ -90,3 +90,15 @@ def test_bench_decode_attention_reports_both_paths_against_the_bound(run_cli, tm
         assert p[path]["seconds"] > 0 and p[path]["fraction_of_bound"] > 0 and p[path]["gbps"] > 0
     if data["kernel"]["available"]:
         assert p["speedup"] > 0 and p["max_abs_diff"] < 1e-4
+
+
+def test_the_api_key_comes_from_the_environment(monkeypatch):
+    from moeflow import settings
+
+    monkeypatch.delenv("MOEFLOW_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert settings.api_key() is None
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    assert settings.api_key() == "v"
+    monkeypatch.setenv("MOEFLOW_API_KEY", "m")  # ours first
+    assert settings.api_key() == "m"
