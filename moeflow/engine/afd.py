@@ -19,8 +19,8 @@ from collections import deque
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
-from moeflow.engine.base import StepResult, clock, context_len, register_mode
-from moeflow.engine.memory import ProcessFootprint, footprints_for
+from moeflow.engine.base import StepResult, clock, context_len
+from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AfdLayout
 from moeflow.messages import WorkDone
@@ -43,7 +43,6 @@ def _spec(layout: AfdLayout, mc, config: EngineConfig) -> CommSpec:
                     max_local_experts=max(len(ids) for ids in placement))
 
 
-@footprints_for("afd")
 def _footprints(layout: AfdLayout, mc, config: EngineConfig):
     spec, placement = _spec(layout, mc, config), layout.placement_of_experts(mc.num_experts)
     gates = layout.router == "ffn"
@@ -54,8 +53,10 @@ def _footprints(layout: AfdLayout, mc, config: EngineConfig):
                            spec.dispatch_buffer_bytes) for j in range(layout.ffn_workers))]
 
 
-@register_mode("afd")
 class AfdEngine(ProcessEngine):
+    mode_name = "afd"
+    footprint = staticmethod(_footprints)
+
     def __init__(self, model_path: str, config: EngineConfig, layout: AfdLayout):
         super().__init__(config, layout)
         self.model_config, _ = load_config(model_path)

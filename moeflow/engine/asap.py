@@ -11,8 +11,8 @@ import functools
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
-from moeflow.engine.base import StepResult, clock, context_len, register_mode
-from moeflow.engine.memory import ProcessFootprint, footprints_for
+from moeflow.engine.base import StepResult, clock, context_len
+from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AsapLayout
 from moeflow.messages import WorkDone
@@ -36,7 +36,6 @@ def _spec(layout: AsapLayout, mc, config: EngineConfig) -> CommSpec:
                     max_local_experts=max(len(ids) for ids in placement))
 
 
-@footprints_for("asap")
 def _footprints(layout: AsapLayout, mc, config: EngineConfig):
     spec, placement, t = _spec(layout, mc, config), layout.placement(mc.num_experts), layout.attn_tp
     member_block = config.kv_block_size * kv_bytes_per_token(attention_for(mc).member_config(t), TORCH_DTYPES[config.dtype])
@@ -47,8 +46,10 @@ def _footprints(layout: AsapLayout, mc, config: EngineConfig):
           for i in range(layout.moe_workers))]
 
 
-@register_mode("asap")
 class AsapEngine(ProcessEngine):
+    mode_name = "asap"
+    footprint = staticmethod(_footprints)
+
     def __init__(self, model_path: str, config: EngineConfig, layout: AsapLayout):
         super().__init__(config, layout)
         self.model_config, _ = load_config(model_path)

@@ -1,16 +1,13 @@
-"""The engine interface every mode implements, and the mode registry."""
+"""The engine interface every mode implements (the table of modes is ``modes.py``)."""
 from __future__ import annotations
 
 import abc
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
 from moeflow.config import ConfigError, EngineConfig, ModelConfig
 from moeflow.core import Request, RequestError
-from moeflow.hardware import resolve_dtype
 from moeflow.layout import Layout
-from moeflow.model.weights import load_config
 
 
 def clock() -> float:
@@ -38,7 +35,12 @@ class EngineLoad:
 
 
 class Engine(abc.ABC):
-    """One deployment: schedule -> execute -> update, one ``step`` at a time."""
+    """One deployment: schedule -> execute -> update, one ``step`` at a time. A mode's engine names
+    itself (``mode_name``), says what each of its processes holds (``footprint``, for the memory
+    plan) and whether its workers may run on several hosts (``multinode``)."""
+
+    mode_name: str
+    multinode: bool = False
 
     config: EngineConfig
     max_model_len: int
@@ -85,6 +87,12 @@ class Engine(abc.ABC):
         """(seconds, group) of the oldest work item its workers have not answered; (0, None): none."""
         return 0.0, None
 
+    @staticmethod
+    def footprint(layout: Layout, mc: ModelConfig, config: EngineConfig):
+        """(max batch tokens, processes): ``processes(weight_footprint, kv_block_bytes)`` lists the
+        deployment's ``memory.ProcessFootprint``s, so a plan can be made without starting anything."""
+        raise ConfigError(f"mode {layout.mode!r} declares no memory footprint")
+
     def load(self) -> EngineLoad:
         pool = self.scheduler.pool
         return EngineLoad(len(pool.waiting), sum(len(g.requests) for g in pool.groups),
@@ -113,34 +121,3 @@ def validate_request(request: Request, model: ModelConfig) -> None:
         n = getattr(request.params, name)
         if n is not None and n > vocab:
             raise RequestError(f"request {request.request_id}: {name}={n} exceeds the vocabulary size {vocab}")
-
-
-MODES: dict[str, type[Engine]] = {}  # mode name -> engine class (one per layout in moeflow.layout)
-
-
-def register_mode(name: str):
-    def deco(cls: type[Engine]) -> type[Engine]:
-        MODES[name] = cls
-        cls.mode_name = name
-        return cls
-    return deco
-
-
-MULTINODE_MODES = ("asap", "dep", "afd", "dwdp")  # the modes whose workers may run on several hosts
-
-
-def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engine:
-    """The deployment ``layout`` describes, running ``config``'s settings on ``model_path``."""
-    from moeflow.engine import afd, asap, colocated, dep, dwdp  # noqa: F401  (registers the built-in modes)
-
-    if layout.mode not in MODES:
-        raise ConfigError(f"mode {layout.mode!r} has a layout but no engine; engines: {sorted(MODES)}")
-    cluster = config.cluster
-    if cluster.node_rank != 0:
-        raise ConfigError(f"node {cluster.node_rank} runs workers only (moeflow worker-node); the engine is node 0's")
-    if cluster.is_multinode and layout.mode not in MULTINODE_MODES:
-        raise ConfigError(f"mode {layout.mode!r} runs on one host; modes across hosts: {list(MULTINODE_MODES)}")
-    model, _ = load_config(model_path)
-    # NOTE: resolved here, once, so every worker of the deployment gets the same concrete dtype
-    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, model.checkpoint_dtype).dtype)
-    return MODES[layout.mode](model_path, config, layout)

@@ -5,8 +5,8 @@ import torch
 
 from moeflow.config import EngineConfig
 from moeflow.core import Request
-from moeflow.engine.base import Engine, StepResult, clock, context_len, register_mode, validate_request
-from moeflow.engine.memory import ProcessFootprint, apply_budget, footprints_for
+from moeflow.engine.base import Engine, StepResult, clock, context_len, validate_request
+from moeflow.engine.memory import ProcessFootprint, apply_budget
 from moeflow.layout import ColocatedLayout
 from moeflow.messages import BatchTiming
 from moeflow.model.kv_cache import KVCache
@@ -16,15 +16,16 @@ from moeflow.scheduler import make_scheduler
 from moeflow.workers.runner import ModelRunner
 
 
-@footprints_for("colocated")
 def _footprints(layout: ColocatedLayout, mc, config: EngineConfig):
     return config.max_num_batched_tokens, lambda fp, block: [ProcessFootprint("colocated", fp.total, 0, block)]
 
 
-@register_mode("colocated")
 class ColocatedEngine(Engine):
+    mode_name = "colocated"
+    footprint = staticmethod(_footprints)
+
     def __init__(self, model_path: str, config: EngineConfig, layout: ColocatedLayout):
-        config, self.memory_plan = apply_budget(config, model_path, layout)
+        config, self.memory_plan = apply_budget(config, model_path, layout, _footprints)
         self.config, self.layout = config, layout
         torch.set_num_threads(config.num_threads)
         dtype = TORCH_DTYPES[config.dtype]

@@ -10,8 +10,8 @@ import time
 
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
-from moeflow.engine.base import StepResult, clock, context_len, register_mode
-from moeflow.engine.memory import ProcessFootprint, footprints_for
+from moeflow.engine.base import StepResult, clock, context_len
+from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DepLayout, expert_placement
 from moeflow.messages import WorkDone
@@ -31,7 +31,6 @@ def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
                     dtype=config.dtype, max_local_experts=max(len(ids) for ids in experts), shared_ranks=True)
 
 
-@footprints_for("dep")
 def _footprints(layout: DepLayout, mc, config: EngineConfig):
     spec, experts = _spec(layout, mc, config), expert_placement(None, layout.dp, mc.num_experts)
     return layout.max_batch_tokens, lambda fp, block: [
@@ -39,8 +38,10 @@ def _footprints(layout: DepLayout, mc, config: EngineConfig):
                          spec.dispatch_buffer_bytes + spec.combine_buffer_bytes, block) for r in range(layout.dp)]
 
 
-@register_mode("dep")
 class DepEngine(ProcessEngine):
+    mode_name = "dep"
+    footprint = staticmethod(_footprints)
+
     def __init__(self, model_path: str, config: EngineConfig, layout: DepLayout):
         super().__init__(config, layout)
         self.model_config, _ = load_config(model_path)

@@ -15,8 +15,8 @@ from moeflow.comm.segment import SHM_DIR
 from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
-from moeflow.engine.base import StepResult, clock, context_len, register_mode
-from moeflow.engine.memory import ProcessFootprint, footprints_for
+from moeflow.engine.base import StepResult, clock, context_len
+from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DwdpLayout
 from moeflow.messages import WorkDone
@@ -28,7 +28,6 @@ from moeflow.workers.launch import WorkerDied, WorkerHandle, WorkerStalled
 _IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
 
 
-@footprints_for("dwdp")
 def _footprints(layout: DwdpLayout, mc, config: EngineConfig):
     """Resident experts, and two layers' worth of pulled ones (the ping-pong slots)."""
     placement = layout.resident(mc.num_experts)
@@ -38,8 +37,10 @@ def _footprints(layout: DwdpLayout, mc, config: EngineConfig):
                          2 * pulled[r] * fp.per_expert // mc.num_moe_layers, block) for r, ids in enumerate(placement)]
 
 
-@register_mode("dwdp")
 class DwdpEngine(ProcessEngine):
+    mode_name = "dwdp"
+    footprint = staticmethod(_footprints)
+
     def __init__(self, model_path: str, config: EngineConfig, layout: DwdpLayout):
         super().__init__(config, layout)
         self.model_config, family = load_config(model_path)

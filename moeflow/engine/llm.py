@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 from moeflow.config import ClusterConfig, ConfigError, EngineConfig
 from moeflow.core import Request, RequestError, RequestOutput, SamplingParams
-from moeflow.engine.base import clock, create_engine
+from moeflow.engine.base import clock
+from moeflow.engine.modes import create_engine
 from moeflow.engine.output import OutputTracker
 from moeflow.engine.restart import RestartCount, RestartPolicy
 from moeflow.engine.tokenizer import load_tokenizer

@@ -9,7 +9,8 @@ and a process with a KV cache gets the rest as blocks:
 
 so a process that holds no routed experts (an asap attention worker, an afd attention instance)
 really fits more requests than a dep rank with the same budget. A process whose fixed part
-exceeds the budget is refused with the numbers. Each mode's engine lists its processes.
+exceeds the budget is refused with the numbers. Each mode's engine lists its processes
+(``Engine.footprint``).
 
 The activation reserve, unless given, is what one batch of ``max_batch_tokens`` tokens keeps
 alive inside one layer, in the compute dtype: the hidden state, residual, attention output, MoE
@@ -102,34 +103,19 @@ def plan_memory(config: EngineConfig, processes: list[ProcessFootprint], reserve
 
 
 Processes = Callable[[WeightFootprint, int], list[ProcessFootprint]]
-# mode -> (layout, model config, engine config) -> (max batch tokens, its processes); each engine module
-# registers its own, so a plan can be made without starting anything (``moeflow predict``)
-FOOTPRINTS: dict[str, Callable[..., tuple[int, Processes]]] = {}
+# a mode's ``Engine.footprint``: (layout, model config, engine config) -> (max batch tokens, its processes)
+Footprint = Callable[..., tuple[int, Processes]]
 
 
-def footprints_for(mode: str):
-    def deco(fn):
-        FOOTPRINTS[mode] = fn
-        return fn
-    return deco
-
-
-def plan_for(layout, model_path: str, config: EngineConfig) -> MemoryPlan:
-    """The memory plan ``layout`` would get under ``config``'s budget (its dtype resolved)."""
-    from moeflow.engine import afd, asap, colocated, dep, dwdp  # noqa: F401  (register their footprints)
-
-    _, plan = apply_budget(config, model_path, layout)
-    return plan
-
-
-def apply_budget(config: EngineConfig, model_path: str, layout) -> tuple[EngineConfig, MemoryPlan | None]:
+def apply_budget(config: EngineConfig, model_path: str, layout,
+                 footprint: Footprint) -> tuple[EngineConfig, MemoryPlan | None]:
     """``config`` with ``num_kv_blocks`` from its memory budget (unchanged without one), and the plan.
-    The mode's footprint function lists its processes given the weight footprint and one KV block
-    of the whole model (a TP member's is its share)."""
+    The mode's ``footprint`` lists its processes given the weight footprint and one KV block of the
+    whole model (a TP member's is its share)."""
     if config.memory_budget_gib is None:
         return config, None
     mc, family = load_config(model_path)
-    max_batch_tokens, processes = FOOTPRINTS[layout.mode](layout, mc, config)
+    max_batch_tokens, processes = footprint(layout, mc, config)
     dtype = TORCH_DTYPES[config.dtype]
     block = config.kv_block_size * kv_bytes_per_token(mc, dtype)
     procs = processes(weight_footprint(model_path, mc, family, dtype), block)

@@ -33,6 +33,8 @@ def describe_nodes(setups: list[WorkerSetup], nnodes: int) -> str:
 
 
 class ProcessEngine(Engine):
+    multinode = True  # every mode with worker processes may place them on several hosts
+
     def __init__(self, config: EngineConfig, layout: Layout):
         self.config, self.layout = config, layout
         self.deployment_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -50,7 +52,7 @@ class ProcessEngine(Engine):
 
     def _budget(self, config: EngineConfig, model_path: str) -> EngineConfig:
         """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``)."""
-        self.config, self.memory_plan = apply_budget(config, model_path, self.layout)
+        self.config, self.memory_plan = apply_budget(config, model_path, self.layout, self.footprint)
         return self.config
 
     def _setup(self, model_path: str, comm, placement, world, role: str, index: int, rank: int,

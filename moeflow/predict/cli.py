@@ -45,7 +45,7 @@ def _afd_resident(result: dict, system: str, layout, context: int) -> int:
     from moeflow.bench.decode import DecodeBench, resident, step_tokens
     from moeflow.config import EngineConfig
     from moeflow.engine.llm import resolve_model
-    from moeflow.engine.memory import plan_for
+    from moeflow.engine.modes import plan_for
 
     sysd = result["systems"][system]
     engine = {k: v for k, v in sysd["engine"].items() if k in {f.name for f in dataclasses.fields(EngineConfig)}}

@@ -1,29 +1,24 @@
 """Batching policies and KV-block bookkeeping on ints (no torch), shared by the engine and the
-simulator: ``make_scheduler`` builds any mode's scheduler from its layout, the same way for both."""
+simulator: ``make_scheduler`` builds any mode's scheduler from its layout, the same way for both.
+
+The table below is the one place that imports the policies; they never import it."""
 from __future__ import annotations
 
 from typing import Callable
 
 from moeflow.layout import Layout
+from moeflow.scheduler import afd, asap, continuous, dep, dwdp
 from moeflow.scheduler.block_allocator import BlockAllocator
 from moeflow.scheduler.pool import RequestPool, Scheduler
 
-# mode -> (layout, pool, max_num_batched_tokens) -> scheduler; each scheduler module registers itself
-_BUILDERS: dict[str, Callable[[Layout, RequestPool, int], Scheduler]] = {}
-
-
-def scheduler_for(mode: str):
-    def deco(fn):
-        _BUILDERS[mode] = fn
-        return fn
-    return deco
+# mode -> (layout, pool, max_num_batched_tokens) -> its scheduler
+BUILDERS: dict[str, Callable[[Layout, RequestPool, int], Scheduler]] = {
+    "colocated": continuous.build, "dep": dep.build, "asap": asap.build, "dwdp": dwdp.build, "afd": afd.build}
 
 
 def make_scheduler(layout: Layout, num_kv_blocks: int, kv_block_size: int, max_model_len: int, max_num_seqs: int,
                    max_num_batched_tokens: int = 8192) -> Scheduler:
     """The scheduler of ``layout``'s mode over one KV allocator per group of the layout."""
-    from moeflow.scheduler import afd, asap, continuous, dep, dwdp  # noqa: F401  (register the builders)
-
     pool = RequestPool([BlockAllocator(num_kv_blocks, kv_block_size) for _ in range(layout.num_groups)],
                        max_model_len, max_num_seqs)
-    return _BUILDERS[layout.mode](layout, pool, max_num_batched_tokens)
+    return BUILDERS[layout.mode](layout, pool, max_num_batched_tokens)

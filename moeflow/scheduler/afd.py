@@ -15,7 +15,6 @@ does the same). Length limits are known ahead and never overrun.
 from __future__ import annotations
 
 from moeflow.core import Batch, Request, ScheduledSeq, Work
-from moeflow.scheduler import scheduler_for
 from moeflow.scheduler.dep import PLACEMENTS, DepScheduler, Placement
 from moeflow.scheduler.pool import RequestPool
 
@@ -96,7 +95,6 @@ class AfdScheduler(DepScheduler):
         return super().abort(request_id, reason)
 
 
-@scheduler_for("afd")
-def _build(layout, pool: RequestPool, max_num_batched_tokens: int) -> AfdScheduler:
+def build(layout, pool: RequestPool, max_num_batched_tokens: int) -> AfdScheduler:
     return AfdScheduler(pool, PLACEMENTS[layout.placement](len(pool.groups)), layout.max_batch_tokens,
                         layout.chunked_prefill_size, layout.micro_batches)

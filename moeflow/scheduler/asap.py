@@ -15,7 +15,6 @@ import itertools
 
 from moeflow.config import SchedulerConfig
 from moeflow.core import Batch, Request, Work
-from moeflow.scheduler import scheduler_for
 from moeflow.scheduler.batching import BatchFormer, ImmediateBatching, LengthAwareBatching, Proposal
 from moeflow.scheduler.pool import RequestPool, Scheduler
 
@@ -140,6 +139,5 @@ def _halve(pieces: list[tuple[Request, int, int]]) -> list[list[tuple[Request, i
     return [first, second]
 
 
-@scheduler_for("asap")
-def _build(layout, pool: RequestPool, max_num_batched_tokens: int) -> AsapScheduler:
+def build(layout, pool: RequestPool, max_num_batched_tokens: int) -> AsapScheduler:
     return AsapScheduler.from_config(pool, layout.scheduler)

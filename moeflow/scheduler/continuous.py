@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 
 from moeflow.core import Batch, Request, ScheduledSeq, Work
-from moeflow.scheduler import scheduler_for
 from moeflow.scheduler.pool import RequestPool, Scheduler
 
 
@@ -45,6 +44,5 @@ class ContinuousBatching(Scheduler):
         return [Work(0, (Batch(next(self._batch_ids), tuple(seqs)),))] if seqs else []
 
 
-@scheduler_for("colocated")
-def _build(layout, pool: RequestPool, max_num_batched_tokens: int) -> ContinuousBatching:
+def build(layout, pool: RequestPool, max_num_batched_tokens: int) -> ContinuousBatching:
     return ContinuousBatching(pool, max_num_batched_tokens)

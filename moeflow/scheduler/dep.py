@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 
 from moeflow.core import Batch, Request, Work
-from moeflow.scheduler import scheduler_for
 from moeflow.scheduler.pool import RequestPool, Scheduler
 
 
@@ -166,7 +165,6 @@ class DepScheduler(Scheduler):
         return plan
 
 
-@scheduler_for("dep")
-def _build(layout, pool: RequestPool, max_num_batched_tokens: int) -> DepScheduler:
+def build(layout, pool: RequestPool, max_num_batched_tokens: int) -> DepScheduler:
     return DepScheduler(pool, PLACEMENTS[layout.placement](len(pool.groups)), layout.max_batch_tokens,
                         layout.chunked_prefill_size)

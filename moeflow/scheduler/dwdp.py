@@ -8,7 +8,6 @@ rank ever waits for another. The engine releases a rank when its work item is do
 from __future__ import annotations
 
 from moeflow.core import Work
-from moeflow.scheduler import scheduler_for
 from moeflow.scheduler.dep import PLACEMENTS, DepScheduler
 from moeflow.scheduler.pool import RequestPool
 
@@ -24,7 +23,6 @@ class DwdpScheduler(DepScheduler):
         return works
 
 
-@scheduler_for("dwdp")
-def _build(layout, pool: RequestPool, max_num_batched_tokens: int) -> DwdpScheduler:
+def build(layout, pool: RequestPool, max_num_batched_tokens: int) -> DwdpScheduler:
     return DwdpScheduler(pool, PLACEMENTS[layout.placement](len(pool.groups)), layout.max_batch_tokens,
                          layout.chunked_prefill_size)

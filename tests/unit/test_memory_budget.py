@@ -71,7 +71,7 @@ def test_the_simulators_memory_plan_is_the_engines(layout):
     """The simulator (no torch, no checkpoint) plans the embedded model's memory as the engine does:
     the same weights, communication buffers, reserve and KV capacity per process (float32 here)."""
     from moeflow.engine.llm import resolve_model
-    from moeflow.engine.memory import plan_for
+    from moeflow.engine.modes import plan_for
     from moeflow.layout import layout_from_dict
     from moeflow.sim.memory import plan_kv
     from moeflow.sim.model_spec import model_preset

@@ -1,0 +1,51 @@
+"""The mode table: the one place that imports every mode's engine (the modes never import it).
+
+``create_engine`` builds a deployment from its layout; ``plan_for`` makes a layout's memory plan
+without starting anything (``moeflow predict``). Adding a mode: its engine class here, its
+scheduler in ``scheduler.BUILDERS``, its layout in ``layout.py`` (``docs/structure.md``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from moeflow.config import ConfigError, EngineConfig
+from moeflow.engine.afd import AfdEngine
+from moeflow.engine.asap import AsapEngine
+from moeflow.engine.base import Engine
+from moeflow.engine.colocated import ColocatedEngine
+from moeflow.engine.dep import DepEngine
+from moeflow.engine.dwdp import DwdpEngine
+from moeflow.engine.memory import MemoryPlan, apply_budget
+from moeflow.hardware import resolve_dtype
+from moeflow.layout import Layout
+from moeflow.model.weights import load_config
+
+MODES: dict[str, type[Engine]] = {e.mode_name: e for e in (ColocatedEngine, DepEngine, AsapEngine, DwdpEngine,
+                                                          AfdEngine)}
+MULTINODE_MODES = tuple(m for m, e in MODES.items() if e.multinode)  # the modes whose workers may span hosts
+
+
+def engine_class(mode: str) -> type[Engine]:
+    if mode not in MODES:
+        raise ConfigError(f"mode {mode!r} has a layout but no engine; engines: {sorted(MODES)}")
+    return MODES[mode]
+
+
+def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engine:
+    """The deployment ``layout`` describes, running ``config``'s settings on ``model_path``."""
+    cls = engine_class(layout.mode)
+    cluster = config.cluster
+    if cluster.node_rank != 0:
+        raise ConfigError(f"node {cluster.node_rank} runs workers only (moeflow worker-node); the engine is node 0's")
+    if cluster.is_multinode and not cls.multinode:
+        raise ConfigError(f"mode {layout.mode!r} runs on one host; modes across hosts: {list(MULTINODE_MODES)}")
+    model, _ = load_config(model_path)
+    # NOTE: resolved here, once, so every worker of the deployment gets the same concrete dtype
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, model.checkpoint_dtype).dtype)
+    return cls(model_path, config, layout)
+
+
+def plan_for(layout: Layout, model_path: str, config: EngineConfig) -> MemoryPlan:
+    """The memory plan ``layout`` would get under ``config``'s budget (its dtype resolved)."""
+    _, plan = apply_budget(config, model_path, layout, engine_class(layout.mode).footprint)
+    return plan
