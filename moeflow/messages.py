@@ -29,6 +29,15 @@ class SeqOutput:
     prompt_logprobs: list[RawLogprobs] = field(default_factory=list)  # positions start+1 .. of this chunk
     timing: "BatchTiming | None" = None  # the engine attaches its batch's timing
 
+    def followed_by(self, later: "SeqOutput") -> "SeqOutput":
+        """One request's output over two consecutive chunks of one work item (the halves of a lone
+        batch the asap scheduler cut in two, ``scheduler/asap.py``): ``later``'s token, both chunks'
+        prompt logprobs in position order, one timing spanning both."""
+        a, z = self.timing, later.timing
+        timing = None if a is None or z is None else BatchTiming(
+            z.batch_id, min(a.start_s, z.start_s), max(a.end_s, z.end_s), a.compute_s + z.compute_s, a.wait_s + z.wait_s)
+        return SeqOutput(later.token_id, later.logprobs, self.prompt_logprobs + later.prompt_logprobs, timing)
+
 
 @dataclass
 class NewRequest:

@@ -112,19 +112,11 @@ class AfdEngine(ProcessEngine):
                 if isinstance(msg, WorkDone):
                     done[msg.group] = msg
         self._steps.popleft()
-        pool = self.scheduler.pool
-        alive = set(pool.requests)  # a request that stopped in the previous step has a dropped result here
-        outputs, finished = {}, []
-        for w in works:
-            out = self._attach_timing(done[w.group], w.batches)
-            sampled = {rid: o.token_id for rid, o in out.items() if o.token_id is not None}
-            for b in w.batches:
-                finished += self.scheduler.update(w.group, b, sampled)
-            outputs.update({rid: o for rid, o in out.items() if rid in alive})
-        for r in finished:
-            self._forget(r.request_id)
-        busy_s = {f"attention{g}": sum(t.compute_s for t in d.timings) for g, d in done.items()}
-        return StepResult(outputs, finished + self._failed_batches(), busy_s)
+        result = StepResult({}, [])
+        for w in works:  # a request that stopped in the previous step has its result here dropped
+            self._complete(done[w.group], w, result, f"attention{w.group}")
+        result.finished += self._failed_batches()
+        return result
 
     def drain(self, timeout_s: float = 120.0) -> None:
         deadline = clock() + timeout_s

@@ -10,7 +10,6 @@ import functools
 
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
-from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
@@ -75,7 +74,6 @@ class AsapEngine(ProcessEngine):
         self._launch([setup("moe", i, n + i, self._expert_node(i)) for i in range(e)] +
                      [setup("attention", r, r) for r in range(n)])
         self.attention = [w for w in self.deployment.workers if w.role == "attention"]
-        self._inflight: dict[int, Work] = {}  # by group
 
     def step(self) -> StepResult:
         self._check_alive()
@@ -94,23 +92,9 @@ class AsapEngine(ProcessEngine):
         if not self._inflight and wake is not None:
             timeout = min(_IDLE_WAIT_S, max(0.0, wake - clock()))
         leaders = [self.attention[g * self.layout.attn_tp] for g in self._inflight]
-        outputs, finished, busy_s = {}, [], {}
+        result = StepResult({}, [])
         for _, msg in self._recv_any(leaders, timeout):
             if isinstance(msg, WorkDone):
-                busy_s[f"attention{msg.group}"] = sum(t.compute_s for t in msg.timings)
-                work = self._inflight.pop(msg.group)
-                out = self._attach_timing(msg, work.batches)
-                for b in work.batches:
-                    finished += self.scheduler.update(msg.group, b, {s.request_id: out[s.request_id].token_id
-                                                                    for s in b.seqs if s.request_id in out})
-                self.scheduler.release(msg.group)
-                outputs.update(out)
-        for r in finished:
-            self._forget(r.request_id)
-        return StepResult(outputs, finished + self._failed_batches(), busy_s)
-
-    def _on_fail(self) -> None:
-        self._inflight.clear()
-
-    def _busy(self) -> bool:
-        return bool(self._inflight)
+                self._complete(msg, self._inflight.pop(msg.group), result, f"attention{msg.group}")
+        result.finished += self._failed_batches()
+        return result

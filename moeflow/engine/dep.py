@@ -82,14 +82,8 @@ class DepEngine(ProcessEngine):
                         done[msg.group] = msg
         except WorkerDied as e:
             return self._fail(str(e))
-        outputs, finished = {}, []
+        result = StepResult({}, [])
         for w in works:
-            out = self._attach_timing(done[w.group], w.batches)
-            finished += self.scheduler.update(w.group, w.batches[0], {rid: o.token_id for rid, o in out.items()
-                                                                      if o.token_id is not None})
-            outputs.update(out)
-        for req in finished:
-            self._forget(req.request_id)
-        finished += self._failed_batches()
-        busy_s = {f"rank{r}": sum(t.compute_s for t in d.timings) for r, d in done.items()}
-        return StepResult(outputs, finished, busy_s)
+            self._complete(done[w.group], w, result, f"rank{w.group}")
+        result.finished += self._failed_batches()
+        return result

@@ -14,7 +14,6 @@ from moeflow.comm import CommConfig
 from moeflow.comm.segment import SHM_DIR
 from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ConfigError, EngineConfig
-from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
@@ -65,7 +64,6 @@ class DwdpEngine(ProcessEngine):
                       for r in range(layout.dp)],
                      published_shm_bytes=sum(b for r, b in enumerate(self._published) if r % nnodes == 0))
         self.ranks = list(self.deployment.workers)
-        self._inflight: dict[int, Work] = {}  # by rank
         self.dead: dict[int, str] = {}  # rank -> why it is gone (until its replacement is ready)
         self._respawning: dict[int, WorkerHandle] = {}  # rank -> its replacement, not yet ready
 
@@ -90,7 +88,7 @@ class DwdpEngine(ProcessEngine):
 
     def _collect(self) -> StepResult:
         timeout = _IDLE_WAIT_S if self._inflight or not self.scheduler.has_unfinished() else 0.0
-        outputs, finished, busy_s = {}, [], {}
+        result = StepResult({}, [])
         try:
             got = self._recv_any([self.ranks[r] for r in self._inflight], timeout, watch=self._alive())
         except WorkerStalled as e:  # that rank only: it is killed, its requests fail, the others go on
@@ -101,17 +99,9 @@ class DwdpEngine(ProcessEngine):
             return StepResult({}, self._rank_died(e.worker.index if e.worker else -1, str(e)))
         for _, msg in got:
             if isinstance(msg, WorkDone):
-                busy_s[f"rank{msg.group}"] = sum(t.compute_s for t in msg.timings)
-                work = self._inflight.pop(msg.group)
-                out = self._attach_timing(msg, work.batches)
-                b = work.batches[0]
-                finished += self.scheduler.update(msg.group, b, {rid: o.token_id for rid, o in out.items()
-                                                                 if o.token_id is not None})
-                self.scheduler.release(msg.group)
-                outputs.update(out)
-        for r in finished:
-            self._forget(r.request_id)
-        return StepResult(outputs, finished + self._failed_batches(), busy_s)
+                self._complete(msg, self._inflight.pop(msg.group), result, f"rank{msg.group}")
+        result.finished += self._failed_batches()
+        return result
 
     def _rank_died(self, rank: int, reason: str) -> list:
         """Fail what ``rank`` held; keep serving on the others (or fail the deployment, if none is left)."""
@@ -180,8 +170,3 @@ class DwdpEngine(ProcessEngine):
         """What each rank reported holding at start (bytes by kind)."""
         return {w.name: w.memory for w in self.ranks}
 
-    def _on_fail(self) -> None:
-        self._inflight.clear()
-
-    def _busy(self) -> bool:
-        return bool(self._inflight)

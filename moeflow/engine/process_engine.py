@@ -11,12 +11,12 @@ import uuid
 from collections import deque
 
 from moeflow.config import EngineConfig
-from moeflow.core import Batch, Request
+from moeflow.core import Batch, Request, Work
 from moeflow.engine.base import Engine, StepResult, clock, validate_request
 from moeflow.engine.memory import apply_budget
 from moeflow.layout import Layout
 from moeflow.logs import get_logger
-from moeflow.messages import BatchTiming, DumpSpans, NewRequest, RunWork, Spans, WorkerSetup, World
+from moeflow.messages import DumpSpans, NewRequest, RunWork, Spans, WorkDone, WorkerSetup, World
 from moeflow.workers import rendezvous
 from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle, WorkerStalled, free_port, process_state
 
@@ -49,6 +49,9 @@ class ProcessEngine(Engine):
         self.stalls = 0  # stalls this deployment noticed (a server counts them)
         self.failed: str | None = None
         self.scheduler = None  # set by the subclass
+        # group -> its work item on the workers, for the modes that give a group one at a time
+        # (asap, dwdp; dep's global step and afd's steps in flight keep their own)
+        self._inflight: dict[int, Work] = {}
 
     def _budget(self, config: EngineConfig, model_path: str) -> EngineConfig:
         """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``)."""
@@ -154,10 +157,26 @@ class ProcessEngine(Engine):
         t, g = min(firsts)
         return clock() - t, g
 
+    def _complete(self, done: WorkDone, work: Work, result: StepResult, worker: str) -> None:
+        """One finished work item, the same way in every mode: ``worker``'s compute time, each live
+        request's output with its batch's timing, the scheduler updated batch by batch with the
+        sampled tokens, the group released. A request that ended before this item came back (a
+        step in flight past its end, an abort) has its output dropped."""
+        result.busy_s[worker] = sum(t.compute_s for t in done.timings)
+        live = set(self.scheduler.pool.requests)
+        out = self._attach_timing(done, work.batches)
+        sampled = {rid: o.token_id for rid, o in out.items() if o.token_id is not None}
+        for b in work.batches:
+            for r in self.scheduler.update(done.group, b, sampled):
+                self._forget(r.request_id)
+                result.finished.append(r)
+        self.scheduler.release(done.group)
+        result.outputs.update({rid: o for rid, o in out.items() if rid in live})
+
     def _attach_timing(self, done, batches: tuple[Batch, ...]) -> dict:
-        """Per request, its output of this work item with its batch's timing. A request split over
-        both batches of a pair (a halved lone batch) gets one merged output, in position order.
-        The requests of a batch that failed on the worker end with its error (``_failed_batches``)."""
+        """Per request, its output of this work item with its batch's timing (one output for a
+        request whose chunks ran in both batches). The requests of a batch that failed on the
+        worker end with its error (``_failed_batches``)."""
         issued = self._issued.get(done.group)
         if issued:
             issued.popleft()
@@ -169,13 +188,7 @@ class ProcessEngine(Engine):
                 continue
             for rid, o in done.outputs[b.batch_id].items():
                 o.timing = timing[b.batch_id]
-                prev = outputs.get(rid)
-                if prev is not None:
-                    o.prompt_logprobs = prev.prompt_logprobs + o.prompt_logprobs
-                    a, z = prev.timing, o.timing
-                    o.timing = BatchTiming(z.batch_id, min(a.start_s, z.start_s), max(a.end_s, z.end_s),
-                                           a.compute_s + z.compute_s, a.wait_s + z.wait_s)
-                outputs[rid] = o
+                outputs[rid] = outputs[rid].followed_by(o) if rid in outputs else o
         return {rid: o for rid, o in outputs.items() if rid not in failed}
 
     def _fail_batch(self, group: int, batch: Batch, error: str) -> set[str]:
@@ -220,11 +233,11 @@ class ProcessEngine(Engine):
         return StepResult({}, finished)
 
     def drain(self, timeout_s: float = 120.0) -> None:
-        """Collect every work item still on a group (a subclass that keeps ``_inflight`` by group
-        and collects with ``_collect`` gets this for free)."""
+        """Collect every work item still on a group (with ``_collect``, which a mode that keeps
+        ``_inflight`` provides)."""
         deadline = clock() + timeout_s
         try:
-            while getattr(self, "_inflight", None) and self.failed is None:
+            while self._inflight and self.failed is None:
                 if clock() > deadline:
                     raise RuntimeError(f"work items of groups {sorted(self._inflight)} still in flight "
                                        f"after {timeout_s:g} s")
@@ -233,7 +246,8 @@ class ProcessEngine(Engine):
             self._fail(str(e))
 
     def _on_fail(self) -> None:
-        """Drop the subclass's in-flight bookkeeping."""
+        """Drop the in-flight bookkeeping (a mode with its own extends this)."""
+        self._inflight.clear()
 
     def check_workers(self) -> StepResult:
         if self.failed is None and self.deployment is not None:
@@ -247,7 +261,7 @@ class ProcessEngine(Engine):
             raise WorkerDied(f"the {self.mode_name} deployment has failed: {self.failed}")
 
     def _busy(self) -> bool:
-        return False
+        return bool(self._inflight)
 
     def collect_spans(self) -> list:
         """Every worker's spans so far (call between requests: work results are not expected here)."""
