@@ -122,7 +122,8 @@ class AsapScheduler(Scheduler):
 
 def _halve(pieces: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
     """Cut (request, start, tokens) pieces at the token midpoint; a request across it is split in two
-    chunks, the first in the first half (which each layer computes first)."""
+    chunks, the first in the first half (which each layer computes first); the engine gives such a
+    request one output (``messages.SeqOutput.followed_by``)."""
     half = sum(n for _, _, n in pieces) // 2
     first, second, acc = [], [], 0
     for r, start, n in pieces:
