@@ -147,7 +147,7 @@ class WorkerSetup:
     engine: EngineConfig  # dtype, limits, threads, trace, ...
     layout: Layout  # the deployment's shape (asap: D, T, E; dep: N)
     comm: CommConfig  # dispatch/combine buffers and transport
-    placement: tuple[tuple[int, ...], ...]  # experts held by each expert-side worker (MoE worker, dep rank)
+    experts_held: tuple[tuple[int, ...], ...]  # experts held by each expert-side worker (MoE worker, FFN daemon, rank)
     world: World | None = None  # None: this deployment has no torch.distributed world
     world_rank: int = 0  # this process's rank in ``world``
     cpu: int | None = None  # pin the process to this CPU

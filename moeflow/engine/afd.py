@@ -35,21 +35,21 @@ _IDLE_S = 2e-3  # an idle deployment's step sleeps this long (never a busy spin)
 def _spec(layout: AfdLayout, mc, config: EngineConfig) -> CommSpec:
     """An instance is a region of one lane in every daemon's buffer, a daemon an expert rank; an
     instance keeps up to m micro-batches in flight per lane."""
-    s, placement = layout.max_batch_tokens, layout.placement_of_experts(mc.num_experts)
+    s, held = layout.max_batch_tokens, layout.experts_held(mc.num_experts)
     return CommSpec(num_regions=layout.attn_workers, lanes_per_region=1, num_expert_ranks=layout.ffn_workers,
                     num_experts=mc.num_experts, top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
                     max_batch_tokens=s, dtype=config.dtype, num_slots=max(2, layout.micro_batches),
                     combine_rows=s if layout.router == "ffn" else 0,
-                    max_local_experts=max(len(ids) for ids in placement))
+                    max_local_experts=max(len(ids) for ids in held))
 
 
 def _footprints(layout: AfdLayout, mc, config: EngineConfig):
-    spec, placement = _spec(layout, mc, config), layout.placement_of_experts(mc.num_experts)
+    spec, held = _spec(layout, mc, config), layout.experts_held(mc.num_experts)
     gates = layout.router == "ffn"
     return layout.max_batch_tokens, lambda fp, block: [
         *(ProcessFootprint(f"attention{i}", fp.attention_side(), spec.combine_buffer_bytes, block)
           for i in range(layout.attn_workers)),
-        *(ProcessFootprint(f"ffn{j}", fp.experts(len(placement[j])) + (fp.routers if gates else 0),
+        *(ProcessFootprint(f"ffn{j}", fp.experts(len(held[j])) + (fp.routers if gates else 0),
                            spec.dispatch_buffer_bytes) for j in range(layout.ffn_workers))]
 
 
@@ -64,14 +64,14 @@ class AfdEngine(ProcessEngine):
         if not mc.num_moe_layers:
             raise ConfigError("mode 'afd' needs a model with MoE layers")
         m, n = layout.attn_workers, layout.ffn_workers
-        placement = layout.placement_of_experts(mc.num_experts)
+        held = layout.experts_held(mc.num_experts)
         self.max_model_len = context_len(config, mc)
         # across hosts: the attention instances (and the engine) on node 0, the FFN daemons on the others
         transport, rank_nodes = self._transport((0,) * m + tuple(self._expert_node(j) for j in range(n)))
         comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
         world = self._world(m + n) if transport in DIST_TRANSPORTS else None
-        setup = functools.partial(self._setup, model_path, comm, placement, world)
+        setup = functools.partial(self._setup, model_path, comm, held, world)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         # the daemons first: they own the dispatch buffers the instances attach to

@@ -28,20 +28,20 @@ _IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
 
 def _spec(layout: AsapLayout, mc, config: EngineConfig) -> CommSpec:
     """A region per DP group, a lane per TP member, an expert rank per MoE worker."""
-    placement = layout.placement(mc.num_experts)
+    held = layout.experts_held(mc.num_experts)
     return CommSpec(num_regions=layout.attn_dp, lanes_per_region=layout.attn_tp, num_expert_ranks=layout.moe_workers,
                     num_experts=mc.num_experts, top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
                     max_batch_tokens=layout.scheduler.max_batch_tokens, dtype=config.dtype,
-                    max_local_experts=max(len(ids) for ids in placement))
+                    max_local_experts=max(len(ids) for ids in held))
 
 
 def _footprints(layout: AsapLayout, mc, config: EngineConfig):
-    spec, placement, t = _spec(layout, mc, config), layout.placement(mc.num_experts), layout.attn_tp
+    spec, held, t = _spec(layout, mc, config), layout.experts_held(mc.num_experts), layout.attn_tp
     member_block = config.kv_block_size * kv_bytes_per_token(attention_for(mc).member_config(t), TORCH_DTYPES[config.dtype])
     return layout.scheduler.max_batch_tokens, lambda fp, block: [
         *(ProcessFootprint(f"attention{r}", fp.attention_side(t), spec.combine_buffer_bytes, member_block)
           for r in range(layout.num_attention_workers)),
-        *(ProcessFootprint(f"moe{i}", fp.experts(len(placement[i])), spec.dispatch_buffer_bytes)
+        *(ProcessFootprint(f"moe{i}", fp.experts(len(held[i])), spec.dispatch_buffer_bytes)
           for i in range(layout.moe_workers))]
 
 
@@ -55,7 +55,7 @@ class AsapEngine(ProcessEngine):
         mc = self.model_config
         if not mc.num_moe_layers:
             raise ConfigError("mode 'asap' needs a model with MoE layers")
-        placement = layout.placement(mc.num_experts)
+        held = layout.experts_held(mc.num_experts)
         d, t, e = layout.attn_dp, layout.attn_tp, layout.moe_workers
         check_tp(mc, t)
         self.max_model_len = context_len(config, mc)
@@ -67,7 +67,7 @@ class AsapEngine(ProcessEngine):
         if t > 1 or transport in DIST_TRANSPORTS:
             groups = tuple(tuple(range(g * t, (g + 1) * t)) for g in range(d)) if t > 1 else ()
             world = self._world(n + e, groups)
-        setup = functools.partial(self._setup, model_path, comm, placement, world)
+        setup = functools.partial(self._setup, model_path, comm, held, world)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs)
         # MoE workers first: they own the dispatch buffers the attention workers attach to.

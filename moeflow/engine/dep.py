@@ -13,7 +13,7 @@ from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
-from moeflow.layout import DepLayout, expert_placement
+from moeflow.layout import DepLayout
 from moeflow.messages import WorkDone
 from moeflow.model.weights import load_config
 from moeflow.scheduler import make_scheduler
@@ -25,14 +25,14 @@ _IDLE_S = 0.002  # a step with nothing to schedule sleeps this long instead of s
 def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
     """Each rank writes the one lane of its own region in every rank's buffer, and owns one (an expert
     rank): one process, so one world rank for both (``shared_ranks``)."""
-    experts = expert_placement(None, layout.dp, mc.num_experts)
+    experts = layout.experts_held(mc.num_experts)
     return CommSpec(num_regions=layout.dp, lanes_per_region=1, num_expert_ranks=layout.dp, num_experts=mc.num_experts,
                     top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size, max_batch_tokens=layout.max_batch_tokens,
                     dtype=config.dtype, max_local_experts=max(len(ids) for ids in experts), shared_ranks=True)
 
 
 def _footprints(layout: DepLayout, mc, config: EngineConfig):
-    spec, experts = _spec(layout, mc, config), expert_placement(None, layout.dp, mc.num_experts)
+    spec, experts = _spec(layout, mc, config), layout.experts_held(mc.num_experts)
     return layout.max_batch_tokens, lambda fp, block: [
         ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(experts[r])),
                          spec.dispatch_buffer_bytes + spec.combine_buffer_bytes, block) for r in range(layout.dp)]
@@ -54,7 +54,7 @@ class DepEngine(ProcessEngine):
         if config.transport not in ("shm", "dist"):  # dist: a rank's link to itself is a Loopback
             raise ConfigError(f"mode 'dep' runs its all-to-all over shm or dist, not {config.transport!r}")
         dp = layout.dp
-        experts = expert_placement(None, dp, mc.num_experts)  # rank r holds the r-th 1/N of every layer
+        experts = layout.experts_held(mc.num_experts)  # rank r holds the r-th 1/N of every layer
         self.max_model_len = context_len(config, mc)
         nnodes = config.cluster.nnodes  # rank r on node r mod N
         transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(dp)))

@@ -29,7 +29,7 @@ _IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
 
 def _footprints(layout: DwdpLayout, mc, config: EngineConfig):
     """Resident experts, and two layers' worth of pulled ones (the ping-pong slots)."""
-    placement = layout.resident(mc.num_experts)
+    placement = layout.experts_held(mc.num_experts)
     pulled = [mc.num_experts - len(set(ids)) for ids in placement]
     return layout.max_batch_tokens, lambda fp, block: [
         ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(ids)),
@@ -48,7 +48,7 @@ class DwdpEngine(ProcessEngine):
             raise ConfigError("mode 'dwdp' needs a model with MoE layers")
         if config.transport != "shm":
             raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over {config.transport!r}")
-        self.placement = layout.resident(mc.num_experts)
+        self.experts_held = layout.experts_held(mc.num_experts)
         self.max_model_len = context_len(config, mc)
         nnodes = config.cluster.nnodes  # rank r on node r mod N; peers elsewhere serve pulls over gloo
         transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(layout.dp)))
@@ -59,8 +59,8 @@ class DwdpEngine(ProcessEngine):
                                         config.max_num_seqs)
         world = self._world(layout.dp) if transport != "shm" else None
         fp = weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype])
-        self._published = [fp.experts(len(ids)) for ids in self.placement]  # each rank's experts in /dev/shm
-        self._launch([self._setup(model_path, comm, self.placement, world, "dwdp", r, r, r % nnodes)
+        self._published = [fp.experts(len(ids)) for ids in self.experts_held]  # each rank's experts in /dev/shm
+        self._launch([self._setup(model_path, comm, self.experts_held, world, "dwdp", r, r, r % nnodes)
                       for r in range(layout.dp)],
                      published_shm_bytes=sum(b for r, b in enumerate(self._published) if r % nnodes == 0))
         self.ranks = list(self.deployment.workers)

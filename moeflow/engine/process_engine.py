@@ -58,12 +58,12 @@ class ProcessEngine(Engine):
         self.config, self.memory_plan = apply_budget(config, model_path, self.layout, self.footprint)
         return self.config
 
-    def _setup(self, model_path: str, comm, placement, world, role: str, index: int, rank: int,
+    def _setup(self, model_path: str, comm, experts_held, world, role: str, index: int, rank: int,
                node: int = 0) -> WorkerSetup:
         """A worker's setup; ``rank``: its rank in the deployment's world (pinned to CPU rank mod cores);
         ``node``: the host that runs it."""
         c = self.config
-        return WorkerSetup(role, index, model_path, c, self.layout, comm, placement, world, rank,
+        return WorkerSetup(role, index, model_path, c, self.layout, comm, experts_held, world, rank,
                            cpu=rank % (os.cpu_count() or 1) if c.pin_cpus else None, node=node)
 
     def _world(self, size: int, tp_groups=()) -> World:

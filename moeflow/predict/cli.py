@@ -98,7 +98,7 @@ def run_afd(args: argparse.Namespace) -> int:
                                  topology=args.topology, overlap_scheduling=not args.no_overlap_scheduling, **limits)
             b_afd = _given_resident(args.batch, args.attn_workers) or _afd_resident(base_result, args.system, layout, c)
             pred = predict(base, profile, m=m, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
-                           served=len(layout.served_by(0)), local_experts=len(layout.placement_of_experts(mc.num_experts)[0]),
+                           served=len(layout.served_by(0)), local_experts=len(layout.experts_held(mc.num_experts)[0]),
                            b_afd=b_afd, num_layers=mc.num_layers, num_moe_layers=mc.num_moe_layers,
                            top_k=mc.num_experts_per_tok, overlap_scheduling=layout.overlap_scheduling,
                            pair_share=1 / len(layout.ffns_of(0)), attention=args.attention, context=c)

@@ -38,7 +38,7 @@ class AfdSystem(StepSystem):
         lay, m = spec.layout, cost.model
         self.served = [lay.served_by(j) for j in range(lay.ffn_workers)]
         self.ffns = [lay.ffns_of(i) for i in range(lay.attn_workers)]
-        self.local = [len(ids) for ids in lay.placement_of_experts(m.num_experts)]
+        self.local = [len(ids) for ids in lay.experts_held(m.num_experts)]
         self.num_entities = {"attention": lay.attn_workers, "ffn": lay.ffn_workers}
         self.busy_s = {"attention": 0.0, "ffn": 0.0}
 

@@ -97,7 +97,7 @@ def closed_form(afd: dict, base: dict, layout, cost) -> dict:
     m = cost.model
     sp = base["split"]
     baseline = Baseline(base["tpot_s"], base["batch_per_group"], sp["attention"], sp["ffn"], sp["transport"], 0.0)
-    local = len(layout.placement_of_experts(m.num_experts)[0])
+    local = len(layout.experts_held(m.num_experts)[0])
     grid = sorted({round(1.5 ** k) for k in range(40)})  # 1 .. ~1e7 routed pairs
     profile = {"experts": {str(local): [[p, cost.experts_s(p, local)] for p in grid]}}
     pred = predict(baseline, profile, m=layout.micro_batches, attn_workers=layout.attn_workers,

@@ -35,7 +35,7 @@ class DwdpSystem(System):
         super().__init__(spec, cost, trace_until_s)
         layout, m = spec.layout, cost.model
         self.sched = self._scheduler()
-        placement = layout.resident(m.num_experts)
+        placement = layout.experts_held(m.num_experts)
         n = layout.dp
         # per rank: the bytes each source serves it per MoE layer, in the plan's order
         self.by_source: list[dict[int, int]] = []

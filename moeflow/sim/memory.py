@@ -80,14 +80,14 @@ def comm_buffers(m: ModelSpec, layout) -> dict[str, float]:
         return {f"rank{r}": 2 * (layout.dp * 2 * rows * h * b) for r in range(layout.dp)}  # dispatch + combine
     if mode == "afd":
         slots, s = max(2, layout.micro_batches), layout.max_batch_tokens
-        local = max(len(ids) for ids in layout.placement_of_experts(m.num_experts))
+        local = max(len(ids) for ids in layout.experts_held(m.num_experts))
         rows = _rows(m, s, local)
         segment = s if layout.router == "ffn" else rows
         return {**{f"attention{i}": layout.ffn_workers * slots * segment * h * b for i in range(layout.attn_workers)},
                 **{f"ffn{j}": layout.attn_workers * slots * rows * h * b for j in range(layout.ffn_workers)}}
     if mode == "asap":
         t = layout.attn_tp
-        local = max(len(ids) for ids in layout.placement(m.num_experts))
+        local = max(len(ids) for ids in layout.experts_held(m.num_experts))
         rows = _rows(m, -(-layout.scheduler.max_batch_tokens // t), local)
         return {**{f"attention{g}.{i}": layout.moe_workers * 2 * rows * h * b
                    for g in range(layout.attn_dp) for i in range(t)},
@@ -105,20 +105,20 @@ def devices(m: ModelSpec, layout) -> list[Device]:
         per = side - attention + attention / tp + m.num_moe_layers * m.expert_bytes * m.num_experts / n
         return [Device(f"rank{r}", per, kv / (tp if m.attention == "gqa" else 1)) for r in range(layout.dp)]
     if mode == "afd":
-        placement = layout.placement_of_experts(m.num_experts)
+        placement = layout.experts_held(m.num_experts)
         return [*(Device(f"attention{i}", side, kv) for i in range(layout.attn_workers)),
                 *(Device(f"ffn{j}", m.num_moe_layers * m.expert_bytes * len(ids), 0)
                   for j, ids in enumerate(placement))]
     if mode == "dwdp":
         return [Device(f"rank{r}", side + m.expert_bytes * (m.num_moe_layers * len(set(ids))
                                                             + 2 * (m.num_experts - len(set(ids)))), kv)
-                for r, ids in enumerate(layout.resident(m.num_experts))]
+                for r, ids in enumerate(layout.experts_held(m.num_experts))]
     if mode == "asap":
         t = layout.attn_tp
         return [*(Device(f"attention{g}.{i}", side - attention + attention / t, kv / (t if m.attention == "gqa" else 1))
                   for g in range(layout.attn_dp) for i in range(t)),
                 *(Device(f"moe{w}", m.num_moe_layers * m.expert_bytes * len(ids), 0)
-                  for w, ids in enumerate(layout.placement(m.num_experts)))]
+                  for w, ids in enumerate(layout.experts_held(m.num_experts)))]
     raise ValueError(f"memory plan: mode {mode!r} has no device list in the simulator")
 
 

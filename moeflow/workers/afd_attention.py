@@ -33,7 +33,7 @@ class AfdStages(AttentionStages):
             c2 = time.monotonic()
             self.connector.send_attn_output(layer, f.batch.batch_id, {j: (x, None) for j in f.workers})
             return c2
-        ids, f.topk_w = self._route(layer, f, x)  # [n, K] each
+        ids, f.topk_w = self.route(layer, f, x)  # [n, K] each
         f.shares = self.routes.split(ids, f.workers)
         c2 = time.monotonic()
         k = ids.shape[1]

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from moeflow.messages import BatchTiming, DumpSpans, RunWork, Shutdown, Spans, WorkDone
+from moeflow.messages import BatchTiming, RunWork, WorkDone
+from moeflow.workers.control import serve_control
 from moeflow.workers.schedule import LayerSchedule
 from moeflow.workers.stages import AttentionStages
 
@@ -21,17 +22,14 @@ class AttentionWorker:
         self.replies = replies  # the group's leader reports WorkDone; other TP members stay silent
 
     def serve(self, conn) -> None:
-        s = self.stages
-        while True:
-            msg = conn.recv()
-            if isinstance(msg, Shutdown):
-                return
-            if isinstance(msg, DumpSpans):
-                conn.send(Spans(s.setup.role, s.setup.index, s.tracer.drain()))
-            elif isinstance(msg, RunWork):
+        def on_message(msg) -> None:
+            if isinstance(msg, RunWork):
                 done = self.run_work(msg)
                 if self.replies:
                     conn.send(done)
+
+        s = self.stages
+        serve_control(conn, s.setup.role, s.setup.index, s.tracer, on_message)
 
     def memory(self) -> dict[str, int]:
         return {**self.stages.memory(), **self.schedule.memory()}

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from moeflow.messages import DumpSpans, Shutdown, Spans, WorkerSetup
+from moeflow.messages import WorkerSetup
+from moeflow.workers.control import serve_control
 from moeflow.model.moe import ExpertWeights, experts_grouped, plan_pairs, weighted_sum
 from moeflow.model.router import RouterWeights, router_for
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
@@ -59,7 +60,7 @@ class FfnDaemon:
         self.setup, self.index = setup, j
         self.routes_here = layout.router == "ffn"
         cfg, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
-                              LoadSpec(attention=False, experts=setup.placement[j], routers=self.routes_here))
+                              LoadSpec(attention=False, experts=setup.experts_held[j], routers=self.routes_here))
         self.experts, self.gates = w.experts, w.routers
         self.router = router_for(cfg)
         self.connector = FfnConnector(transport, j, layout.served_by(j))
@@ -88,14 +89,7 @@ class FfnDaemon:
         self.tracer.add("combine-send", t2, t3, layer=c.layer)
 
     def serve(self, conn) -> None:
-        while True:
-            if conn.poll():
-                msg = conn.recv()
-                if isinstance(msg, Shutdown):
-                    return
-                if isinstance(msg, DumpSpans):
-                    conn.send(Spans("ffn", self.index, self.tracer.drain()))
-            self.turn()
+        serve_control(conn, "ffn", self.index, self.tracer, turn=lambda: self.turn() or True)
 
     def memory(self) -> dict[str, int]:
         w = self.experts

@@ -13,7 +13,8 @@ import queue
 import threading
 import time
 
-from moeflow.messages import DumpSpans, Shutdown, Spans, WorkerSetup
+from moeflow.messages import WorkerSetup
+from moeflow.workers.control import serve_control
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.experts import ExpertCompute, send_replies
 from moeflow.workers.tracer import Tracer
@@ -26,7 +27,7 @@ class MoEWorker:
         self.setup = setup
         self.index = setup.index
         _, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
-                            LoadSpec(attention=False, experts=setup.placement[setup.index]))
+                            LoadSpec(attention=False, experts=setup.experts_held[setup.index]))
         self.receiver = transport.dispatch_receiver(setup.index)  # owns this worker's dispatch buffer
         self.sender = transport.combine_sender(setup.index)
         self.tracer = Tracer("moe", setup.index, setup.engine.trace)
@@ -51,16 +52,13 @@ class MoEWorker:
         return msg is not None
 
     def serve(self, conn) -> None:
+        def turn() -> bool:
+            self.loop.turn()
+            return not self.loop.stopped()
+
         self.loop.start()
         try:
-            while not self.loop.stopped():
-                if conn.poll():
-                    msg = conn.recv()
-                    if isinstance(msg, Shutdown):
-                        break
-                    if isinstance(msg, DumpSpans):
-                        conn.send(Spans("moe", self.index, self.tracer.drain()))
-                self.loop.turn()
+            serve_control(conn, "moe", self.index, self.tracer, turn=turn)
         finally:
             self.loop.stop()
         if self.loop.error is not None:

@@ -53,9 +53,9 @@ def _dep_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWor
     """dep: attention for its own DP batch, 1/N of every layer's experts, lockstep all-to-all."""
     rank = setup.index
     receiver = transport.dispatch_receiver(rank)  # our dispatch buffer, before anyone attaches to it
-    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.placement[rank]),
-                             send_to=tuple(range(len(setup.placement))))
-    schedule = Lockstep(stages, receiver, transport.combine_sender(rank), len(setup.placement))
+    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.experts_held[rank]),
+                             send_to=tuple(range(len(setup.experts_held))))
+    schedule = Lockstep(stages, receiver, transport.combine_sender(rank), len(setup.experts_held))
     return AttentionWorker(stages, schedule, replies=True)
 
 
@@ -64,14 +64,14 @@ def _dwdp_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWo
     """dwdp: the whole model for its own requests; its resident experts published in shared memory
     for its peers to pull, theirs pulled one layer ahead of use."""
     rank, layout = setup.index, setup.layout
-    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.placement[rank]),
+    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.experts_held[rank]),
                              dispatch=False)
     store = transport.weight_store()
     w = stages.weights.experts
     shared = store.publish(rank, {"w13": w.w13, "w2": w.w2})  # compute from the published copy; drop ours
     stages.weights.experts = dataclasses.replace(w, w13=shared["w13"], w2=shared["w2"])
-    peers = {r: store.peer(r) for r in range(len(setup.placement)) if r != rank}
-    prefetcher = ExpertPrefetcher(rank, setup.placement, list(w.layer_ids), (shared["w13"], shared["w2"]), peers,
+    peers = {r: store.peer(r) for r in range(len(setup.experts_held)) if r != rank}
+    prefetcher = ExpertPrefetcher(rank, setup.experts_held, list(w.layer_ids), (shared["w13"], shared["w2"]), peers,
                                   layout.copy_plan, layout.slice_bytes, stages.tracer)
     return AttentionWorker(stages, Prefetching(stages, prefetcher, layout.merge, store), replies=True)
 

@@ -9,7 +9,6 @@ import time
 
 from moeflow.model.moe import experts_list, experts_merged, plan_pairs, weighted_sum
 from moeflow.workers.experts import ExpertCompute, send_replies
-from moeflow.model.transformer import AttentionOut
 from moeflow.workers.stages import AttentionStages, InFlight, guarded
 
 
@@ -100,20 +99,12 @@ class Prefetching(LayerSchedule):
     def run(self, flights: list[InFlight]) -> None:
         (f,) = flights
         s, m = self.stages, self.stages.model
-        kv = s.runner.kv_cache
         n = f.hidden.shape[0]
         for layer in range(s.cfg.num_layers):
-            c0 = time.monotonic()
-            a = guarded(f, f"attention of layer {layer}", lambda: m.attention(layer, f.hidden, f.meta, kv),
-                        lambda: AttentionOut(s._zeros(n), s._zeros(n)))
-            c1 = time.monotonic()
-            s.tracer.add("attention", c0, c1, layer=layer, batch=f.batch.batch_id)
-            if not s.cfg.sparse_layers[layer]:
-                f.hidden = guarded(f, f"dense MLP of layer {layer}", lambda: m.dense_mlp(layer, a),
-                                   lambda: s._zeros(n))
-                f.compute_s += time.monotonic() - c0
+            if not s.attend(layer, f):
                 continue
-            ids, wts = s._route(layer, f, a.moe_input)  # [n, K]
+            c1, a = time.monotonic(), f.attn
+            ids, wts = s.route(layer, f, a.moe_input)  # [n, K]
             plan = plan_pairs(ids, self.prefetcher.index)
             w0 = time.monotonic()
             # NOTE: acquired and released even for a failed batch: the copy thread's ping-pong
@@ -123,13 +114,13 @@ class Prefetching(LayerSchedule):
             try:
                 f.hidden = guarded(f, f"experts of layer {layer}", lambda: m.combine(layer, a, weighted_sum(
                     n, plan, self.experts_op(parts, a.moe_input[plan.token_index], plan.counts), wts)),
-                    lambda: s._zeros(n))
+                    lambda: s.zeros(n))
             finally:
                 self.prefetcher.release(layer)
             c2 = time.monotonic()
             s.tracer.add("experts", e0, c2, layer=layer, tokens=int(plan.counts.sum()))
             f.wait_s += e0 - w0
-            f.compute_s += (w0 - c0) + (c2 - e0)
+            f.compute_s += (w0 - c1) + (c2 - e0)
 
     def memory(self) -> dict[str, int]:
         return {"pull_buffers": self.prefetcher.buffer_bytes}

@@ -102,7 +102,7 @@ class AttentionStages:
         self.tracer = Tracer(setup.role, setup.index, setup.engine.trace)
         self.receiver = self.sender = None
         if dispatch:
-            self.routes = ExpertRoutes(setup.placement, cfg.num_experts, group) if cfg.num_moe_layers else None
+            self.routes = ExpertRoutes(setup.experts_held, cfg.num_experts, group) if cfg.num_moe_layers else None
             self.epw = setup.comm.spec.experts_per_rank
             self.send_to = None if send_to is None else list(send_to)
             # NOTE: receivers own their buffers; build ours before attaching to the expert side's.
@@ -134,42 +134,52 @@ class AttentionStages:
             tokens, meta = self.runner.prepare(b)
             n, t = tokens.shape[0], self.tp_size
             f = InFlight(b, meta, None, self.member * n // t, (self.member + 1) * n // t, start_s=t0)
-            f.hidden = guarded(f, "embedding", lambda: self.model.embed(tokens), lambda: self._zeros(n))
+            f.hidden = guarded(f, "embedding", lambda: self.model.embed(tokens), lambda: self.zeros(n))
             flights.append(f)
         return flights
 
-    def _zeros(self, n: int) -> torch.Tensor:
+    def zeros(self, n: int) -> torch.Tensor:
+        """[n, H] of zeros: what a failed batch's stages hand on, so its peers are never left waiting."""
         return torch.zeros(n, self.cfg.hidden_size, dtype=TORCH_DTYPES[self.setup.engine.dtype])
 
-    def _route(self, layer: int, f: InFlight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, layer: int, f: InFlight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's top-k ids and weights [n, K]; a failed batch sends every pair to expert 0."""
         k = self.cfg.num_experts_per_tok
         return guarded(f, f"router of layer {layer}", lambda: self.model.route(layer, x),
                        lambda: (torch.zeros(x.shape[0], k, dtype=torch.int64), torch.zeros(x.shape[0], k)))
 
-    def attention_and_dispatch(self, layer: int, f: InFlight) -> None:
+    def attend(self, layer: int, f: InFlight) -> bool:
+        """The layer's attention, and its dense MLP where it has no routed experts (then the layer is
+        done); guarded and timed. True: the experts come next, on ``f.attn.moe_input``."""
         c0 = time.monotonic()
         m = self.model
         n = f.hidden.shape[0]
         f.attn = guarded(f, f"attention of layer {layer}",
                          lambda: m.attention(layer, f.hidden, f.meta, self.runner.kv_cache),
-                         lambda: AttentionOut(self._zeros(n), self._zeros(n)))
+                         lambda: AttentionOut(self.zeros(n), self.zeros(n)))
         c1 = time.monotonic()
         self.tracer.add("attention", c0, c1, layer=layer, batch=f.batch.batch_id)
         if not self.cfg.sparse_layers[layer]:
             f.hidden = guarded(f, f"dense MLP of layer {layer}", lambda: m.dense_mlp(layer, f.attn),
-                               lambda: self._zeros(n))
+                               lambda: self.zeros(n))
             f.compute_s += time.monotonic() - c0
+            return False
+        f.compute_s += c1 - c0
+        return True
+
+    def attention_and_dispatch(self, layer: int, f: InFlight) -> None:
+        if not self.attend(layer, f):
             return
+        c1 = time.monotonic()
         c2 = self._dispatch(layer, f)
         c3 = time.monotonic()
         self.tracer.add("router", c1, c2, layer=layer, batch=f.batch.batch_id)
         self.tracer.add("dispatch", c2, c3, layer=layer, batch=f.batch.batch_id, workers=len(f.workers))
-        f.compute_s += c3 - c0
+        f.compute_s += c3 - c1
 
     def _dispatch(self, layer: int, f: InFlight) -> float:
         """Route the batch and send this member's pairs; returns when routing ended (the rest is sending)."""
-        ids, wts = self._route(layer, f, f.attn.moe_input)  # [n, K] each, identical on every TP member
+        ids, wts = self.route(layer, f, f.attn.moe_input)  # [n, K] each, identical on every TP member
         # the whole batch's set: every member sends to it
         f.workers = self.send_to if self.send_to is not None else self.routes.workers_for(ids)
         ids, f.topk_w = ids[f.lo:f.hi], wts[f.lo:f.hi]
@@ -207,7 +217,7 @@ class AttentionStages:
         a = f.attn
         share = guarded(f, f"combine of layer {layer}", lambda: self.model.combine(
             layer, AttentionOut(a.residual[f.lo:f.hi], a.moe_input[f.lo:f.hi]), self._routed(f, payloads)),
-            lambda: self._zeros(f.hi - f.lo))
+            lambda: self.zeros(f.hi - f.lo))
         if self.tp is not None:
             n, t = f.hidden.shape[0], self.tp.size
             share = self.tp.all_gather_rows(share, [(i + 1) * n // t - i * n // t for i in range(t)])

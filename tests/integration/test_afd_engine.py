@@ -45,7 +45,7 @@ def test_afd_matches_colocated(checkpoints, reference, name, m, n, ub, options):
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 * cfg.num_moe_layers
     for w in deployment.workers:
         if w.role == "ffn":  # all experts (block) or its share (all); never a KV cache
-            held = cfg.num_experts if llm.layout.topology == "block" else len(llm.layout.placement_of_experts(cfg.num_experts)[w.index])
+            held = cfg.num_experts if llm.layout.topology == "block" else len(llm.layout.experts_held(cfg.num_experts)[w.index])
             assert w.memory["routed_experts"] == held * per_expert and "kv_cache" not in w.memory
             assert (w.memory["routers"] > 0) == (llm.layout.router == "ffn")
         else:

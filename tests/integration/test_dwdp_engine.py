@@ -38,7 +38,7 @@ def test_dwdp_matches_colocated(checkpoints, reference, name, dp, options):
     cfg = llm.engine.model_config
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4 * cfg.num_moe_layers
     for w, mem in memory.items():
-        held = len(llm.engine.placement[int(w.split()[2])])
+        held = len(llm.engine.experts_held[int(w.split()[2])])
         assert mem["routed_experts"] == held * per_expert
         assert mem["pull_buffers"] == 2 * (cfg.num_experts - held) * per_expert // cfg.num_moe_layers
         assert mem["kv_cache"] > 0

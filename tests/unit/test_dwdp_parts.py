@@ -45,7 +45,7 @@ def test_the_copy_plan_matches_a_brute_force_reference(seed):
     rng = random.Random(seed)
     n, e = rng.randint(2, 5), rng.randint(4, 12)
     per = rng.randint(-(-e // n), e)
-    placement = make_layout("dwdp", dp=n, experts_per_rank=per).resident(e)
+    placement = make_layout("dwdp", dp=n, experts_per_rank=per).experts_held(e)
     units = {"w13": rng.randint(1, 5000), "w2": rng.randint(1, 3000)}
     s = rng.randint(64, 2048)
     for dst in range(n):
@@ -119,9 +119,9 @@ def test_the_prefetcher_pulls_each_layer_into_the_free_slot():
 
 
 def test_dwdp_placement_holds_every_expert_and_allows_redundancy():
-    assert make_layout("dwdp", dp=3).resident(8) == ((0, 1, 2), (2, 3, 4), (5, 6, 7))
-    assert make_layout("dwdp", dp=2, experts_per_rank=6).resident(8) == ((0, 1, 2, 3, 4, 5), (4, 5, 6, 7, 0, 1))
+    assert make_layout("dwdp", dp=3).experts_held(8) == ((0, 1, 2), (2, 3, 4), (5, 6, 7))
+    assert make_layout("dwdp", dp=2, experts_per_rank=6).experts_held(8) == ((0, 1, 2, 3, 4, 5), (4, 5, 6, 7, 0, 1))
     with pytest.raises(ConfigError, match="cannot hold all 8 experts"):
-        make_layout("dwdp", dp=2, experts_per_rank=3).resident(8)
+        make_layout("dwdp", dp=2, experts_per_rank=3).experts_held(8)
     with pytest.raises(ConfigError, match="copy_plan must be one of"):
         make_layout("dwdp", copy_plan="fastest")

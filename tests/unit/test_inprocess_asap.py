@@ -24,7 +24,7 @@ def _run_in_process(path: str, moe_workers: int) -> dict[str, tuple[list, list[i
                          max_batch_wait_s=0.0)
     config = EngineConfig(model=path, dtype="float32", num_kv_blocks=64)
     mc, _ = load_config(path)
-    placement = layout.placement(mc.num_experts)
+    placement = layout.experts_held(mc.num_experts)
     spec = CommSpec(num_regions=1, lanes_per_region=1, num_expert_ranks=moe_workers, num_experts=mc.num_experts,
                     top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
                     max_batch_tokens=layout.scheduler.max_batch_tokens, dtype="float32",
