@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, fields
 
 import yaml
 
-from moeflow.bench.workload import WorkloadConfig
 from moeflow.config import DTYPES, ConfigError, EngineConfig
 from moeflow.layout import Layout, layout_from_dict
+from moeflow.measure.workload import WorkloadConfig
 
 COSTS = ("analytic", "profiled")
 _ENGINE_KEYS_ELSEWHERE = ("model", "dtype")  # set once for the whole experiment
@@ -113,13 +113,13 @@ class Experiment:
     find_slo_rps: bool = False
     slo_probes: int = 6
     slo_rel_tol: float = 0.02
-    slo_metric: str = "mean"  # what meets the SLO (bench.slo.METRICS); every result reports all of them
+    slo_metric: str = "mean"  # what meets the SLO (measure.slo.METRICS); every result reports all of them
     # bench compare
     title: str | None = None
     repeats: int = 3  # the whole sweep, with seeds seed, seed+1, ...
     min_requests: int = 100  # requests per point at least (the window grows to hold them)
     # the saturation probe's first offered rate, doubled until throughput stops growing
-    # (bench/saturation.py): throughput vs capacity; the simulator's sweeps run at it as given
+    # (measure/saturation.py): throughput vs capacity; the simulator's sweeps run at it as given
     saturation_rps: float | None = None
     compare: tuple[tuple[str, str], ...] = ()  # (a, b) pairs reported as ratios; default: each vs the first
     # simulator only
@@ -154,7 +154,7 @@ class Experiment:
         need(bool(self.systems), "systems: give at least one")
         need(all(r > 0 for r in self.rps), f"rps must all be > 0, got {list(self.rps)}")
         need(not self.find_slo_rps or (self.slo_ttft_s or 0) > 0, "find_slo_rps needs slo_ttft_s > 0")
-        from moeflow.bench.slo import SloMetric
+        from moeflow.measure.slo import SloMetric
 
         SloMetric.parse(self.slo_metric)
         need(isinstance(self.repeats, int) and self.repeats >= 1, f"repeats must be >= 1, got {self.repeats!r}")

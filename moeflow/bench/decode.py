@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from moeflow.bench.capacity import COMPUTE, TRANSPORT, WAIT, time_split
-from moeflow.bench.decode_report import markdown, summarize
-from moeflow.bench.provenance import write_json
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.args import add_engine_args, engine_kwargs
 from moeflow.experiment import SystemSpec, system_from_dict, system_to_dict
+from moeflow.measure.capacity import COMPUTE, TRANSPORT, WAIT, time_split
+from moeflow.measure.decode_report import markdown, summarize
+from moeflow.measure.provenance import write_json
 
 # the decode step split of ``moeflow bench decode`` (trace span names: workers/stages.py, ffn.py, moe.py)
 DECODE_KINDS = {"attention": COMPUTE - {"experts"}, "ffn": {"experts"}, "transport": TRANSPORT,

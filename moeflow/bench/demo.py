@@ -21,7 +21,7 @@ import time
 from moeflow.bench.http_metrics import percentile_key
 from moeflow.config import DTYPES
 
-# (name, serve flags, config for bench.plot's label)
+# (name, serve flags, config for measure.plot's label)
 SYSTEMS = (("asap", ["--mode", "asap", "--attn-dp", "1", "--moe-workers", "1"],
             {"attn_dp": 1, "attn_tp": 1, "moe_workers": 1}),
            ("dep", ["--mode", "dep", "--dp", "2"], {"dp": 2}))
@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeflow.bench.plot import plot_results
+    from moeflow.measure.plot import plot_results
 
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     os.makedirs(args.out_dir, exist_ok=True)

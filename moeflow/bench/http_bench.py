@@ -19,16 +19,14 @@ from dataclasses import replace
 from moeflow.bench.http_client import HttpClientConfig, HttpRun, run_requests, token_prompts
 from moeflow.bench.http_metrics import (compute_metrics, format_table, parse_goodput, parse_percentile_metrics,
                                         parse_percentiles)
-from moeflow.bench.provenance import write_json
-from moeflow.bench.workload import WorkloadRequest, generate_requests
+from moeflow.measure.provenance import write_json
+from moeflow.measure.workload import WorkloadRequest, generate_requests, workload_config
 
 _UNUSED_OVER_HTTP = (("rps", "--rps (give one --request-rate per run)"), ("plot", "--plot (use bench plot)"),
                      ("find_slo_rps", "--find-slo-rps"), ("trace", "--trace"))
 
 
 def run_http(args: argparse.Namespace) -> int:
-    from moeflow.bench.serve import workload_config
-
     for name, flag in _UNUSED_OVER_HTTP:
         if getattr(args, name):
             raise ValueError(f"{flag} is not available with --base-url")

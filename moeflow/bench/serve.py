@@ -2,7 +2,7 @@
 
 The deployment runs in this process (no HTTP); for every rate in ``--rps`` the workload is
 generated afresh (same seed: same prompt lengths at every rate) and replayed against the wall
-clock (``bench.replay``). ``--find-slo-rps`` then bisects for the SLO throughput (``bench.slo``),
+clock (``bench.replay``). ``--find-slo-rps`` then bisects for the SLO throughput (``measure.slo``),
 each probe a fresh replay on the same deployment. Output: a table per rate, ``--json``,
 ``--plot``, and with ``--trace`` a Chrome trace of every measured replay (warm-up left out).
 
@@ -13,15 +13,12 @@ OpenAI-compatible server) instead, with ``vllm bench serve``'s flags and metric 
 from __future__ import annotations
 
 import argparse
-import math
 
-from moeflow.bench.metrics import format_point
-from moeflow.bench.provenance import provenance, write_json
-from moeflow.bench.slo import METRICS, SloMetric, SloSearch
-from moeflow.bench.workload import KINDS, WorkloadConfig
 from moeflow.engine.args import add_engine_args, engine_kwargs
-
-_DEFAULT_DURATION_S = 60.0
+from moeflow.measure.metrics import format_point
+from moeflow.measure.provenance import provenance, write_json
+from moeflow.measure.slo import METRICS, SloMetric, SloSearch
+from moeflow.measure.workload import DEFAULT_DURATION_S, KINDS, parse_rates, workload_config
 
 
 def add_parser(sub) -> None:
@@ -39,7 +36,7 @@ def add_parser(sub) -> None:
                    help="request rates to measure (default 1; trace: as recorded, or rescaled to each rate)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     w.add_argument("--duration-s", type=float, default=None,
-                   help=f"arrivals per rate (default {_DEFAULT_DURATION_S:g} s; trace: all of it)")
+                   help=f"arrivals per rate (default {DEFAULT_DURATION_S:g} s; trace: all of it)")
     w.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (1 = prefill only)")
     s = p.add_argument_group("SLO")
     s.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT SLO in seconds (drawn on the plot)")
@@ -70,29 +67,6 @@ def add_parser(sub) -> None:
     o.add_argument("--plot", default=None, metavar="FILE.png")
     o.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
-
-
-def workload_config(args: argparse.Namespace, rate_rps: float | None) -> WorkloadConfig:
-    duration = args.duration_s
-    if duration is None and args.workload != "trace" and args.num_prompts is None:
-        duration = _DEFAULT_DURATION_S
-    return WorkloadConfig(kind=args.workload, rate_rps=rate_rps, burstiness=args.burstiness, duration_s=duration,
-                          num_requests=args.num_prompts,
-                          length_scale=args.length_scale, isl=args.isl, isl_ratio=args.isl_ratio,
-                          fixed_len=args.fixed_len, trace_path=args.trace_file, output_len=args.max_tokens,
-                          seed=args.seed)
-
-
-def parse_rates(text: str | None, kind: str) -> list[float | None]:
-    if text is None:
-        return [None] if kind == "trace" else [1.0]
-    try:
-        rates = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--rps: expected comma-separated numbers, got {text!r}") from None
-    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
-        raise ValueError(f"--rps: rates must be positive numbers, got {text!r}")
-    return rates
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, result)
     if args.plot:
-        from moeflow.bench.plot import plot_results
+        from moeflow.measure.plot import plot_results
 
         plot_results([result], args.plot)
     if spans is not None:

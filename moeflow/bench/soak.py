@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from moeflow.bench.http_client import token_prompts
-from moeflow.bench.workload import WorkloadConfig, generate_requests
+from moeflow.measure.workload import WorkloadConfig, generate_requests
 
 KINDS = ("ok", "ok_stream", "disconnect", "bad_json", "bad_field", "bad_model", "too_big")
 WEIGHTS = (0.4, 0.4, 0.08, 0.03, 0.03, 0.03, 0.03)
@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeflow.bench.provenance import write_json
+    from moeflow.measure.provenance import write_json
     from moeflow.bench.soak_report import judge, write_report
 
     serve_args = [a for a in args.serve_args if a != "--"] or ["--model", "tiny", "--mode", "asap", "--attn-dp", "1",

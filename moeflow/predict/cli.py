@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from moeflow.bench.provenance import write_json
+from moeflow.measure.provenance import write_json
 from moeflow.predict.afd import ATTENTION_MODELS, Baseline, predict
 
 

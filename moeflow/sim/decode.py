@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moeflow.bench.workload import WorkloadRequest
+from moeflow.measure.workload import WorkloadRequest
 from moeflow.sim.memory import GIB, plan_kv
 
 STEP_MODES = ("dep", "afd")

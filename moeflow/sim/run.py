@@ -7,16 +7,16 @@ import json
 import math
 from dataclasses import dataclass
 
-from moeflow.bench.metrics import summarize
-from moeflow.bench import compare_report as report
-from moeflow.bench.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
-                               slo_over_repeats, slo_rps_from_points)
-from moeflow.bench.workload import generate_requests
 from moeflow.experiment import Experiment, SystemSpec, system_to_dict
+from moeflow.measure import compare_report as report
+from moeflow.measure.metrics import summarize
+from moeflow.measure.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
+                                 slo_over_repeats, slo_rps_from_points)
+from moeflow.measure.workload import generate_requests
+from moeflow.sim.afd import AfdSystem
 from moeflow.sim.asap import AsapSystem
 from moeflow.sim.cost import AnalyticCost, CostModel
 from moeflow.sim.dep import DepSystem
-from moeflow.sim.afd import AfdSystem
 from moeflow.sim.dwdp import DwdpSystem
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset

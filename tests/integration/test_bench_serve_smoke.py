@@ -27,7 +27,7 @@ def test_bench_serve_colocated_smoke(checkpoints, tmp_path):
     (p,) = data["points"]
     assert set(p) >= POINT_KEYS
     # the same seeded workload the command replayed: every request completed
-    from moeflow.bench.workload import WorkloadConfig, generate_requests
+    from moeflow.measure.workload import WorkloadConfig, generate_requests
 
     expected = len(generate_requests(WorkloadConfig(kind="fixed", fixed_len=16, rate_rps=3.0, duration_s=2.0)))
     assert p["completed"] == expected > 0 and p["rejected"] == 0 and p["failed"] == 0

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from moeflow.bench.slo import MEAN, StopRule
-from moeflow.bench.workload import WorkloadRequest
 from moeflow.experiment import parse_experiment as parse_config
 from moeflow.experiment import system_from_dict
+from moeflow.measure.slo import MEAN, StopRule
+from moeflow.measure.workload import WorkloadRequest
 from moeflow.scheduler.asap import AsapScheduler
 from moeflow.scheduler.dep import DepScheduler
 from moeflow.sim.asap import AsapSystem

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from moeflow.bench import workload as wl
-from moeflow.bench.workload import WorkloadConfig, generate_requests
+from moeflow.measure import workload as wl
+from moeflow.measure.workload import WorkloadConfig, generate_requests
 
 
 def _gaps(reqs) -> np.ndarray:
@@ -166,7 +166,7 @@ def test_empty_trace_is_an_error(tmp_path):
 
 def test_workload_module_does_not_import_torch():
     # the simulator imports it and must stay torch-free
-    code = "import sys, moeflow.bench.workload, moeflow.bench.metrics, moeflow.bench.slo; print('torch' in sys.modules)"
+    code = "import sys, moeflow.measure.workload, moeflow.measure.metrics, moeflow.measure.slo; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from moeflow.bench.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
+from moeflow.measure.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
 
 KINDS = ("attention", "ffn", "transport", "wait", "bubble")
 
