@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         return _merge(args)
     if not args.config:
         raise ValueError("bench compare: give CONFIG.yaml (or --merge RESULT.json ...)")
-    from moeflow.experiment import load_experiment
+    from moeflow.experiment.serve import load_experiment
 
     exp = load_experiment(args.config)
     names = args.system or list(exp.systems)
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     sat_rps = args.saturation_rps or exp.saturation_rps
     if find_slo and not exp.slo_ttft_s:
         raise ValueError("--find-slo-rps needs slo_ttft_s in the config")
-    profile = args.profile or exp.profile
+    profile = args.profile or exp.target.profile
     if profile:  # NOTE: read now, not after an hour of measuring (the capacity needs it at the end)
         from moeflow.measure.capacity import load_profile
         if not os.path.exists(profile):
@@ -182,7 +182,7 @@ def _drop_spans(llms: dict) -> None:
 
 def _assemble(exp, names, runs, repeats, metric, profile_path, config_path) -> dict:
     from moeflow.measure.capacity import capacity_tok_s, load_profile
-    from moeflow.experiment import system_to_dict
+    from moeflow.experiment.system import system_to_dict
 
     capacity = None
     if profile_path:

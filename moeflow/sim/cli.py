@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if "contexts" in (yaml.safe_load(f) or {}):  # a `bench decode` file: steady-state decode
             return _run_decode(args)
     from moeflow.measure.metrics import format_point
-    from moeflow.experiment import load_experiment as load_config
+    from moeflow.experiment.serve import load_experiment as load_config
     from moeflow.sim.run import build_cost, run_system
 
     cfg = load_config(args.config, tuple(args.set))
@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         res.result["sim_speed"] = {"events": res.num_events, "wall_s": wall, "events_per_s": res.num_events / wall}
         out[name] = res.result
         spans += [type(s)(s.name, f"{name}:{s.track}", s.start_s, s.end_s) for s in res.spans]
-        print(f"== {name} ({res.result['config']['devices']} devices, {cfg.model} on {cfg.hardware}, "
-              f"{cfg.cost} cost)")
+        print(f"== {name} ({res.result['config']['devices']} devices, {cfg.model} on {cfg.target.hardware}, "
+              f"{cfg.target.cost} cost)")
         # with repeats, each seed's runs (the averaged points lack a run's counts and busy split)
         for rep in res.result.get("repeats") or [{"seed": None, "sweep": res.result["points"], "probes": []}]:
             for p in rep["sweep"] + rep["probes"]:

@@ -1,5 +1,5 @@
 """Steady-state decode in the simulator: what ``moeflow bench decode`` measures, for a deployment we
-do not have. The same YAML drives both (``bench/decode.py``'s file plus ``hardware:``).
+do not have. The same YAML drives both (a decode experiment, ``experiment/decode.py``, with ``hardware:``).
 
 Per (system, context): B requests per attention group, B from the memory budget (``memory.py``:
 what the device's budget leaves for KV after the weights it holds and the activation reserve),
@@ -134,10 +134,10 @@ def against_measured(results: dict, measured: dict) -> list[dict]:
 def run_decode(path: str, names: list[str] | None = None, measured: dict | None = None) -> dict:
     """``moeflow simulate --config DECODE.yaml``: every system at every context, the pairs compared;
     with ``measured`` (``--compare-with``, a ``bench decode`` result), the error against it."""
-    from moeflow.bench.decode import load_bench
+    from moeflow.experiment.decode import load_decode_experiment
     from moeflow.sim.run import build_cost
 
-    bench = load_bench(path)
+    bench = load_decode_experiment(path)
     cost = build_cost(bench)
     hbm = getattr(getattr(cost, "hw", None), "hbm_bytes", 0.0)
     names = names or list(bench.systems)
@@ -178,7 +178,7 @@ def run_decode(path: str, names: list[str] | None = None, measured: dict | None 
                          f"{'' if p['overlap_holds'] else ', overlap fails'}), {p['speedup'] / f['tok_s_ratio'] - 1:+.1%}; "
                          f"attention-only T: x{p['fastafd_speedup']:.2f}, {p['fastafd_speedup'] / f['tok_s_ratio'] - 1:+.1%}")
             print(line)
-    out = {"model": bench.model, "hardware": bench.hardware, "steps": bench.steps, "warmup_steps": bench.warmup_steps,
+    out = {"model": bench.model, "hardware": bench.target.hardware, "steps": bench.steps, "warmup_steps": bench.warmup_steps,
            "results": {n: {str(c): r for c, r in rs.items()} for n, rs in results.items()}, "compare": compared}
     if measured is not None:
         out["measured_commit"] = (measured.get("provenance") or {}).get("commit")

@@ -10,7 +10,7 @@ import abc
 from dataclasses import dataclass, field
 
 from moeflow.core import Batch, Request, SamplingParams
-from moeflow.experiment import SystemSpec
+from moeflow.experiment.system import SystemSpec
 from moeflow.measure.metrics import RequestRecord, mean_ttft_lower_bound
 from moeflow.measure.slo import StopRule
 from moeflow.measure.workload import WorkloadRequest

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from moeflow.experiment import parse_experiment as parse_config
-from moeflow.experiment import system_from_dict
+from moeflow.experiment.serve import parse_experiment as parse_config
+from moeflow.experiment.system import system_from_dict
 from moeflow.measure.slo import MEAN, StopRule
 from moeflow.measure.workload import WorkloadRequest
 from moeflow.scheduler.asap import AsapScheduler
@@ -318,7 +318,7 @@ def test_afd_lone_request_closed_form_and_micro_batches_overlap():
 
 def test_compare_with_a_saturation_only_result(tmp_path, capsys):
     from moeflow.cli import main
-    from moeflow.experiment import load_experiment
+    from moeflow.experiment.serve import load_experiment
 
     machine = tmp_path / "machine.json"
     machine.write_text(json.dumps({"auto_dtype": "float32", "memcpy_gbps": 10.0, "shm_flag_round_trip_us": 10.0,

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from moeflow.experiment import SimOptions, apply_overrides, load_experiment, parse_experiment, system_from_dict
+from moeflow.experiment.serve import apply_overrides, load_experiment, parse_experiment
+from moeflow.experiment.system import SimOptions, system_from_dict
 from moeflow.measure.workload import WorkloadRequest
 from moeflow.sim.attention_cost import AttentionOptions, attention_parts, batch_ratio, core_flops
 from moeflow.sim.cost import AnalyticCost

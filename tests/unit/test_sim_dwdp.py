@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from moeflow.experiment import load_experiment, parse_experiment
+from moeflow.experiment.serve import load_experiment, parse_experiment
 from moeflow.measure.workload import WorkloadRequest
 from moeflow.sim.contention import ContentionDraws, contention_pmf, expected_slowdown
 from moeflow.sim.dwdp import DwdpSystem, crossover, layer_roofline
