@@ -164,9 +164,16 @@ def test_empty_trace_is_an_error(tmp_path):
         wl.read_trace(_write(tmp_path, [""]))
 
 
-def test_workload_module_does_not_import_torch():
-    # the simulator imports it and must stay torch-free
-    code = "import sys, moeflow.measure.workload, moeflow.measure.metrics, moeflow.measure.slo; print('torch' in sys.modules)"
+def test_the_measurement_library_does_not_import_torch():
+    # the simulator imports every module of measure/ and experiment/ and must stay torch-free; a
+    # result's provenance, written without torch loaded, must not load it either
+    code = ("import importlib, pkgutil, sys, moeflow.measure, moeflow.experiment\n"
+            "for pkg in (moeflow.measure, moeflow.experiment):\n"
+            "    for m in pkgutil.iter_modules(pkg.__path__):\n"
+            "        importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
+            "from moeflow.measure.provenance import provenance\n"
+            "provenance()\n"
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
