@@ -24,8 +24,7 @@ from moeflow.bench.http_metrics import (compute_metrics, format_table, parse_goo
 from moeflow.measure.provenance import write_json
 from moeflow.measure.workload import WorkloadConfig, WorkloadRequest, generate_requests, workload_config
 
-_UNUSED_OVER_HTTP = (("rps", "--rps (give one --request-rate per run)"), ("plot", "--plot (use bench plot)"),
-                     ("find_slo_rps", "--find-slo-rps"), ("trace", "--trace"))
+_UNUSED_OVER_HTTP = (("plot", "--plot (use bench plot)"), ("find_slo_rps", "--find-slo-rps"), ("trace", "--trace"))
 
 
 class ServerUnavailable(RuntimeError):
@@ -77,7 +76,7 @@ def run_http(args: argparse.Namespace) -> int:
     for name, flag in _UNUSED_OVER_HTTP:
         if getattr(args, name):
             raise ValueError(f"{flag} is not available with --base-url")
-    rate = math.inf if args.request_rate is None else args.request_rate
+    rate = _one_rate(args.request_rate)
     if math.isinf(rate) and args.num_prompts is None and args.workload != "trace":
         raise ValueError("--request-rate inf (the default) needs --num-prompts")
     client = HttpClientConfig(args.base_url, args.endpoint, args.served_model_name, args.max_concurrency,
@@ -99,6 +98,16 @@ def run_http(args: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         write_json(path, result)
     return 0 if result["completed"] else 1
+
+
+def _one_rate(text: str | None) -> float:
+    """``--request-rate`` over HTTP: one rate per run, as vLLM (a number or inf; none given: inf)."""
+    if text is None:
+        return math.inf
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--request-rate: over HTTP one rate per run (a number or inf), got {text!r}") from None
 
 
 def result_json(b: HttpBench, m: dict, run: HttpRun) -> dict:

@@ -1,6 +1,6 @@
 """``moeflow bench serve``: TTFT vs request rate of one deployment under a replayed workload.
 
-The deployment runs in this process (no HTTP); for every rate in ``--rps`` the workload is
+The deployment runs in this process (no HTTP); for every rate of ``--request-rate`` the workload is
 generated afresh (same seed: same prompt lengths at every rate) and replayed against the wall
 clock (``bench.replay``). ``--find-slo-rps`` then bisects for the SLO throughput (``measure.slo``),
 each probe a fresh replay on the same deployment. Output: a table per rate, ``--json``,
@@ -32,8 +32,9 @@ def add_parser(sub) -> None:
     w.add_argument("--fixed-len", type=int, default=1024, help="fixed: prompt length")
     w.add_argument("--trace-file", default=None, metavar="FILE.jsonl",
                    help="trace workload: arrival_s, prompt_len[, output_len] per line")
-    w.add_argument("--rps", default=None, metavar="R1,R2,...",
-                   help="request rates to measure (default 1; trace: as recorded, or rescaled to each rate)")
+    w.add_argument("--request-rate", default=None, metavar="R[,R...]",
+                   help="requests/s. In-process: the rates to measure, comma-separated (default 1; trace: as "
+                        "recorded, or rescaled to each rate). HTTP: one rate (default inf: all at once)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     w.add_argument("--duration-s", type=float, default=None,
                    help=f"arrivals per rate (default {DEFAULT_DURATION_S:g} s; trace: all of it)")
@@ -51,8 +52,6 @@ def add_parser(sub) -> None:
     h.add_argument("--endpoint", default="/v1/completions")
     h.add_argument("--served-model-name", default=None, help='"model" field of each request (default: none sent)')
     h.add_argument("--api-key", default=None)
-    h.add_argument("--request-rate", type=float, default=None,
-                   help="requests/s (HTTP default inf: all at once); in-process: the same as --rps R")
     h.add_argument("--num-prompts", type=int, default=None, help="at most this many requests (instead of --duration-s)")
     h.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (HTTP)")
     h.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
@@ -77,9 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from moeflow import LLM
     from moeflow.bench.probe import Prober, slo_table
 
-    if args.request_rate is not None and args.rps is None:
-        args.rps = f"{args.request_rate!r}"
-    rates = parse_rates(args.rps, args.workload)
+    rates = parse_rates(args.request_rate, args.workload)
     workload_config(args, rates[0])  # invalid workload flags fail before the deployment starts
     if args.find_slo_rps and args.slo_ttft_s is None:
         raise ValueError("--find-slo-rps needs --slo-ttft-s")

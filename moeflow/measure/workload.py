@@ -138,9 +138,9 @@ def parse_rates(text: str | None, kind: str) -> list[float | None]:
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--rps: expected comma-separated numbers, got {text!r}") from None
+        raise ValueError(f"--request-rate: expected comma-separated numbers, got {text!r}") from None
     if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
-        raise ValueError(f"--rps: rates must be positive numbers, got {text!r}")
+        raise ValueError(f"--request-rate: rates must be positive numbers, got {text!r}")
     return rates
 
 

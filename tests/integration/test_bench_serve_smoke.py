@@ -14,7 +14,7 @@ def test_bench_serve_colocated_smoke(checkpoints, tmp_path):
     env = {**os.environ, "MOEFLOW_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     cmd = [sys.executable, "-m", "moeflow", "bench", "serve", "--model", checkpoints("qwen3").path,
-           "--dtype", "float32", "--workload", "fixed", "--fixed-len", "16", "--rps", "3",
+           "--dtype", "float32", "--workload", "fixed", "--fixed-len", "16", "--request-rate", "3",
            "--duration-s", "2", "--slo-ttft-s", "5", "--json", str(out), "--plot", str(png), "--no-progress"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -191,3 +191,11 @@ def test_raw_mean_fit():
     assert WorkloadConfig(kind="production", rate_rps=1.0, num_requests=1).production_mean == "kept"
     with pytest.raises(ValueError, match="production_mean"):
         WorkloadConfig(kind="production", rate_rps=1.0, num_requests=1, production_mean="median")
+
+
+def test_request_rates_parse_as_bench_serve_reads_them():
+    assert wl.parse_rates("0.5, 1,2", "production") == [0.5, 1.0, 2.0]
+    assert wl.parse_rates(None, "production") == [1.0] and wl.parse_rates(None, "trace") == [None]
+    for bad in ("fast", "0", "-1", "inf", ","):
+        with pytest.raises(ValueError, match="--request-rate"):
+            wl.parse_rates(bad, "production")
