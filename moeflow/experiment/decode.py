@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from moeflow.config import DTYPES, ConfigError
-from moeflow.experiment.system import SystemSpec, field_names, pick_keys, system_from_dict
-from moeflow.experiment.target import TARGET_KEYS, SimTarget, target_from_dict
+from moeflow.config import ConfigError
+from moeflow.experiment.system import SystemSpec, check_systems, field_names, pick_keys, system_from_dict
+from moeflow.experiment.target import TARGET_KEYS, SimTarget, pop_target
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,7 @@ class DecodeExperiment:
             if not ok:
                 raise ConfigError(f"decode experiment: {msg}")
 
-        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        need(bool(self.systems), "systems: give at least one")
+        check_systems("decode experiment", self.dtype, self.systems, self.compare)
         for name in ("steps", "repeats"):
             v = getattr(self, name)
             need(isinstance(v, int) and v >= 1, f"{name} must be an int >= 1, got {v!r}")
@@ -64,8 +63,6 @@ class DecodeExperiment:
              f"contexts must be ints >= 1, got {list(self.contexts)}")
         need(self.batch is None or (isinstance(self.batch, int) and self.batch >= 1),
              f"batch must be null or an int >= 1, got {self.batch!r}")
-        for a, b in self.compare:
-            need(a in self.systems and b in self.systems, f"compare {a!r} vs {b!r}: both must be systems")
 
 
 def parse_decode_experiment(d: dict) -> DecodeExperiment:
@@ -81,9 +78,7 @@ def parse_decode_experiment(d: dict) -> DecodeExperiment:
     d["systems"] = {n: system_from_dict(n, s, model, dtype) for n, s in entries.items()}
     d["contexts"] = tuple(d.get("contexts") or (2048, 8192))
     d["compare"] = tuple(tuple(p) for p in d.get("compare") or ())
-    d["target"] = target_from_dict(d)
-    for key in TARGET_KEYS:
-        d.pop(key, None)
+    d["target"] = pop_target(d)
     return DecodeExperiment(**{**d, "model": model, "dtype": dtype})
 
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from moeflow.config import DTYPES, ConfigError
-from moeflow.experiment.system import SystemSpec, field_names, pick_keys, system_from_dict
-from moeflow.experiment.target import TARGET_KEYS, SimTarget, target_from_dict
+from moeflow.config import ConfigError
+from moeflow.experiment.system import SystemSpec, check_systems, field_names, pick_keys, system_from_dict
+from moeflow.experiment.target import TARGET_KEYS, SimTarget, pop_target
 from moeflow.measure.workload import WorkloadConfig
 
 
@@ -71,8 +71,7 @@ class Experiment:
             if not ok:
                 raise ConfigError(f"experiment: {msg}")
 
-        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        need(bool(self.systems), "systems: give at least one")
+        check_systems("experiment", self.dtype, self.systems, self.compare)
         need(all(r > 0 for r in self.rps), f"rps must all be > 0, got {list(self.rps)}")
         need(not self.find_slo_rps or (self.slo_ttft_s or 0) > 0, "find_slo_rps needs slo_ttft_s > 0")
         from moeflow.measure.slo import SloMetric
@@ -80,8 +79,6 @@ class Experiment:
         SloMetric.parse(self.slo_metric)
         need(isinstance(self.repeats, int) and self.repeats >= 1, f"repeats must be >= 1, got {self.repeats!r}")
         need(self.saturation_rps is None or self.saturation_rps > 0, "saturation_rps must be > 0")
-        for a, b in self.compare:
-            need(a in self.systems and b in self.systems, f"compare: {a!r} vs {b!r}: both must be systems")
         workload_fields = set(WorkloadConfig.__dataclass_fields__) - {"kind", "rate_rps", "trace_path"}
         for name, values, others in self.sweeps:
             need(name in workload_fields, f"sweeps: {name!r} is not a workload field ({sorted(workload_fields)})")
@@ -104,9 +101,7 @@ def parse_experiment(d: dict) -> Experiment:
     w = dict(pick_keys(d["workload"] or {}, field_names(WorkloadConfig), "workload"))
     w.setdefault("rate_rps", 1.0)
     d["workload"] = WorkloadConfig(**w)
-    d["target"] = target_from_dict(d)
-    for key in TARGET_KEYS:
-        d.pop(key, None)
+    d["target"] = pop_target(d)
     d["rps"] = tuple(float(r) for r in d["rps"]) if d.get("rps") is not None else (1.0,)  # []: saturation only
     d["compare"] = tuple(tuple(pair) for pair in (d.get("compare") or ()))
     d["sweeps"] = tuple(_sweep(k, v) for k, v in (d.get("sweeps") or {}).items())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from moeflow.config import ConfigError, EngineConfig
+from moeflow.config import DTYPES, ConfigError, EngineConfig
 from moeflow.layout import Layout, layout_from_dict, layout_to_dict
 
 ENGINE_KEYS_ELSEWHERE = ("model", "dtype")  # set once for the whole experiment
@@ -104,6 +104,18 @@ def system_from_dict(name: str, d: dict, model: str = "tiny", dtype: str = "auto
     sim = pick_keys(dict(d.pop("sim", None) or {}), field_names(SimOptions), f"systems.{name}.sim")
     return SystemSpec(name, layout_from_dict(d, f"systems.{name}"), EngineConfig(model=model, dtype=dtype, **engine),
                       SimOptions(**sim))
+
+
+def check_systems(where: str, dtype: str, systems: dict[str, SystemSpec], compare: tuple[tuple[str, str], ...]) -> None:
+    """What every experiment file asks of its systems: a known dtype, at least one system, and pairs
+    to compare that name two of them."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"{where}: dtype must be one of {DTYPES}, got {dtype!r}")
+    if not systems:
+        raise ConfigError(f"{where}: systems: give at least one")
+    for a, b in compare:
+        if a not in systems or b not in systems:
+            raise ConfigError(f"{where}: compare: {a!r} vs {b!r}: both must be systems")
 
 
 def system_to_dict(spec: SystemSpec) -> dict:

@@ -45,9 +45,10 @@ class SimTarget:
 TARGET_KEYS = tuple(f.name for f in fields(SimTarget))
 
 
-def target_from_dict(d: dict) -> SimTarget:
-    """The target's keys of a file's top level ``d`` (the other keys are the file's own)."""
-    t = {k: d[k] for k in TARGET_KEYS if k in d}
+def pop_target(d: dict) -> SimTarget:
+    """Take the target's keys out of a file's top level ``d`` (a copy the caller owns; the keys left
+    are the file's own) and read them."""
+    t = {k: d.pop(k) for k in TARGET_KEYS if k in d}
     over = t.get("hardware_overrides") or {}
     if not isinstance(over, dict):
         raise ConfigError(f"experiment: hardware_overrides must be a mapping of preset fields, got {over!r}")

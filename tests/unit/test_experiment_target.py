@@ -45,7 +45,7 @@ def test_a_bad_target_fails_in_either_file(parse, keys, message):
 def test_the_decode_experiment_validates_its_own_fields():
     with pytest.raises(ConfigError, match="contexts must be ints >= 1"):
         _decode(contexts=[0])
-    with pytest.raises(ConfigError, match="compare 'afd' vs 'dep2': both must be systems"):
+    with pytest.raises(ConfigError, match="compare: 'afd' vs 'dep2': both must be systems"):
         _decode(compare=[["afd", "dep2"]])
     d = parse_decode_experiment({"systems": {"a": {"mode": "dep", "dp": 2, "env": {"X": 1}}}})
     assert d.env == {"a": {"X": "1"}} and d.model == "tiny" and d.contexts == (2048, 8192)
