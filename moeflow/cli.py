@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         m.add_parser(bsub)
 
     args = parser.parse_args(argv)
-    from moeflow.bench.provenance import set_command
+    from moeflow.measure.provenance import set_command
 
     set_command(["moeflow", *(sys.argv[1:] if argv is None else argv)])
     try:

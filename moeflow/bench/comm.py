@@ -26,7 +26,7 @@ import socket
 import statistics
 import time
 
-from moeflow.bench.provenance import write_json
+from moeflow.measure.provenance import write_json
 
 METHODS = ("async", "handshake", "p2p")
 

@@ -6,7 +6,7 @@ reads), all started up front and idle between their probes. ``repeats`` times, w
 ...: at every rate of the sweep the systems run one after another in rotated order (A B C, then
 B C A, ...) so slow drift of a shared machine hits them alike; then, per repeat, each system's
 SLO search (probes stopped early once they certainly miss, and drained so the next probe starts
-idle) and its saturation probe (``bench.saturation``: from ``saturation_rps``, the offered rate
+idle) and its saturation probe (``measure.saturation``: from ``saturation_rps``, the offered rate
 doubled until prefill tokens/s stops growing, or "not saturated at X rps"; traced for the time
 split). Writes one JSON (``bench serve``'s schema per system, points averaged over repeats with
 95% intervals, every repeat kept) and a Markdown report (``compare_report``).
@@ -22,10 +22,10 @@ import json
 import os
 import time
 
-from moeflow.bench import compare_report as report
-from moeflow.bench.metrics import format_point
-from moeflow.bench.provenance import provenance, write_json
-from moeflow.bench.slo import ALL_METRICS, SloMetric, SloSearch, slo_rps_from_points
+from moeflow.measure import compare_report as report
+from moeflow.measure.metrics import format_point
+from moeflow.measure.provenance import provenance, write_json
+from moeflow.measure.slo import ALL_METRICS, SloMetric, SloSearch, slo_rps_from_points
 
 
 def add_parser(sub) -> None:
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         return _merge(args)
     if not args.config:
         raise ValueError("bench compare: give CONFIG.yaml (or --merge RESULT.json ...)")
-    from moeflow.experiment import load_experiment
+    from moeflow.experiment.serve import load_experiment
 
     exp = load_experiment(args.config)
     names = args.system or list(exp.systems)
@@ -69,9 +69,9 @@ def run(args: argparse.Namespace) -> int:
     sat_rps = args.saturation_rps or exp.saturation_rps
     if find_slo and not exp.slo_ttft_s:
         raise ValueError("--find-slo-rps needs slo_ttft_s in the config")
-    profile = args.profile or exp.profile
+    profile = args.profile or exp.target.profile
     if profile:  # NOTE: read now, not after an hour of measuring (the capacity needs it at the end)
-        from moeflow.bench.capacity import load_profile
+        from moeflow.measure.capacity import load_profile
         if not os.path.exists(profile):
             raise FileNotFoundError(f"the profile {profile!r} (the config's profile:, for the capacity fraction) does "
                                     f"not exist: run `moeflow profile --model {exp.model} --json {profile}` first, "
@@ -141,12 +141,12 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
 
 
 def _saturation(exp, llm, seed: int, start_rps: float, args, label: str):
-    """The saturation probe (``bench.saturation``): the same requests offered at rising rates
+    """The saturation probe (``measure.saturation``): the same requests offered at rising rates
     until throughput stops growing, each probe with the time split of its steady middle."""
-    from moeflow.bench.capacity import steady_window, thread_busy, time_split
+    from moeflow.measure.capacity import steady_window, thread_busy, time_split
     from moeflow.bench.probe import Prober
-    from moeflow.bench.saturation import SaturationSearch, find_saturation
-    from moeflow.bench.workload import generate_requests
+    from moeflow.measure.saturation import SaturationSearch, find_saturation
+    from moeflow.measure.workload import generate_requests
     from moeflow.engine.base import clock
 
     num = len(generate_requests(exp.point_workload(start_rps, seed, args.num_requests)))
@@ -181,8 +181,8 @@ def _drop_spans(llms: dict) -> None:
 
 
 def _assemble(exp, names, runs, repeats, metric, profile_path, config_path) -> dict:
-    from moeflow.bench.capacity import capacity_tok_s, load_profile
-    from moeflow.experiment import system_to_dict
+    from moeflow.measure.capacity import capacity_tok_s, load_profile
+    from moeflow.experiment.system import system_to_dict
 
     capacity = None
     if profile_path:

@@ -8,20 +8,8 @@ resident requests per attention group, and each worker's split of the window (at
 transport, waiting on the other side, bubbles) from its trace. Systems run in rotated order within
 each repeat, so machine drift hits them alike; repeats give 95% intervals and paired ratios.
 
-One system from the command line (``--mode ... --context 2048 8192``), or several from a YAML file:
-
-    model: tiny
-    dtype: auto
-    contexts: [2048, 8192]
-    steps: 16            # decode tokens per request in the timed window
-    warmup_steps: 2
-    repeats: 3
-    batch: null          # resident requests in all; null: as many as the KV cache holds
-    systems:
-      dep2: {mode: dep, dp: 2, max_batch_tokens: 2048, chunked_prefill_size: 2048, engine: {memory_budget_gib: 1.6}}
-      afd: {mode: afd, micro_batches: 2, chunked_prefill_size: 2048, engine: {memory_budget_gib: 1.6}}
-      dep2_gather: {mode: dep, dp: 2, ..., env: {MOEFLOW_PAGED_ATTENTION: gather}}   # environment of its workers
-    compare: [[afd, dep2]]
+One system from the command line (``--mode ... --context 2048 8192``), or several from a decode
+experiment file (``moeflow/experiment/decode.py`` has the format; ``moeflow simulate`` reads the same).
 """
 from __future__ import annotations
 
@@ -31,72 +19,18 @@ import dataclasses
 import os
 import random
 import time
-from dataclasses import dataclass, field
 
-import yaml
-
-from moeflow.bench.capacity import COMPUTE, TRANSPORT, WAIT, time_split
-from moeflow.bench.decode_report import markdown, summarize
-from moeflow.bench.provenance import write_json
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.args import add_engine_args, engine_kwargs
-from moeflow.experiment import SystemSpec, system_from_dict, system_to_dict
+from moeflow.experiment.decode import DecodeExperiment, load_decode_experiment, resident, step_tokens
+from moeflow.experiment.system import SystemSpec, system_to_dict
+from moeflow.measure.capacity import COMPUTE, TRANSPORT, WAIT, time_split
+from moeflow.measure.decode_report import markdown, summarize
+from moeflow.measure.provenance import write_json
 
 # the decode step split of ``moeflow bench decode`` (trace span names: workers/stages.py, ffn.py, moe.py)
 DECODE_KINDS = {"attention": COMPUTE - {"experts"}, "ffn": {"experts"}, "transport": TRANSPORT,
                 "wait": WAIT | {"recv"}}
-
-
-@dataclass(frozen=True)
-class DecodeBench:
-    model: str
-    systems: dict[str, SystemSpec]
-    dtype: str = "auto"
-    contexts: tuple[int, ...] = (2048, 8192)
-    steps: int = 16
-    warmup_steps: int = 2
-    repeats: int = 3
-    batch: int | None = None
-    seed: int = 0
-    title: str | None = None
-    compare: tuple[tuple[str, str], ...] = field(default=())
-    # per system, environment variables its deployment starts with (e.g. MOEFLOW_PAGED_ATTENTION=gather
-    # for the before/after of the decode attention kernel)
-    env: dict[str, dict[str, str]] = field(default_factory=dict)
-    # simulator only (``moeflow simulate`` of a decode file): as in an experiment file
-    hardware: str | None = None
-    cost: str = "analytic"
-    profile: str | None = None
-    machine: str | None = None
-    hardware_overrides: tuple[tuple[str, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "repeats"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"bench decode: {name} must be an int >= 1, got {getattr(self, name)!r}")
-        if not self.contexts or any(not isinstance(c, int) or c < 1 for c in self.contexts):
-            raise ConfigError(f"bench decode: contexts must be ints >= 1, got {list(self.contexts)}")
-        if self.batch is not None and (not isinstance(self.batch, int) or self.batch < 1):
-            raise ConfigError(f"bench decode: batch must be null or an int >= 1, got {self.batch!r}")
-        for a, b in self.compare:
-            if a not in self.systems or b not in self.systems:
-                raise ConfigError(f"bench decode: compare {a!r} vs {b!r}: both must be systems")
-
-
-def load_bench(path: str) -> DecodeBench:
-    with open(path) as f:
-        d = dict(yaml.safe_load(f) or {})
-    known = {f.name for f in dataclasses.fields(DecodeBench)}
-    if set(d) - known or "systems" not in d:
-        raise ConfigError(f"bench decode {path}: unknown keys {sorted(set(d) - known)} or no systems (known: {sorted(known)})")
-    model, dtype = d.get("model", "tiny"), d.get("dtype", "auto")
-    entries = {n: dict(s) for n, s in d["systems"].items()}
-    d["env"] = {n: {str(k): str(v) for k, v in (s.pop("env", None) or {}).items()} for n, s in entries.items()}
-    d["systems"] = {n: system_from_dict(n, s, model, dtype) for n, s in entries.items()}
-    d["contexts"] = tuple(d.get("contexts") or (2048, 8192))
-    d["compare"] = tuple(tuple(p) for p in d.get("compare") or ())
-    d["hardware_overrides"] = tuple(sorted((k, float(v)) for k, v in (d.get("hardware_overrides") or {}).items()))
-    return DecodeBench(**{**d, "model": model, "dtype": dtype})
 
 
 def add_parser(sub) -> None:
@@ -112,7 +46,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _from_flags(args: argparse.Namespace) -> DecodeBench:
+def _from_flags(args: argparse.Namespace) -> DecodeExperiment:
     from moeflow.layout import make_layout
 
     kw = engine_kwargs(args)
@@ -121,11 +55,11 @@ def _from_flags(args: argparse.Namespace) -> DecodeBench:
     engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
     layout = make_layout(mode, **{k: v for k, v in kw.items() if k not in engine_keys})
     engine = EngineConfig(model=model, dtype=dtype, **{k: v for k, v in kw.items() if k in engine_keys})
-    return DecodeBench(model, {mode: SystemSpec(mode, layout, engine)}, dtype)
+    return DecodeExperiment(model, {mode: SystemSpec(mode, layout, engine)}, dtype)
 
 
 def run(args: argparse.Namespace) -> int:
-    bench = load_bench(args.config) if args.config else _from_flags(args)
+    bench = load_decode_experiment(args.config) if args.config else _from_flags(args)
     over = {k: v for k, v in (("contexts", tuple(args.context) if args.context else None), ("batch", args.batch),
                               ("steps", args.steps), ("repeats", args.repeats)) if v is not None}
     bench = dataclasses.replace(bench, **over)
@@ -150,38 +84,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def step_tokens(lay, engine) -> int:
-    """The fewest prompt tokens any step of a system (layout ``lay``, EngineConfig ``engine``) may
-    take: its smallest batch limit."""
-    limits = [engine.max_num_batched_tokens]
-    for obj in (lay, getattr(lay, "scheduler", None)):
-        limits += [v for k in ("chunked_prefill_size", "max_batch_tokens") if (v := getattr(obj, k, None))]
-    return min(limits)
-
-
-def decode_tokens(warmup_steps: int, steps: int, context: int = 0, per_group: int = 0, step_limit: int = 1) -> int:
-    """Tokens each request is asked for (its KV reservation), so that nobody finishes inside the window:
-    the window and warm-up, up to two steps in flight at either end, groups that decode at their own
-    pace (asap, dwdp) running ahead of the window's average, and, the largest part, what a request
-    prefilled first decodes (one token per step, decode first) while the other ``per_group - 1`` of its
-    group prefill: at most one step per ``step_limit - per_group`` prompt tokens (the decodes share each
-    step's budget) plus one per request. The simulator prefills a group in one step and reserves its
-    own, shorter window (``sim/decode.py``), so its B is a few percent above this one's."""
-    prefill_steps = per_group * -(-context // max(1, step_limit - per_group)) + per_group if per_group else 0
-    return warmup_steps + 2 * steps + 6 + prefill_steps
-
-
-def resident(capacity_at, context: int, warmup_steps: int, steps: int, step_limit: int,
-             first: int | None = None) -> tuple[int, int]:
-    """(requests per group the KV cache holds, decode tokens each is asked for) at ``context``;
-    ``capacity_at(gen)``: requests per group that fit when each reserves ``context + gen`` tokens.
-    ``first``: the group's requests when given (``batch``), else what fits the bare window."""
-    first = capacity_at(decode_tokens(warmup_steps, steps)) if first is None else first
-    gen = decode_tokens(warmup_steps, steps, context, first, step_limit)
-    return capacity_at(gen), gen
-
-
-def measure(spec: SystemSpec, context: int, bench: DecodeBench, repeat: int) -> dict:
+def measure(spec: SystemSpec, context: int, bench: DecodeExperiment, repeat: int) -> dict:
     """One deployment, prefilled at ``context``, one timed decode window."""
     from moeflow import LLM, SamplingParams
 

@@ -15,8 +15,8 @@ import argparse
 from dataclasses import asdict, dataclass
 
 from moeflow.bench.profile import _median_s  # warm-up, then the median of repeats
-from moeflow.bench.provenance import write_json
 from moeflow.config import DTYPES
+from moeflow.measure.provenance import write_json
 
 
 @dataclass(frozen=True)

@@ -1,31 +1,26 @@
 """``moeflow demo`` (``make run``): asap vs the synchronous baseline, served over HTTP on ``tiny``.
 
 For each system (asap D=1 E=1, then dep dp=2: two worker processes each) it starts ``moeflow
-serve`` on a free port, waits for /health, runs ``bench serve --base-url`` at each rate (the same
-seeded workload every time), and stops the server. Then it prints the result tables side by side,
-writes every run's JSON and a TTFT-vs-rate plot to ``--out-dir``, and exits 0 only if every
-request of every run completed. The servers' logs and each run's own table land in ``--out-dir``.
+serve`` on a free port (``server_process.py``), waits for /health, runs the benchmark of ``bench
+serve --base-url`` (``http_bench.bench_http``) at each rate (the same seeded workload every time),
+and stops the server. Then it prints the result tables side by side, writes every run's JSON and a
+TTFT-vs-rate plot to ``--out-dir``, and exits 0 only if every request of every run completed. The
+servers' logs and each run's own table land in ``--out-dir``.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
-from moeflow.bench.http_metrics import percentile_key
+from moeflow.bench.http_metrics import parse_goodput, percentile_key
+from moeflow.bench.server_process import ServeProcess
 from moeflow.config import DTYPES
 
-# (name, serve flags, config for bench.plot's label)
+# (name, serve flags, config for measure.plot's label)
 SYSTEMS = (("asap", ["--mode", "asap", "--attn-dp", "1", "--moe-workers", "1"],
             {"attn_dp": 1, "attn_tp": 1, "moe_workers": 1}),
            ("dep", ["--mode", "dep", "--dp", "2"], {"dp": 2}))
-_START_TIMEOUT_S = 180.0
 _ROWS = (("Successful requests", "completed", "d"), ("Benchmark duration (s)", "duration", ".2f"),
          ("Request throughput (req/s)", "request_throughput", ".2f"),
          ("Request goodput (req/s)", "request_goodput", ".2f"),
@@ -48,7 +43,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeflow.bench.plot import plot_results
+    from moeflow.measure.plot import plot_results
 
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     os.makedirs(args.out_dir, exist_ok=True)
@@ -86,23 +81,25 @@ def _dtype_line(log_path: str) -> str:
 
 
 def _bench(args: argparse.Namespace, name: str, url: str, rate: float) -> dict:
-    """One ``bench serve --base-url`` run in this process; its table goes to a file, its JSON is returned."""
-    from moeflow.cli import main
+    """One ``bench serve --base-url`` run (``bench_http``): its table goes to a file, its JSON too and
+    is returned."""
+    from moeflow.bench.http_bench import HttpBench, bench_http
+    from moeflow.bench.http_client import HttpClientConfig
+    from moeflow.measure.provenance import write_json
+    from moeflow.measure.workload import WorkloadConfig
 
     stem = os.path.join(args.out_dir, f"{name}-{rate:g}rps")
-    argv = ["bench", "serve", "--base-url", url, "--workload", "production", "--length-scale",
-            str(args.length_scale), "--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
-            "--max-tokens", str(args.max_tokens), "--goodput", args.goodput, "--percentile-metrics",
-            "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--json", stem + ".json"]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = main(argv)
-    with open(stem + ".txt", "w") as f:
-        f.write(out.getvalue())
-    if rc != 0:
-        raise RuntimeError(f"bench serve against {name} at {rate:g} req/s exited with {rc}:\n{out.getvalue()}")
-    with open(stem + ".json") as f:
-        return json.load(f)
+    workload = WorkloadConfig(kind="production", rate_rps=rate, num_requests=args.num_prompts,
+                              length_scale=args.length_scale, output_len=args.max_tokens)
+    b = HttpBench(HttpClientConfig(url), workload, rate, ("ttft", "tpot", "itl", "e2el"), (50.0, 99.0),
+                  parse_goodput([args.goodput]))
+    with open(stem + ".txt", "w") as out:
+        result = bench_http(b, out)
+    if not result["completed"]:
+        with open(stem + ".txt") as f:
+            raise RuntimeError(f"bench serve against {name} at {rate:g} req/s completed no request:\n{f.read()}")
+    write_json(stem + ".json", result)
+    return result
 
 
 def side_by_side(columns: list[tuple[str, dict]], percentiles: tuple[float, ...] = (50.0, 99.0)) -> str:
@@ -118,49 +115,3 @@ def side_by_side(columns: list[tuple[str, dict]], percentiles: tuple[float, ...]
         cells = [format(m[key], fmt) if m.get(key) is not None else "-" for _, m in columns]
         lines.append(f"{label:<32}" + "".join(f"{c:>{width}}" for c in cells))
     return "\n".join(lines)
-
-
-class ServeProcess:
-    """``moeflow serve`` in a subprocess on a free port; stopped (SIGTERM, then SIGKILL) on exit."""
-
-    def __init__(self, model: str, flags: list[str], log_path: str):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.cmd = [sys.executable, "-m", "moeflow", "serve", "--model", model, "--port", str(self.port),
-                    "--log-level", "warning", *flags]
-        self.log_path = log_path
-
-    def __enter__(self) -> str:
-        import httpx
-
-        self._log = open(self.log_path, "w")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread per process, as the engine assumes
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{' '.join(self.cmd)} exited with {self.proc.returncode}; see {self.log_path}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                        return url
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the server was not healthy within {_START_TIMEOUT_S:g} s; see {self.log_path}")
-                time.sleep(0.2)
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # graceful: the server releases workers and shared memory
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()

@@ -11,8 +11,8 @@ import argparse
 import statistics
 import time
 
-from moeflow.bench.provenance import write_json
 from moeflow.config import DTYPES
+from moeflow.measure.provenance import write_json
 
 TOKENS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 

@@ -5,7 +5,8 @@ lengths) at ``--request-rate`` (inf: every request at t = 0, vLLM's default), ca
 ``--num-prompts``. As vLLM does, one short request goes first and must succeed (a wrong URL or a
 dead server fails in a second, not after the whole schedule); it also pays the server's one-time
 costs outside the measurement. The result JSON holds vLLM's keys (``http_metrics``) plus the
-workload and the per-request samples.
+workload and the per-request samples. ``bench_http`` is the run itself (the demo calls it);
+``run_http`` reads the flags and writes the files.
 """
 from __future__ import annotations
 
@@ -14,75 +15,110 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import TextIO
 
 from moeflow.bench.http_client import HttpClientConfig, HttpRun, run_requests, token_prompts
 from moeflow.bench.http_metrics import (compute_metrics, format_table, parse_goodput, parse_percentile_metrics,
                                         parse_percentiles)
-from moeflow.bench.provenance import write_json
-from moeflow.bench.workload import WorkloadRequest, generate_requests
+from moeflow.measure.provenance import write_json
+from moeflow.measure.workload import WorkloadConfig, WorkloadRequest, generate_requests, workload_config
 
-_UNUSED_OVER_HTTP = (("rps", "--rps (give one --request-rate per run)"), ("plot", "--plot (use bench plot)"),
-                     ("find_slo_rps", "--find-slo-rps"), ("trace", "--trace"))
+_UNUSED_OVER_HTTP = (("plot", "--plot (use bench plot)"), ("find_slo_rps", "--find-slo-rps"), ("trace", "--trace"))
 
 
-def run_http(args: argparse.Namespace) -> int:
-    from moeflow.bench.serve import workload_config
+class ServerUnavailable(RuntimeError):
+    """The initial test request failed: nothing of the workload was sent."""
 
-    for name, flag in _UNUSED_OVER_HTTP:
-        if getattr(args, name):
-            raise ValueError(f"{flag} is not available with --base-url")
-    rate = math.inf if args.request_rate is None else args.request_rate
-    if not rate > 0:
-        raise ValueError(f"--request-rate must be > 0, got {rate}")
-    if math.isinf(rate) and args.num_prompts is None and args.workload != "trace":
-        raise ValueError("--request-rate inf (the default) needs --num-prompts")
-    metrics_names = parse_percentile_metrics(args.percentile_metrics)
-    percentiles = parse_percentiles(args.metric_percentiles)
-    goodput = parse_goodput(args.goodput)
-    cfg = HttpClientConfig(args.base_url, args.endpoint, args.served_model_name, args.max_concurrency, args.api_key,
-                           progress=not args.no_progress)
-    # an infinite rate keeps the workload's lengths (a separate seeded stream) and zeroes the arrivals
-    wl = workload_config(args, None if args.workload == "trace" and math.isinf(rate) else
-                         (1.0 if math.isinf(rate) else rate))
-    reqs = generate_requests(wl)
-    if math.isinf(rate):
+
+@dataclass(frozen=True)
+class HttpBench:
+    """One run: which server, what workload at what rate, which metrics to report."""
+
+    client: HttpClientConfig
+    workload: WorkloadConfig  # lengths and seed; its arrivals are used unless the rate is inf
+    rate: float = math.inf  # requests/s, as recorded in the result; inf: every request at t = 0
+    metric_names: tuple[str, ...] = ("ttft", "tpot", "itl")  # of ttft, tpot, itl, e2el
+    percentiles: tuple[float, ...] = (99.0,)
+    goodput_ms: dict[str, float] = field(default_factory=dict)  # SLOs of request_goodput (empty: none)
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"--request-rate must be > 0, got {self.rate}")
+
+
+def bench_http(b: HttpBench, out: TextIO = sys.stdout) -> dict:
+    """Send the test request, then the workload; print vLLM's table to ``out``; return the result
+    (vLLM's saved-result layout). Raises ``ServerUnavailable`` when the test request fails."""
+    reqs = generate_requests(b.workload)
+    if math.isinf(b.rate):
         reqs = [replace(r, arrival_s=0.0) for r in reqs]
     if not reqs:
         raise ValueError("the workload has no requests (raise --duration-s or --num-prompts)")
-
-    test = run_requests(replace(cfg, progress=False), [WorkloadRequest(0.0, 16, 2)],
-                        token_prompts([WorkloadRequest(0.0, 16, 2)], args.seed + 1)).outcomes[0]
+    probe = [WorkloadRequest(0.0, 16, 2)]
+    test = run_requests(replace(b.client, progress=False), probe, token_prompts(probe, b.workload.seed + 1)).outcomes[0]
     if not test.success:
-        print(f"moeflow: error: the initial test request to {cfg.url} failed: {test.error}", file=sys.stderr)
-        return 1
-    print(f"Traffic request rate: {rate:g}\nBurstiness factor: {args.burstiness:g}"
-          + (" (Poisson process)" if args.burstiness == 1.0 else " (gamma arrivals)")
-          + f"\nMaximum request concurrency: {args.max_concurrency}", flush=True)
-    run = run_requests(cfg, reqs, token_prompts(reqs, args.seed))
-    m = compute_metrics(run.outcomes, run.duration_s, metrics_names, percentiles, goodput)
-    print(format_table(m, metrics_names, percentiles), flush=True)
+        raise ServerUnavailable(f"the initial test request to {b.client.url} failed: {test.error}")
+    burst = b.workload.burstiness
+    print(f"Traffic request rate: {b.rate:g}\nBurstiness factor: {burst:g}"
+          + (" (Poisson process)" if burst == 1.0 else " (gamma arrivals)")
+          + f"\nMaximum request concurrency: {b.client.max_concurrency}", file=out, flush=True)
+    run = run_requests(b.client, reqs, token_prompts(reqs, b.workload.seed))
+    m = compute_metrics(run.outcomes, run.duration_s, b.metric_names, b.percentiles, b.goodput_ms)
+    print(format_table(m, b.metric_names, b.percentiles), file=out, flush=True)
     errors = [o.error for o in run.outcomes if not o.success]
     if errors:
         print(f"{len(errors)} requests failed; the first: {errors[0]}", file=sys.stderr)
-    result = result_json(args, rate, wl.to_dict(), goodput, m, run)
+    return result_json(b, m, run)
+
+
+def run_http(args: argparse.Namespace) -> int:
+    for name, flag in _UNUSED_OVER_HTTP:
+        if getattr(args, name):
+            raise ValueError(f"{flag} is not available with --base-url")
+    rate = _one_rate(args.request_rate)
+    if math.isinf(rate) and args.num_prompts is None and args.workload != "trace":
+        raise ValueError("--request-rate inf (the default) needs --num-prompts")
+    client = HttpClientConfig(args.base_url, args.endpoint, args.served_model_name, args.max_concurrency,
+                              args.api_key, progress=not args.no_progress)
+    # an infinite rate keeps the workload's lengths (a separate seeded stream) and zeroes the arrivals
+    wl = workload_config(args, None if args.workload == "trace" and math.isinf(rate) else
+                         (1.0 if math.isinf(rate) else rate))
+    b = HttpBench(client, wl, rate, parse_percentile_metrics(args.percentile_metrics),
+                  parse_percentiles(args.metric_percentiles), parse_goodput(args.goodput))
+    try:
+        result = bench_http(b)
+    except ServerUnavailable as e:
+        print(f"moeflow: error: {e}", file=sys.stderr)
+        return 1
     paths = [args.json] if args.json else []
     if args.save_result:
         paths.append(os.path.join(args.result_dir, args.result_filename or _default_filename(args, rate)))
     for path in paths:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         write_json(path, result)
-    return 0 if m["completed"] else 1
+    return 0 if result["completed"] else 1
 
 
-def result_json(args: argparse.Namespace, rate: float, workload: dict, goodput: dict, m: dict, run: HttpRun) -> dict:
+def _one_rate(text: str | None) -> float:
+    """``--request-rate`` over HTTP: one rate per run, as vLLM (a number or inf; none given: inf)."""
+    if text is None:
+        return math.inf
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--request-rate: over HTTP one rate per run (a number or inf), got {text!r}") from None
+
+
+def result_json(b: HttpBench, m: dict, run: HttpRun) -> dict:
     """vLLM's saved-result layout: run settings, the metrics, then per-request samples."""
     ok = [o for o in run.outcomes if o.success]
-    return {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "moeflow", "base_url": args.base_url,
-            "endpoint": args.endpoint, "model_id": args.served_model_name,
-            "num_prompts": len(run.outcomes), "request_rate": rate if math.isfinite(rate) else "inf",
-            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-            "goodput": goodput or None, "workload": {k: v for k, v in workload.items() if k != "rate_rps"},
+    return {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "moeflow", "base_url": b.client.base_url,
+            "endpoint": b.client.endpoint, "model_id": b.client.model,
+            "num_prompts": len(run.outcomes), "request_rate": b.rate if math.isfinite(b.rate) else "inf",
+            "burstiness": b.workload.burstiness, "max_concurrency": b.client.max_concurrency,
+            "goodput": b.goodput_ms or None,
+            "workload": {k: v for k, v in b.workload.to_dict().items() if k != "rate_rps"},
             **m,
             "input_lens": [o.prompt_len for o in run.outcomes], "output_lens": [o.output_tokens for o in run.outcomes],
             "ttfts": [o.ttft_s for o in ok], "itls": [list(o.itl_s) for o in ok],

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeflow.bench.http_metrics import RequestOutcome
-from moeflow.bench.workload import WorkloadRequest
+from moeflow.measure.workload import WorkloadRequest
 
 
 @dataclass(frozen=True)

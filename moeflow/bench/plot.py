@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from moeflow.measure.plot import expand, plot_results
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plot", help="mean TTFT vs rate of `bench serve` JSON files, with the SLO line")
@@ -21,59 +23,3 @@ def run(args: argparse.Namespace) -> int:
     plot_results(results, args.out, args.title)
     print(f"wrote {args.out}")
     return 0
-
-
-def expand(data: dict) -> list[dict]:
-    """A ``bench serve`` result, or ``moeflow simulate``'s ``{"systems": {name: result}}``."""
-    return list(data["systems"].values()) if "systems" in data else [data]
-
-
-def label(result: dict) -> str:
-    """Mode and process layout, e.g. "asap D=2 T=1 E=2", "dep dp=4 chunk=512", plus ablations;
-    a simulated result is named by its system, e.g. "sim: asap"."""
-    c = result.get("config", {})
-    if result.get("simulated"):
-        return f"sim: {c.get('name', result.get('mode', '?'))}"
-    parts = [result.get("mode", "?")]
-    if "attn_dp" in c:
-        parts.append(f"D={c['attn_dp']} T={c.get('attn_tp', 1)} E={c.get('moe_workers', 1)}")
-    if "dp" in c:
-        parts.append(f"dp={c['dp']}")
-    if c.get("chunked_prefill_size"):
-        parts.append(f"chunk={c['chunked_prefill_size']}")
-    for flag, name in (("dual_batch", "no-dual-batch"), ("length_aware", "no-length-aware"),
-                       ("comm_threads", "no-comm-threads"), ("recv_thread", "no-comm-threads")):
-        if c.get(flag) is False:
-            parts.append(name)
-    return " ".join(parts)
-
-
-def plot_results(results: list[dict], out: str, title: str | None = None) -> None:
-    """One line per result (points of runs stopped early drawn as crosses at their lower bound)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display on these machines
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for res in results:
-        pts = sorted((p for p in res["points"] if p["ttft_mean_s"] is not None), key=lambda p: p["rps"])
-        full = [p for p in pts if not p.get("stopped_early")]
-        (line,) = ax.plot([p["rps"] for p in full], [p["ttft_mean_s"] for p in full], marker="o", label=label(res))
-        stopped = [p for p in pts if p.get("stopped_early")]
-        if stopped:
-            ax.plot([p["rps"] for p in stopped], [p["ttft_mean_s"] for p in stopped], "x", color=line.get_color())
-        if res.get("slo_rps") is not None:
-            ax.axvline(res["slo_rps"], color=line.get_color(), linestyle=":", linewidth=1)
-    for slo in sorted({r["slo_ttft_s"] for r in results if r.get("slo_ttft_s") is not None}):
-        ax.axhline(slo, color="gray", linestyle="--", linewidth=1, label=f"SLO {slo:g} s")
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("mean TTFT (s)")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    if title:
-        ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)

@@ -12,8 +12,8 @@ import platform
 import statistics
 import time
 
-from moeflow.bench.provenance import provenance, write_json
 from moeflow.engine.args import add_engine_args, engine_kwargs
+from moeflow.measure.provenance import provenance, write_json
 
 SINGLE_LEN = 2048
 RAGGED_LENS = [128, 402, 676, 951, 1225, 1499, 1774, 2048]  # 8 prompts evenly spread over 128..2048

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from moeflow.bench.metrics import summarize
 from moeflow.bench.replay import random_prompts, replay
-from moeflow.bench.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
-                               slo_rps_from_points)
-from moeflow.bench.workload import WorkloadConfig, WorkloadRequest, generate_requests
+from moeflow.measure.metrics import summarize
+from moeflow.measure.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
+                                 slo_rps_from_points)
+from moeflow.measure.workload import WorkloadConfig, WorkloadRequest, generate_requests
 
 
 class Prober:

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from moeflow.bench.provenance import write_json
 from moeflow.config import DTYPES
+from moeflow.measure.provenance import write_json
 from moeflow.sim.profiled import fit_nonneg
 
 ATTN_SHAPES = [  # (query lens, context lens) of one batch

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeflow.bench.metrics import RequestRecord, mean_ttft_lower_bound
-from moeflow.bench.slo import StopRule
-from moeflow.bench.workload import WorkloadRequest
 from moeflow.core import RequestError, SamplingParams
 from moeflow.engine.base import clock
 from moeflow.engine.output import OutputTracker
+from moeflow.measure.metrics import RequestRecord, mean_ttft_lower_bound
+from moeflow.measure.slo import StopRule
+from moeflow.measure.workload import WorkloadRequest
 
 _IDLE_POLL_S = 0.001  # a step that returned nothing: back off this long instead of spinning
 _BOUND_EVERY_S = 0.25  # how often the early-stop bound is re-evaluated

@@ -76,7 +76,7 @@ def summarize(num_experts: int, per_prompt: list[np.ndarray], devices: list[int]
 
 def main(argv: list[str] | None = None) -> int:
     from moeflow.bench.http_client import token_prompts
-    from moeflow.bench.workload import WorkloadConfig, generate_requests
+    from moeflow.measure.workload import WorkloadConfig, generate_requests
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n} devices, per prompt, most loaded / mean: measured {d['measured_max_over_mean']:.3f}, "
               f"the simulator's model at CV {res['expert_cv_mean']:.2f}: {d['model_max_over_mean']:.3f}")
     if args.json:
-        from moeflow.bench.provenance import write_json
+        from moeflow.measure.provenance import write_json
 
         write_json(args.json, res)
     return 0

@@ -1,8 +1,8 @@
 """``moeflow bench serve``: TTFT vs request rate of one deployment under a replayed workload.
 
-The deployment runs in this process (no HTTP); for every rate in ``--rps`` the workload is
+The deployment runs in this process (no HTTP); for every rate of ``--request-rate`` the workload is
 generated afresh (same seed: same prompt lengths at every rate) and replayed against the wall
-clock (``bench.replay``). ``--find-slo-rps`` then bisects for the SLO throughput (``bench.slo``),
+clock (``bench.replay``). ``--find-slo-rps`` then bisects for the SLO throughput (``measure.slo``),
 each probe a fresh replay on the same deployment. Output: a table per rate, ``--json``,
 ``--plot``, and with ``--trace`` a Chrome trace of every measured replay (warm-up left out).
 
@@ -13,15 +13,12 @@ OpenAI-compatible server) instead, with ``vllm bench serve``'s flags and metric 
 from __future__ import annotations
 
 import argparse
-import math
 
-from moeflow.bench.metrics import format_point
-from moeflow.bench.provenance import provenance, write_json
-from moeflow.bench.slo import METRICS, SloMetric, SloSearch
-from moeflow.bench.workload import KINDS, WorkloadConfig
 from moeflow.engine.args import add_engine_args, engine_kwargs
-
-_DEFAULT_DURATION_S = 60.0
+from moeflow.measure.metrics import format_point
+from moeflow.measure.provenance import provenance, write_json
+from moeflow.measure.slo import METRICS, SloMetric, SloSearch
+from moeflow.measure.workload import DEFAULT_DURATION_S, KINDS, parse_rates, workload_config
 
 
 def add_parser(sub) -> None:
@@ -35,11 +32,12 @@ def add_parser(sub) -> None:
     w.add_argument("--fixed-len", type=int, default=1024, help="fixed: prompt length")
     w.add_argument("--trace-file", default=None, metavar="FILE.jsonl",
                    help="trace workload: arrival_s, prompt_len[, output_len] per line")
-    w.add_argument("--rps", default=None, metavar="R1,R2,...",
-                   help="request rates to measure (default 1; trace: as recorded, or rescaled to each rate)")
+    w.add_argument("--request-rate", default=None, metavar="R[,R...]",
+                   help="requests/s. In-process: the rates to measure, comma-separated (default 1; trace: as "
+                        "recorded, or rescaled to each rate). HTTP: one rate (default inf: all at once)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     w.add_argument("--duration-s", type=float, default=None,
-                   help=f"arrivals per rate (default {_DEFAULT_DURATION_S:g} s; trace: all of it)")
+                   help=f"arrivals per rate (default {DEFAULT_DURATION_S:g} s; trace: all of it)")
     w.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (1 = prefill only)")
     s = p.add_argument_group("SLO")
     s.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT SLO in seconds (drawn on the plot)")
@@ -54,8 +52,6 @@ def add_parser(sub) -> None:
     h.add_argument("--endpoint", default="/v1/completions")
     h.add_argument("--served-model-name", default=None, help='"model" field of each request (default: none sent)')
     h.add_argument("--api-key", default=None)
-    h.add_argument("--request-rate", type=float, default=None,
-                   help="requests/s (HTTP default inf: all at once); in-process: the same as --rps R")
     h.add_argument("--num-prompts", type=int, default=None, help="at most this many requests (instead of --duration-s)")
     h.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (HTTP)")
     h.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
@@ -72,29 +68,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def workload_config(args: argparse.Namespace, rate_rps: float | None) -> WorkloadConfig:
-    duration = args.duration_s
-    if duration is None and args.workload != "trace" and args.num_prompts is None:
-        duration = _DEFAULT_DURATION_S
-    return WorkloadConfig(kind=args.workload, rate_rps=rate_rps, burstiness=args.burstiness, duration_s=duration,
-                          num_requests=args.num_prompts,
-                          length_scale=args.length_scale, isl=args.isl, isl_ratio=args.isl_ratio,
-                          fixed_len=args.fixed_len, trace_path=args.trace_file, output_len=args.max_tokens,
-                          seed=args.seed)
-
-
-def parse_rates(text: str | None, kind: str) -> list[float | None]:
-    if text is None:
-        return [None] if kind == "trace" else [1.0]
-    try:
-        rates = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--rps: expected comma-separated numbers, got {text!r}") from None
-    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
-        raise ValueError(f"--rps: rates must be positive numbers, got {text!r}")
-    return rates
-
-
 def run(args: argparse.Namespace) -> int:
     if args.base_url is not None:
         from moeflow.bench.http_bench import run_http
@@ -103,9 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from moeflow import LLM
     from moeflow.bench.probe import Prober, slo_table
 
-    if args.request_rate is not None and args.rps is None:
-        args.rps = f"{args.request_rate!r}"
-    rates = parse_rates(args.rps, args.workload)
+    rates = parse_rates(args.request_rate, args.workload)
     workload_config(args, rates[0])  # invalid workload flags fail before the deployment starts
     if args.find_slo_rps and args.slo_ttft_s is None:
         raise ValueError("--find-slo-rps needs --slo-ttft-s")
@@ -142,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, result)
     if args.plot:
-        from moeflow.bench.plot import plot_results
+        from moeflow.measure.plot import plot_results
 
         plot_results([result], args.plot)
     if spans is not None:

@@ -21,7 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from moeflow.bench.http_client import token_prompts
-from moeflow.bench.workload import WorkloadConfig, generate_requests
+from moeflow.bench.server_process import ServeProcess, children, is_alive, open_fds, rss_mb, shm_usage
+from moeflow.measure.workload import WorkloadConfig, generate_requests
 
 KINDS = ("ok", "ok_stream", "disconnect", "bad_json", "bad_field", "bad_model", "too_big")
 WEIGHTS = (0.4, 0.4, 0.08, 0.03, 0.03, 0.03, 0.03)
@@ -61,7 +62,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeflow.bench.provenance import write_json
+    from moeflow.measure.provenance import write_json
     from moeflow.bench.soak_report import judge, write_report
 
     serve_args = [a for a in args.serve_args if a != "--"] or ["--model", "tiny", "--mode", "asap", "--attn-dp", "1",
@@ -87,8 +88,6 @@ def run(args: argparse.Namespace) -> int:
 def soak(serve_args: list[str], duration_s: float, rps: float, length_scale: float, sample_s: float,
          kill_at_s: float, seed: int) -> dict:
     """Start the server, run the load with its sampler and its kill, stop the server; the raw record."""
-    from moeflow.bench.demo import ServeProcess
-
     model, flags = _model_of(serve_args)
     log_path = f"/tmp/moeflow-soak-{os.getpid()}.log"
     seen: set[int] = set()
@@ -106,8 +105,8 @@ def soak(serve_args: list[str], duration_s: float, rps: float, length_scale: flo
     return {"command": cmd, "duration_s": duration_s, "rps": rps, "length_scale": length_scale, "seed": seed,
             "sample_s": sample_s, "startup_s": t_up, "server_exit_code": code, "kill": kill,
             "samples": samples, "answers": [asdict(a) for a in answers],
-            "after_shutdown": {"processes_left": sorted(p for p in seen if _alive(p)),
-                               "shm": _shm(srv.proc.pid)}, "server_log_tail": log_tail}
+            "after_shutdown": {"processes_left": sorted(p for p in seen if is_alive(p)),
+                               "shm": shm_usage(srv.proc.pid)}, "server_log_tail": log_tail}
 
 
 def _model_of(serve_args: list[str]) -> tuple[str, list[str]]:
@@ -234,69 +233,11 @@ async def _sample(c, server: int, t: float, seen: set[int]) -> dict:
     seen.update(procs)
     stats = {}
     for pid, role in procs.items():
-        rss, fds = _rss_mb(pid), _fds(pid)
+        rss, fds = rss_mb(pid), open_fds(pid)
         if rss is not None:
             stats[str(pid)] = {"role": role, "rss_mb": rss, "fds": fds}
     try:
         health = (await c.get("/health", timeout=5)).status_code
     except Exception:  # noqa: BLE001
         health = 0
-    return {"t": t, "procs": stats, "shm": _shm(server), "health": health}
-
-
-def children(pid: int) -> dict[int, str]:
-    """Direct children of ``pid``: "worker" (a deployment's process) or "other" (multiprocessing's tracker)."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != pid:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        out[int(entry)] = "worker" if b"spawn_main" in cmdline else "other"
-    return out
-
-
-def _rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def _fds(pid: int) -> int | None:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-
-
-def _shm(server: int) -> dict:
-    """The server's /dev/shm segments: bytes resident, files, deployments."""
-    prefix = f"moeflow-{server}-"
-    names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    size = 0
-    for n in names:
-        try:
-            size += os.stat(os.path.join("/dev/shm", n)).st_blocks * 512
-        except OSError:
-            pass
-    return {"mb": size / 2**20, "files": len(names), "deployments": len({n.split(".")[0] for n in names})}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return {"t": t, "procs": stats, "shm": shm_usage(server), "health": health}

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from moeflow.bench.provenance import write_json
+from moeflow.measure.provenance import write_json
 from moeflow.predict.afd import ATTENTION_MODELS, Baseline, predict
 
 
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
 
 def _afd_resident(result: dict, system: str, layout, context: int) -> int:
     """Requests per attention instance the afd layout's memory plan holds under the baseline's budget."""
-    from moeflow.bench.decode import DecodeBench, resident, step_tokens
+    from moeflow.experiment.decode import DecodeExperiment, resident, step_tokens
     from moeflow.config import EngineConfig
     from moeflow.engine.llm import resolve_model
     from moeflow.engine.modes import plan_for
@@ -59,7 +59,7 @@ def _afd_resident(result: dict, system: str, layout, context: int) -> int:
         return min(config.max_num_seqs, plan.num_kv_blocks // -(-(context + gen) // config.kv_block_size))
     # as bench decode sizes afd's own run: its reservation covers what its first requests decode
     # while the rest of the instance's group prefill, which grows with the group
-    warmup = result.get("warmup_steps", DecodeBench.warmup_steps)  # files before it was recorded: the default
+    warmup = result.get("warmup_steps", DecodeExperiment.warmup_steps)  # files before it was recorded: the default
     return resident(capacity_at, context, warmup, result["steps"], step_tokens(layout, config))[0]
 
 

@@ -10,7 +10,7 @@ import argparse
 import json
 import time
 
-from moeflow.bench.provenance import provenance, write_json
+from moeflow.measure.provenance import provenance, write_json
 
 
 def add_parser(sub) -> None:
@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
     with open(args.config) as f:
         if "contexts" in (yaml.safe_load(f) or {}):  # a `bench decode` file: steady-state decode
             return _run_decode(args)
-    from moeflow.bench.metrics import format_point
-    from moeflow.experiment import load_experiment as load_config
+    from moeflow.measure.metrics import format_point
+    from moeflow.experiment.serve import load_experiment as load_config
     from moeflow.sim.run import build_cost, run_system
 
     cfg = load_config(args.config, tuple(args.set))
@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         res.result["sim_speed"] = {"events": res.num_events, "wall_s": wall, "events_per_s": res.num_events / wall}
         out[name] = res.result
         spans += [type(s)(s.name, f"{name}:{s.track}", s.start_s, s.end_s) for s in res.spans]
-        print(f"== {name} ({res.result['config']['devices']} devices, {cfg.model} on {cfg.hardware}, "
-              f"{cfg.cost} cost)")
+        print(f"== {name} ({res.result['config']['devices']} devices, {cfg.model} on {cfg.target.hardware}, "
+              f"{cfg.target.cost} cost)")
         # with repeats, each seed's runs (the averaged points lack a run's counts and busy split)
         for rep in res.result.get("repeats") or [{"seed": None, "sweep": res.result["points"], "probes": []}]:
             for p in rep["sweep"] + rep["probes"]:
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, data)
     if args.plot and out:
-        from moeflow.bench.plot import plot_results
+        from moeflow.measure.plot import plot_results
 
         plot_results(list(out.values()), args.plot)
     if args.trace:
@@ -167,7 +167,7 @@ def _saturation_comparisons(cfg, cost, names: list[str], measured: dict, repeats
 
 def slo_metrics(text: str) -> tuple:
     """``mean``, ``p90,p99``, ``all`` (mean, p50, p90, p99, attainment:0.95) -> SloMetrics."""
-    from moeflow.bench.slo import ALL_METRICS, SloMetric
+    from moeflow.measure.slo import ALL_METRICS, SloMetric
 
     if text == "all":
         return ALL_METRICS
@@ -177,7 +177,7 @@ def slo_metrics(text: str) -> tuple:
 def print_slo_table(out: dict, names: list[str], metrics: tuple, slo_s: float) -> None:
     """SLO throughput of every system under every searched metric (``>= X``: no rate up to the
     search's cap missed it), then each ratio a / b > 1 of known values."""
-    from moeflow.bench.slo import format_slo
+    from moeflow.measure.slo import format_slo
 
     print(f"\nSLO throughput (rps; TTFT <= {slo_s:g} s under each metric):")
     print(f"  {'':>24}" + "".join(f"{m.name:>16}" for m in metrics))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from moeflow.bench.slo import as_bounded, format_slo, slo_over_repeats
+from moeflow.measure.slo import as_bounded, format_slo, slo_over_repeats
 
 
 def compare(simulated: dict, measured: dict) -> dict:

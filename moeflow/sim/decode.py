@@ -1,5 +1,5 @@
 """Steady-state decode in the simulator: what ``moeflow bench decode`` measures, for a deployment we
-do not have. The same YAML drives both (``bench/decode.py``'s file plus ``hardware:``).
+do not have. The same YAML drives both (a decode experiment, ``experiment/decode.py``, with ``hardware:``).
 
 Per (system, context): B requests per attention group, B from the memory budget (``memory.py``:
 what the device's budget leaves for KV after the weights it holds and the activation reserve),
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moeflow.bench.workload import WorkloadRequest
+from moeflow.measure.workload import WorkloadRequest
 from moeflow.sim.memory import GIB, plan_kv
 
 STEP_MODES = ("dep", "afd")
@@ -134,38 +134,38 @@ def against_measured(results: dict, measured: dict) -> list[dict]:
 def run_decode(path: str, names: list[str] | None = None, measured: dict | None = None) -> dict:
     """``moeflow simulate --config DECODE.yaml``: every system at every context, the pairs compared;
     with ``measured`` (``--compare-with``, a ``bench decode`` result), the error against it."""
-    from moeflow.bench.decode import load_bench
+    from moeflow.experiment.decode import load_decode_experiment
     from moeflow.sim.run import build_cost
 
-    bench = load_bench(path)
-    cost = build_cost(bench)
+    exp = load_decode_experiment(path)
+    cost = build_cost(exp)
     hbm = getattr(getattr(cost, "hw", None), "hbm_bytes", 0.0)
-    names = names or list(bench.systems)
+    names = names or list(exp.systems)
     if measured is not None:
         names = [n for n in names if n in measured.get("results", {})
-                 and bench.systems[n].layout.mode in STEP_MODES]
+                 and exp.systems[n].layout.mode in STEP_MODES]
         if not names:
             raise ValueError(f"--compare-with: none of its systems {sorted(measured.get('results', {}))} is a "
                              f"{'/'.join(STEP_MODES)} system of {path}")
     def batch(n: str, c: int) -> int | None:  # against a measurement: at the B it ran
-        return measured["results"][n][str(c)]["batch"] if measured is not None else bench.batch
-    results = {n: {c: simulate_decode(bench.systems[n], cost, c, bench.steps, bench.warmup_steps, hbm, batch(n, c))
-                   for c in bench.contexts} for n in names}
+        return measured["results"][n][str(c)]["batch"] if measured is not None else exp.batch
+    results = {n: {c: simulate_decode(exp.systems[n], cost, c, exp.steps, exp.warmup_steps, hbm, batch(n, c))
+                   for c in exp.contexts} for n in names}
     print(f"{'system':>16} {'context':>8} {'B/group':>8} {'TPOT ms':>8} {'tok/s/device':>13}  busy")
     for n in names:
         for c, r in results[n].items():
             busy = ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())
             print(f"{n:>16} {c:>8} {r['batch_per_group']:>8} {r['tpot_s'] * 1e3:>8.2f} {r['tok_s_per_device']:>13.1f}  {busy}")
     compared = {}
-    for a, b in bench.compare:
+    for a, b in exp.compare:
         if a not in results or b not in results:
             continue
-        layout = bench.systems[a].layout
-        for c in bench.contexts:
+        layout = exp.systems[a].layout
+        for c in exp.contexts:
             ra, rb = results[a][c], results[b][c]
             row = {"context": c, "simulated": factors(ra, rb, layout) if layout.mode == "afd" else
                    {"tok_s_ratio": ra["tok_s_per_device"] / rb["tok_s_per_device"]}}
-            if layout.mode == "afd" and bench.systems[b].layout.mode == "dep":
+            if layout.mode == "afd" and exp.systems[b].layout.mode == "dep":
                 row["closed_form"] = closed_form(ra, rb, layout, cost)
             compared.setdefault(f"{a}/{b}", []).append(row)
             f = row["simulated"]
@@ -178,7 +178,7 @@ def run_decode(path: str, names: list[str] | None = None, measured: dict | None 
                          f"{'' if p['overlap_holds'] else ', overlap fails'}), {p['speedup'] / f['tok_s_ratio'] - 1:+.1%}; "
                          f"attention-only T: x{p['fastafd_speedup']:.2f}, {p['fastafd_speedup'] / f['tok_s_ratio'] - 1:+.1%}")
             print(line)
-    out = {"model": bench.model, "hardware": bench.hardware, "steps": bench.steps, "warmup_steps": bench.warmup_steps,
+    out = {"model": exp.model, "hardware": exp.target.hardware, "steps": exp.steps, "warmup_steps": exp.warmup_steps,
            "results": {n: {str(c): r for c, r in rs.items()} for n, rs in results.items()}, "compare": compared}
     if measured is not None:
         out["measured_commit"] = (measured.get("provenance") or {}).get("commit")

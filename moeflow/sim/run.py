@@ -7,16 +7,18 @@ import json
 import math
 from dataclasses import dataclass
 
-from moeflow.bench.metrics import summarize
-from moeflow.bench import compare_report as report
-from moeflow.bench.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
-                               slo_over_repeats, slo_rps_from_points)
-from moeflow.bench.workload import generate_requests
-from moeflow.experiment import Experiment, SystemSpec, system_to_dict
+from moeflow.experiment.decode import DecodeExperiment
+from moeflow.experiment.serve import Experiment
+from moeflow.experiment.system import SystemSpec, system_to_dict
+from moeflow.measure import compare_report as report
+from moeflow.measure.metrics import summarize
+from moeflow.measure.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
+                                 slo_over_repeats, slo_rps_from_points)
+from moeflow.measure.workload import generate_requests
+from moeflow.sim.afd import AfdSystem
 from moeflow.sim.asap import AsapSystem
 from moeflow.sim.cost import AnalyticCost, CostModel
 from moeflow.sim.dep import DepSystem
-from moeflow.sim.afd import AfdSystem
 from moeflow.sim.dwdp import DwdpSystem
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset
@@ -32,20 +34,21 @@ def make_system(spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0) -
     return SYSTEMS[spec.layout.mode](spec, cost, trace_until_s)
 
 
-def build_cost(cfg: Experiment) -> CostModel:
-    model = model_preset(cfg.model)
-    if cfg.cost == "profiled":
+def build_cost(cfg: Experiment | DecodeExperiment) -> CostModel:
+    """The cost model of an experiment's target, for its model and dtype."""
+    model, target = model_preset(cfg.model), cfg.target
+    if target.cost == "profiled":
         from moeflow.sim.profiled import ProfiledCost
 
-        return ProfiledCost.load(model, cfg.profile)
+        return ProfiledCost.load(model, target.profile)
     report = None
-    if cfg.machine:
-        with open(cfg.machine) as f:
+    if target.machine:
+        with open(target.machine) as f:
             report = json.load(f)
-    if cfg.hardware is None:
+    if target.hardware is None:
         raise ValueError("experiment: the analytic cost needs hardware: PRESET")
-    hw = hardware_preset(cfg.hardware, report, None if cfg.dtype == "auto" else cfg.dtype)
-    return AnalyticCost(model, hw.with_overrides(**dict(cfg.hardware_overrides)))
+    hw = hardware_preset(target.hardware, report, None if cfg.dtype == "auto" else cfg.dtype)
+    return AnalyticCost(model, hw.with_overrides(**dict(target.hardware_overrides)))
 
 
 @dataclass
@@ -132,8 +135,8 @@ def run_system(name: str, cfg: Experiment, cost: CostModel, rates: tuple[float, 
     by_metric = {n: slo_over_repeats([r["slo"].get(n) for r in reps]) for n in names}
     points = reps[0]["all_points"] if repeats == 1 else report.aggregate_points(reps)
     result = {"mode": system.layout.mode, "simulated": True,
-              "config": {"name": system.name, **system_to_dict(system), "model": cfg.model, "hardware": cfg.hardware,
-                         "cost": cfg.cost, "devices": system.layout.num_processes},
+              "config": {"name": system.name, **system_to_dict(system), "model": cfg.model,
+                         "hardware": cfg.target.hardware, "cost": cfg.target.cost, "devices": system.layout.num_processes},
               "workload": {k: v for k, v in cfg.workload.to_dict().items() if k != "rate_rps"},
               "slo_ttft_s": cfg.slo_ttft_s, "slo_metric": metric.name,
               "slo_metrics_searched": [m.name for m in searched] if find_slo else [],

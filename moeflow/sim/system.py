@@ -9,11 +9,11 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
-from moeflow.bench.metrics import RequestRecord, mean_ttft_lower_bound
-from moeflow.bench.slo import StopRule
-from moeflow.bench.workload import WorkloadRequest
 from moeflow.core import Batch, Request, SamplingParams
-from moeflow.experiment import SystemSpec
+from moeflow.experiment.system import SystemSpec
+from moeflow.measure.metrics import RequestRecord, mean_ttft_lower_bound
+from moeflow.measure.slo import StopRule
+from moeflow.measure.workload import WorkloadRequest
 from moeflow.messages import Span
 from moeflow.scheduler import Scheduler, make_scheduler
 from moeflow.sim.cores import CorePool

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from moeflow.bench.soak import children
+from moeflow.bench.server_process import children
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ def test_bench_serve_colocated_smoke(checkpoints, tmp_path):
     env = {**os.environ, "MOEFLOW_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     cmd = [sys.executable, "-m", "moeflow", "bench", "serve", "--model", checkpoints("qwen3").path,
-           "--dtype", "float32", "--workload", "fixed", "--fixed-len", "16", "--rps", "3",
+           "--dtype", "float32", "--workload", "fixed", "--fixed-len", "16", "--request-rate", "3",
            "--duration-s", "2", "--slo-ttft-s", "5", "--json", str(out), "--plot", str(png), "--no-progress"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -27,7 +27,7 @@ def test_bench_serve_colocated_smoke(checkpoints, tmp_path):
     (p,) = data["points"]
     assert set(p) >= POINT_KEYS
     # the same seeded workload the command replayed: every request completed
-    from moeflow.bench.workload import WorkloadConfig, generate_requests
+    from moeflow.measure.workload import WorkloadConfig, generate_requests
 
     expected = len(generate_requests(WorkloadConfig(kind="fixed", fixed_len=16, rate_rps=3.0, duration_s=2.0)))
     assert p["completed"] == expected > 0 and p["rejected"] == 0 and p["failed"] == 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from moeflow import LLM
 from moeflow.bench.replay import random_prompts, replay
-from moeflow.bench.slo import MEAN, StopRule
-from moeflow.bench.workload import WorkloadRequest
+from moeflow.measure.slo import MEAN, StopRule
+from moeflow.measure.workload import WorkloadRequest
 
 
 def _flood(llm, drain: bool) -> tuple[bool, bool]:

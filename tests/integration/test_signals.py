@@ -49,7 +49,7 @@ CASES = {
     "generate": (_MOEFLOW + ["generate", *_DEP, "--dp", "1", "--prompt", "hi", "--max-tokens", "3000", "--ignore-eos"],
                  signal.SIGHUP, DEPLOYMENT_READY, True),
     "bench-serve": (_MOEFLOW + ["bench", "serve", *_DEP, "--dp", "2", "--workload", "fixed", "--fixed-len", "16",
-                                "--rps", "2", "--duration-s", "120", "--no-progress"],
+                                "--request-rate", "2", "--duration-s", "120", "--no-progress"],
                     signal.SIGTERM, DEPLOYMENT_READY, True),
     "bench-prefill": (_MOEFLOW + ["bench", "prefill", "--model", "tiny", "--mode", "asap", "--attn-dp", "1",
                                   "--moe-workers", "1", "--repeats", "5"],

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from moeflow.bench.metrics import (RequestRecord, bucket_edges, buckets, format_point, mean_ttft_lower_bound,
-                                   summarize)
-from moeflow.bench.plot import label
-from moeflow.bench.slo import SloSearch, find_slo_rps
+from moeflow.measure.metrics import (RequestRecord, bucket_edges, buckets, format_point, mean_ttft_lower_bound,
+                                     summarize)
+from moeflow.measure.plot import label
+from moeflow.measure.slo import SloSearch, find_slo_rps
 
 
 def _rec(prompt_len: int, arrival: float, queue: float, compute: float | None, other: float) -> RequestRecord:
@@ -126,7 +126,7 @@ def test_the_search_doubles_until_a_rate_misses_the_slo():
 
 
 def test_an_slo_throughput_above_the_cap_is_a_bound_not_a_value():
-    from moeflow.bench.slo import SloResult, format_slo
+    from moeflow.measure.slo import SloResult, format_slo
 
     res = find_slo_rps(lambda r: 0.1, SloSearch(1.0, max_doublings=3), {1.0: 0.1})
     assert (res.rps, res.upper_rps, res.at_least_rps, res.num_probes) == (None, None, 8.0, 3)
@@ -136,8 +136,8 @@ def test_an_slo_throughput_above_the_cap_is_a_bound_not_a_value():
 
 
 def test_slo_throughput_over_repeats_keeps_bounds_as_bounds(capsys):
-    from moeflow.bench.compare_report import format_over_repeats
-    from moeflow.bench.slo import MEAN, format_slo, slo_over_repeats
+    from moeflow.measure.compare_report import format_over_repeats
+    from moeflow.measure.slo import MEAN, format_slo, slo_over_repeats
     from moeflow.sim.cli import print_slo_table
 
     exact, bound, none = ({"rps": 0.5, "upper_rps": 0.8}, {"rps": None, "upper_rps": None, "at_least_rps": 0.8},

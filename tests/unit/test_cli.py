@@ -102,3 +102,11 @@ def test_the_api_key_comes_from_the_environment(monkeypatch):
     assert settings.api_key() == "v"
     monkeypatch.setenv("MOEFLOW_API_KEY", "m")  # ours first
     assert settings.api_key() == "m"
+
+
+def test_bench_serve_takes_its_rate_as_request_rate_only(run_cli):
+    # one flag for the rate (vllm bench serve's spelling): --rps is gone, and over HTTP it is one rate
+    res = run_cli("bench", "serve", "--rps", "1")
+    assert res.returncode == 2 and "unrecognized arguments: --rps" in res.stderr
+    res = run_cli("bench", "serve", "--base-url", "http://127.0.0.1:9", "--request-rate", "1,2", "--num-prompts", "2")
+    assert res.returncode == 2 and "over HTTP one rate per run" in res.stderr

@@ -3,7 +3,7 @@ and says so, and a saturation probe that did not saturate is reported as such, n
 saturation throughput, share of capacity or ratio."""
 from __future__ import annotations
 
-from moeflow.bench import compare_report as report
+from moeflow.measure import compare_report as report
 
 SEEDS = (0, 1, 2)
 

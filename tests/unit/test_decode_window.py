@@ -3,9 +3,9 @@ window, counting what the first-prefilled requests decode while the rest of thei
 (a dep rank of 17 requests with 2048-token chunks had decoded 34 tokens before the window began)."""
 from __future__ import annotations
 
-from moeflow.bench.decode import decode_tokens, step_tokens
 from moeflow.config import EngineConfig
-from moeflow.experiment import SystemSpec
+from moeflow.experiment.decode import decode_tokens, step_tokens
+from moeflow.experiment.system import SystemSpec
 from moeflow.layout import make_layout
 
 

@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from moeflow.bench.capacity import capacity_tok_s, request_compute_s, steady_window, time_split
-from moeflow.bench.slo import ALL_METRICS, MEAN, SloMetric, slo_rps_from_points
-from moeflow.bench.stats import mean_ci, paired_ratio_ci, t975, verdict
-from moeflow.bench.workload import WorkloadConfig
+from moeflow.measure.capacity import capacity_tok_s, request_compute_s, steady_window, time_split
+from moeflow.measure.slo import ALL_METRICS, MEAN, SloMetric, slo_rps_from_points
+from moeflow.measure.stats import mean_ci, paired_ratio_ci, t975, verdict
+from moeflow.measure.workload import WorkloadConfig
 from moeflow.messages import Span
 
 
@@ -69,7 +69,7 @@ def test_slo_throughput_under_every_metric_from_the_same_points():
 
 
 def test_the_simulator_comparison_reads_an_unbracketed_measured_slo_as_a_bound():
-    from moeflow.bench.slo import slo_over_repeats
+    from moeflow.measure.slo import slo_over_repeats
     from moeflow.sim.compare import compare, format_comparison
 
     point = {"rps": 0.8, "ttft_mean_s": 2.0}
@@ -116,7 +116,7 @@ def test_the_steady_window_ignores_spans_from_before_the_run():
 # writers that legitimately write other JSON: the SSE stream, Chrome traces, the checkpoint's
 # config.json, the per-machine probe cache
 _NOT_RESULTS = {"moeflow/server/serving.py", "moeflow/engine/trace.py", "moeflow/model/tiny.py",
-                "moeflow/hardware/probe.py", "moeflow/bench/provenance.py", "moeflow/bench/env.py",
+                "moeflow/hardware/probe.py", "moeflow/measure/provenance.py", "moeflow/bench/env.py",
                 "moeflow/model/extension.py"}  # a build's inputs beside it, not a result
 
 

@@ -9,7 +9,7 @@ import yaml
 
 from moeflow.config import ConfigError, SchedulerConfig
 from moeflow.engine.args import add_engine_args, engine_kwargs
-from moeflow.experiment import parse_experiment
+from moeflow.experiment.serve import parse_experiment
 from moeflow.layout import LAYOUTS, AsapLayout, DepLayout, layout_from_dict, layout_to_dict, make_layout
 
 EXPERIMENT = """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow.bench.saturation import SaturationSearch, find_saturation
+from moeflow.measure.saturation import SaturationSearch, find_saturation
 
 PROMPT_LEN = 100
 CAPACITY_TOK_S = 1000.0  # 10 rps of 100-token prompts

@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from moeflow.bench.decode import load_bench
-from moeflow.experiment import parse_experiment
+from moeflow.experiment.decode import load_decode_experiment
+from moeflow.experiment.serve import parse_experiment
 from moeflow.layout import make_layout
 from moeflow.sim.decode import against_measured, closed_form, factors, simulate_decode
 from moeflow.sim.memory import GIB, activation_reserve, plan_kv
 from moeflow.sim.model_spec import model_preset
 from moeflow.sim.run import build_cost, run_point
 
-BENCH = load_bench("configs/afd-gb200.yaml")
+BENCH = load_decode_experiment("configs/afd-gb200.yaml")
 COST = build_cost(BENCH)
 
 

@@ -8,8 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from moeflow.bench.workload import WorkloadRequest
-from moeflow.experiment import SimOptions, apply_overrides, load_experiment, parse_experiment, system_from_dict
+from moeflow.experiment.serve import apply_overrides, load_experiment, parse_experiment
+from moeflow.experiment.system import SimOptions, system_from_dict
+from moeflow.measure.workload import WorkloadRequest
 from moeflow.sim.attention_cost import AttentionOptions, attention_parts, batch_ratio, core_flops
 from moeflow.sim.cost import AnalyticCost
 from moeflow.sim.expert_load import ExpertLoads, dirichlet_alpha, place, popularity
@@ -181,7 +182,7 @@ def test_overrides_and_per_metric_slo_search():
     assert cfg.systems["dep"].sim == SimOptions(super_kernel=False, expert_load_cv=0.5)
     assert cfg.workload.seed == 4 and cfg.slo_ttft_s == 2
     assert d["systems"]["dep"]["sim"] == {"super_kernel": False}  # the parsed dict is left as it was
-    from moeflow.bench.slo import SloMetric
+    from moeflow.measure.slo import SloMetric
     from moeflow.sim.cli import slo_metrics
 
     metrics = slo_metrics("mean,p99")

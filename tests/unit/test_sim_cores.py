@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from moeflow.experiment import parse_experiment
+from moeflow.experiment.serve import parse_experiment
 from moeflow.sim.cores import CorePool
 from moeflow.sim.run import build_cost, run_point
 

@@ -11,8 +11,8 @@ from fractions import Fraction
 
 import pytest
 
-from moeflow.bench.workload import WorkloadRequest
-from moeflow.experiment import load_experiment, parse_experiment
+from moeflow.experiment.serve import load_experiment, parse_experiment
+from moeflow.measure.workload import WorkloadRequest
 from moeflow.sim.contention import ContentionDraws, contention_pmf, expected_slowdown
 from moeflow.sim.dwdp import DwdpSystem, crossover, layer_roofline
 from moeflow.sim.run import build_cost

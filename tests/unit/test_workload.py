@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from moeflow.bench import workload as wl
-from moeflow.bench.workload import WorkloadConfig, generate_requests
+from moeflow.measure import workload as wl
+from moeflow.measure.workload import WorkloadConfig, generate_requests
 
 
 def _gaps(reqs) -> np.ndarray:
@@ -164,9 +164,16 @@ def test_empty_trace_is_an_error(tmp_path):
         wl.read_trace(_write(tmp_path, [""]))
 
 
-def test_workload_module_does_not_import_torch():
-    # the simulator imports it and must stay torch-free
-    code = "import sys, moeflow.bench.workload, moeflow.bench.metrics, moeflow.bench.slo; print('torch' in sys.modules)"
+def test_the_measurement_library_does_not_import_torch():
+    # the simulator imports every module of measure/ and experiment/ and must stay torch-free; a
+    # result's provenance, written without torch loaded, must not load it either
+    code = ("import importlib, pkgutil, sys, moeflow.measure, moeflow.experiment\n"
+            "for pkg in (moeflow.measure, moeflow.experiment):\n"
+            "    for m in pkgutil.iter_modules(pkg.__path__):\n"
+            "        importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
+            "from moeflow.measure.provenance import provenance\n"
+            "provenance()\n"
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -184,3 +191,11 @@ def test_raw_mean_fit():
     assert WorkloadConfig(kind="production", rate_rps=1.0, num_requests=1).production_mean == "kept"
     with pytest.raises(ValueError, match="production_mean"):
         WorkloadConfig(kind="production", rate_rps=1.0, num_requests=1, production_mean="median")
+
+
+def test_request_rates_parse_as_bench_serve_reads_them():
+    assert wl.parse_rates("0.5, 1,2", "production") == [0.5, 1.0, 2.0]
+    assert wl.parse_rates(None, "production") == [1.0] and wl.parse_rates(None, "trace") == [None]
+    for bad in ("fast", "0", "-1", "inf", ","):
+        with pytest.raises(ValueError, match="--request-rate"):
+            wl.parse_rates(bad, "production")

@@ -57,7 +57,7 @@ def main():
         again = _median_s(fn, 15)
         out[f"{b}x{c}"] = {"alone_ms": alone * 1e3, "beside_experts_ms": beside * 1e3, "alone_again_ms": again * 1e3}
         print(b, c, f"alone {alone*1e3:.2f} ms, beside experts {beside*1e3:.2f} ms ({beside/alone:.2f}x), alone again {again*1e3:.2f}", flush=True)
-    from moeflow.bench.provenance import write_json
+    from moeflow.measure.provenance import write_json
     write_json(sys.argv[1], {"what": __doc__, "results": out})
 
 

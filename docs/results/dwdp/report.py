@@ -9,8 +9,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))
-from moeflow.bench.slo import format_slo  # noqa: E402
-from moeflow.bench.stats import Interval  # noqa: E402
+from moeflow.measure.slo import format_slo  # noqa: E402
+from moeflow.measure.stats import Interval  # noqa: E402
 
 SWEEPS = [("every prompt ISL tokens (ISL ratio 1.0)", "ISL",
            [("512", "dwdp_isl_512"), ("2048", "dwdp_isl_2048"), ("8192", "dwdp_isl_8192")]),

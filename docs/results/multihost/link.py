@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.provenance import write_json
 from moeflow.comm import CommConfig, CommSpec, make_transport
+from moeflow.measure.provenance import write_json
 
 H, SIZES, ROUNDS = 2048, (1, 64, 1024, 4096), 30
 

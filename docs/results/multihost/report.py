@@ -9,7 +9,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))
-from moeflow.bench.stats import mean_ci, paired_ratio_ci, verdict  # noqa: E402
+from moeflow.measure.stats import mean_ci, paired_ratio_ci, verdict  # noqa: E402
 
 NAMES = ("one_host", "two_hosts")
 KEYS = [("completed", "completed"), ("failed", "failed"),

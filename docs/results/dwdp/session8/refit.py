@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeflow.bench.provenance import write_json
+from moeflow.measure.provenance import write_json
 from moeflow.sim.profiled import fit_nonneg
 
 

@@ -17,7 +17,7 @@ import dataclasses
 import json
 from collections import defaultdict
 
-from moeflow.bench.workload import WorkloadConfig, generate_requests
+from moeflow.measure.workload import WorkloadConfig, generate_requests
 
 # trace span names by what the time was spent on (workers/stages.py, schedule.py, experts.py, moe.py)
 COMPUTE = {"attention", "router", "combine", "experts", "sample", "dense"}

@@ -33,7 +33,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moeflow.bench.metrics import mean_ttft_lower_bound
+from moeflow.measure.metrics import mean_ttft_lower_bound
 
 METRICS = ("mean", "p50", "p90", "p99", "attainment:F")
 

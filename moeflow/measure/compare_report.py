@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import statistics
 
-from moeflow.bench.slo import ALL_METRICS, format_slo, slo_over_repeats
-from moeflow.bench.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
+from moeflow.measure.slo import ALL_METRICS, format_slo, slo_over_repeats
+from moeflow.measure.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
 
 POINT_FIELDS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "prefill_tok_s")
 
@@ -188,7 +188,7 @@ def markdown(result: dict) -> str:
                   f"{cap['mean_prompt_tokens']:.0f} tokens / {cap['mean_request_compute_s']:.3f} s colocated "
                   f"compute per request (profile: `{cap.get('profile')}`, {cap.get('profile_dtype')}). Each "
                   "saturation probe doubles its offered rate until a doubling raises prefill tok/s by less than "
-                  "10% (`bench/saturation.py`); one that never does is not saturated and has no share.", "",
+                  "10% (`measure/saturation.py`); one that never does is not saturated and has no share.", "",
                   "| system | offered rps | prefill tok/s | fraction of capacity | time split per process "
                   "(compute / transport / wait / idle) |", "|---|---|---|---|---|"]
         for name, s in systems.items():

@@ -24,6 +24,7 @@ so the same seed gives the same length sequence at every rate (common random num
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -45,6 +46,7 @@ PRODUCTION_LOG_SIGMA = 1.119924
 PRODUCTION_RAW_LOG_MU = 7.792208  # "raw": the mean of the whole trace is 5k (kept mean 4221); median e^mu = 2422
 PRODUCTION_RAW_LOG_SIGMA = 1.204025
 PRODUCTION_MEANS = ("kept", "raw")
+DEFAULT_DURATION_S = 60.0  # bench serve: arrivals per rate when neither a duration nor a count is given
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,31 @@ def generate_requests(cfg: WorkloadConfig) -> list[WorkloadRequest]:
         lens = _lengths(length_rng, cfg, len(arrivals))
         reqs = [WorkloadRequest(float(a), int(n), cfg.output_len) for a, n in zip(arrivals, lens)]
     return [WorkloadRequest(r.arrival_s, scale_len(r.prompt_len, cfg.length_scale), r.output_len) for r in reqs]
+
+
+def workload_config(args: argparse.Namespace, rate_rps: float | None) -> WorkloadConfig:
+    """The workload ``bench serve``'s flags describe (in-process and over HTTP alike), at ``rate_rps``."""
+    duration = args.duration_s
+    if duration is None and args.workload != "trace" and args.num_prompts is None:
+        duration = DEFAULT_DURATION_S
+    return WorkloadConfig(kind=args.workload, rate_rps=rate_rps, burstiness=args.burstiness, duration_s=duration,
+                          num_requests=args.num_prompts,
+                          length_scale=args.length_scale, isl=args.isl, isl_ratio=args.isl_ratio,
+                          fixed_len=args.fixed_len, trace_path=args.trace_file, output_len=args.max_tokens,
+                          seed=args.seed)
+
+
+def parse_rates(text: str | None, kind: str) -> list[float | None]:
+    """Comma-separated request rates; none given: 1 rps, a trace at its recorded times (None)."""
+    if text is None:
+        return [None] if kind == "trace" else [1.0]
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--request-rate: expected comma-separated numbers, got {text!r}") from None
+    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise ValueError(f"--request-rate: rates must be positive numbers, got {text!r}")
+    return rates
 
 
 def scale_len(prompt_len: int, length_scale: float) -> int:

@@ -78,7 +78,7 @@ def summarize(rps: float, records: list[RequestRecord], start_s: float, length_s
 
     prefill_tok_s: prompt tokens of completed requests / time from the replay's start to the
     last completion. ``ttft_p*`` are interpolated percentiles over completed requests (vLLM's
-    convention for reporting); the SLO metrics use nearest ranks over all requests (``bench.slo``).
+    convention for reporting); the SLO metrics use nearest ranks over all requests (``measure.slo``).
     """
     ttft = [r.ttft_s for r in records]
     pct = {q: float(np.percentile(ttft, q)) if ttft else None for q in (50, 90, 99)}

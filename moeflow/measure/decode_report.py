@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from moeflow.bench.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
+from moeflow.measure.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
 
 KINDS = ("attention", "ffn", "transport", "wait", "bubble")
 
@@ -18,9 +18,9 @@ def _split_mean(runs: list[dict]) -> dict | None:
     return {p: {k: statistics.fmean(s[p].get(k, 0.0) for s in splits if p in s) for k in KINDS} for p in procs}
 
 
-def summarize(bench, runs: dict[str, dict[int, list[dict]]], systems: dict) -> dict:
-    out = {"title": bench.title, "model": bench.model, "dtype": bench.dtype, "steps": bench.steps,
-           "warmup_steps": bench.warmup_steps, "repeats": bench.repeats, "systems": {n: {**d, "env": bench.env.get(n, {})} for n, d in systems.items()},
+def summarize(exp, runs: dict[str, dict[int, list[dict]]], systems: dict) -> dict:
+    out = {"title": exp.title, "model": exp.model, "dtype": exp.dtype, "steps": exp.steps,
+           "warmup_steps": exp.warmup_steps, "repeats": exp.repeats, "systems": {n: {**d, "env": exp.env.get(n, {})} for n, d in systems.items()},
            "results": {}, "comparisons": []}
     for name, by_ctx in runs.items():
         out["results"][name] = {}
@@ -30,8 +30,8 @@ def summarize(bench, runs: dict[str, dict[int, list[dict]]], systems: dict) -> d
                 "batch": rs[0]["batch"], "resident_per_group": rs[0]["resident_per_group"],
                 "num_kv_blocks": rs[0]["num_kv_blocks"], "tpot_s": tpot.to_dict(),
                 "tok_s_per_process": tok.to_dict(), "split": _split_mean(rs), "runs": rs}
-    for a, b in bench.compare:
-        for c in bench.contexts:
+    for a, b in exp.compare:
+        for c in exp.contexts:
             ra, rb = runs[a][c], runs[b][c]
             ia = mean_ci([r["tok_s_per_process"] for r in ra])
             ib = mean_ci([r["tok_s_per_process"] for r in rb])

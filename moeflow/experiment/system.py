@@ -1,0 +1,124 @@
+"""One ``systems:`` entry of an experiment file, as the engine and the simulator both read it: a layout
+(``moeflow.layout``: ``mode`` and that mode's fields, the scheduler's accepted flat), the engine's
+settings (``engine:``) and the simulator's modelling choices (``sim:``). Pure Python.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+from moeflow.config import DTYPES, ConfigError, EngineConfig
+from moeflow.layout import Layout, layout_from_dict, layout_to_dict
+
+ENGINE_KEYS_ELSEWHERE = ("model", "dtype")  # set once for the whole experiment
+EXPERT_PLACEMENTS = ("contiguous", "eplb")
+DSA_ATTENTION = ("mqa", "mha_short_batch", "mha_short_seqs")
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Modelling choices only the simulator has (the engine always does the real thing). Defaults
+    are ASAP's stated setup where the paper states one; docs/simulator.md gives each one's source."""
+
+    super_kernel: bool = True  # layer-oblivious MoE kernel; False pays host_dispatch_s per MoE layer
+    # whether the device runs the layout's communication threads/streams concurrently with its
+    # compute; False where they share one CPU core with the experts (this machine)
+    comm_overlap: bool = True
+    # Expert-load skew (sim/expert_load.py). 0: every expert device gets exactly its share of every
+    # layer's (token, expert) pairs (ASAP Fig. 3b's "perfect expert load balancing"). > 0: per MoE
+    # layer, expert popularity ~ Dirichlet with this coefficient of variation across experts, each
+    # batch's pairs ~ Multinomial over the devices; every all-to-all and MoE step is priced by its
+    # most loaded receiver.
+    expert_load_cv: float = 0.0
+    expert_placement: str = "contiguous"  # or "eplb": DeepSeek-V3 §3.4, one redundant expert per device
+    expert_seed: int = 0  # popularity and per-batch draws (the same popularity for every system)
+    # DSA's core attention (sim/attention_cost.py): "mqa" absorbed MLA over the selected keys at every
+    # length (vllm-ascend SFA, CANN's DeepSeek-V3.2 recipe); "mha_short_batch" masked MHA for a batch
+    # whose longest context <= index_topk (SGLang); "mha_short_seqs" the same decided per sequence
+    dsa_attention: str = "mqa"
+    # under attention TP the MLA down-projections and the DSA indexer run on every TP rank (vLLM,
+    # SGLang, vllm-ascend shard DeepSeek so); False: everything split T ways
+    tp_replicates: bool = True
+    a2a_bw_GBps: float | None = None  # the baselines' all-to-all (None: the hardware preset's a2a_bw_Bps)
+    seed: int = 0  # the simulator's own random draws (dwdp: contention levels of naive pulls)
+    # dep: the all-to-all sends a token once per remote device holding any of its experts (DeepEP's
+    # layout) instead of once per (token, expert) pair (moeflow's engine)
+    dedup_dispatch: bool = False
+    # more worker processes than the profiled machine's cores: a compute stage waits for a free core
+    # (sim/cores.py); False: every process computes as if it had a core of its own
+    core_sharing: bool = True
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"sim: {msg}")
+
+        for f in ("super_kernel", "comm_overlap", "tp_replicates", "dedup_dispatch", "core_sharing"):
+            need(isinstance(getattr(self, f), bool), f"{f} must be true or false, got {getattr(self, f)!r}")
+        need(isinstance(self.expert_load_cv, (int, float)) and 0 <= self.expert_load_cv < 8,
+             f"expert_load_cv must be in [0, 8), got {self.expert_load_cv!r}")
+        need(self.expert_placement in EXPERT_PLACEMENTS,
+             f"expert_placement must be one of {EXPERT_PLACEMENTS}, got {self.expert_placement!r}")
+        for f in ("expert_seed", "seed"):
+            need(isinstance(getattr(self, f), int), f"{f} must be an integer, got {getattr(self, f)!r}")
+        need(self.dsa_attention in DSA_ATTENTION,
+             f"dsa_attention must be one of {DSA_ATTENTION}, got {self.dsa_attention!r}")
+        need(self.a2a_bw_GBps is None or (isinstance(self.a2a_bw_GBps, (int, float)) and self.a2a_bw_GBps > 0),
+             f"a2a_bw_GBps must be a number > 0, got {self.a2a_bw_GBps!r}")
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One system of an experiment: a layout, the engine's settings and the simulator's options."""
+
+    name: str
+    layout: Layout
+    engine: EngineConfig  # the engine uses all of it; the simulator its KV-cache and sequence limits
+    sim: SimOptions = field(default_factory=SimOptions)
+
+    @property
+    def kv_tokens_per_group(self) -> int:
+        """KV-cache capacity of one attention group (or rank), in tokens."""
+        return self.engine.num_kv_blocks * self.engine.kv_block_size
+
+
+def field_names(cls) -> set[str]:
+    return {f.name for f in fields(cls)}
+
+
+def pick_keys(d: dict, known: set[str], where: str) -> dict:
+    """``d`` itself, once every key of it is among ``known``."""
+    unknown = set(d) - known
+    if unknown:
+        raise ConfigError(f"experiment: unknown keys in {where}: {sorted(unknown)} (known: {sorted(known)})")
+    return d
+
+
+def system_from_dict(name: str, d: dict, model: str = "tiny", dtype: str = "auto") -> SystemSpec:
+    """One ``systems:`` entry, as both the engine and the simulator read it."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"experiment: systems.{name} must be a mapping, got {d!r}")
+    d = dict(d)
+    engine = pick_keys(dict(d.pop("engine", None) or {}), field_names(EngineConfig) - set(ENGINE_KEYS_ELSEWHERE),
+                       f"systems.{name}.engine")
+    sim = pick_keys(dict(d.pop("sim", None) or {}), field_names(SimOptions), f"systems.{name}.sim")
+    return SystemSpec(name, layout_from_dict(d, f"systems.{name}"), EngineConfig(model=model, dtype=dtype, **engine),
+                      SimOptions(**sim))
+
+
+def check_systems(where: str, dtype: str, systems: dict[str, SystemSpec], compare: tuple[tuple[str, str], ...]) -> None:
+    """What every experiment file asks of its systems: a known dtype, at least one system, and pairs
+    to compare that name two of them."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"{where}: dtype must be one of {DTYPES}, got {dtype!r}")
+    if not systems:
+        raise ConfigError(f"{where}: systems: give at least one")
+    for a, b in compare:
+        if a not in systems or b not in systems:
+            raise ConfigError(f"{where}: compare: {a!r} vs {b!r}: both must be systems")
+
+
+def system_to_dict(spec: SystemSpec) -> dict:
+    """The entry's settings as a result file records them."""
+    engine = {k: v for k, v in dataclasses.asdict(spec.engine).items() if k not in ENGINE_KEYS_ELSEWHERE}
+    return {**layout_to_dict(spec.layout), "engine": engine, "sim": dataclasses.asdict(spec.sim)}
