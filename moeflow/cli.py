@@ -35,9 +35,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    # SIGTERM/SIGHUP unwind like Ctrl-C: every command's `with`/finally (and atexit) release what it started
-    lifecycle.handle_signals()
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its flags (the docs test checks the commands the docs show against it)."""
     parser = argparse.ArgumentParser(prog="moeflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -62,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         plot,
         prefill,
         profile,
+        router_load,
         serve,
         soak,
         trace_summary,
@@ -81,9 +81,16 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for m in (prefill, decode, decode_attention, comm, experts, serve, soak, compare, plot, trace_summary):
+    for m in (prefill, decode, decode_attention, comm, experts, router_load, serve, soak, compare, plot, trace_summary):
         m.add_parser(bsub)
 
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # SIGTERM/SIGHUP unwind like Ctrl-C: every command's `with`/finally (and atexit) release what it started
+    lifecycle.handle_signals()
+    parser = build_parser()
     args = parser.parse_args(argv)
     from moeflow.measure.provenance import set_command
 

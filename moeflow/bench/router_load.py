@@ -1,8 +1,7 @@
 """Expert load under a model's own router, on a workload's prompts: the measured side of the
 simulator's expert-skew model (``sim/expert_load.py``).
 
-    python -m moeflow.bench.router_load --model tiny --length-scale 0.1 --num-requests 40 \
-        --devices 2,4 --json out.json
+    moeflow bench router-load --model tiny --length-scale 0.1 --num-requests 40 --devices 2,4 --json out.json
 
 One process, colocated forward (the model's own attention, router and experts), each prompt a
 batch of its own. Per MoE layer it counts the (token, expert) pairs of every expert and reports:
@@ -74,11 +73,8 @@ def summarize(num_experts: int, per_prompt: list[np.ndarray], devices: list[int]
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    from moeflow.bench.http_client import token_prompts
-    from moeflow.measure.workload import WorkloadConfig, generate_requests
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_parser(sub) -> None:
+    p = sub.add_parser("router-load", help="expert load under the model's own router on a workload's prompts")
     p.add_argument("--model", default="tiny")
     p.add_argument("--workload", default="production")
     p.add_argument("--length-scale", type=float, default=0.1)
@@ -87,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", default="2,4", help="expert devices to report, comma-separated")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeflow.bench.http_client import token_prompts
+    from moeflow.measure.workload import WorkloadConfig, generate_requests
+
     reqs = generate_requests(WorkloadConfig(kind=args.workload, rate_rps=1.0, num_requests=args.num_requests,
                                             length_scale=args.length_scale, seed=args.seed))
     num_experts, per_prompt = measure(args.model, token_prompts(reqs, args.seed), args.dtype)
@@ -106,6 +108,3 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, res)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
