@@ -6,6 +6,7 @@ files in ``moeflow/model/`` translate a Hugging Face ``config.json`` into it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +183,9 @@ class EngineConfig:
     memory_budget_gib: float | None = None
     activation_reserve_gib: float | None = None  # None: estimated from the model and the batch limits
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the hosts the deployment spans
+    # "auto" (CUDA when torch sees one), "cpu", "cuda" (workers spread over the GPUs by rank) or
+    # "cuda:N"; the engine replaces "auto" by what it picked (hardware/device.py)
+    device: str = "auto"
     # a work item with no answer from its workers this long fails the deployment as a dead worker
     # would (vLLM's engine iteration timeout): a stopped or wedged process is noticed and healed
     stall_timeout_s: float = 60.0
@@ -192,6 +196,8 @@ class EngineConfig:
         _require(isinstance(self.cluster, ClusterConfig), f"EngineConfig.cluster must be a ClusterConfig, "
                                                           f"got {type(self.cluster).__name__}")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(isinstance(self.device, str) and re.match(r"^(auto|cpu|cuda(:\d+)?)$", self.device) is not None,
+                 f"EngineConfig.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "kv_block_size", "num_kv_blocks",
                      "num_threads"):
             v = getattr(self, name)

@@ -150,6 +150,7 @@ class WorkerSetup:
     experts_held: tuple[tuple[int, ...], ...]  # experts held by each expert-side worker (MoE worker, FFN daemon, rank)
     world: World | None = None  # None: this deployment has no torch.distributed world
     world_rank: int = 0  # this process's rank in ``world``
+    device: str = "cpu"  # where this process computes: set by the process itself from engine.device and its rank
     cpu: int | None = None  # pin the process to this CPU
     node: int = 0  # the host that runs it (ClusterConfig.node_rank); 0: the engine's
 

@@ -17,6 +17,9 @@ class CommConfig:
     wait: WaitPolicy = field(default_factory=WaitPolicy)  # receivers, and senders under backpressure
     attach_timeout_s: float = 60.0  # how long a sender waits for its receivers' buffers to appear
     device: str = "cpu"  # dist/p2p: where staging buffers live ("cuda" with the nccl backend)
+    # where receivers' private copies live: the receiving worker's compute device, so a payload
+    # arrives where it is computed on (the shared buffers themselves are host memory)
+    compute_device: str = "cpu"
     stream_chunk_bytes: int = 1 << 20  # shm: payloads larger than this are written (and read) in
     # chunks of about this size, so the receiver's copy overlaps the sender's; 0: one copy each
     rank_nodes: tuple[int, ...] = ()  # links: the host of each world rank; (): all on one host

@@ -122,7 +122,8 @@ class LaneSender:
         elif c.done < seq - 1:
             self.stats.num_overlapped += 1
         buf, n = self.staging[dst][slot], payload.shape[0]
-        buf[:8 * (1 + len(words))].view(torch.int64).copy_(torch.tensor([seq, *words], dtype=torch.int64))
+        header = torch.tensor([seq, *words], dtype=torch.int64, device=buf.device)
+        buf[:8 * (1 + len(words))].view(torch.int64).copy_(header)
         end = self.hdr_bytes + n * self.row_bytes
         if n:
             buf[self.hdr_bytes:end].view(self.dtype).view(n, self.hidden).copy_(payload)

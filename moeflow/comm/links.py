@@ -115,7 +115,7 @@ class LinksDispatchReceiver(DispatchReceiver):
         self.bell = mailbox.bell
         self.inbox = _Inbox(config, mailbox, s.expert_world_rank(rank), list(range(s.num_lanes)), DISPATCH_TAG,
                             s.dispatch_header_words, s.dispatch_rows)  # lane writers' world ranks = lane ids
-        self._private = private_rows(s, s.lanes_per_region, s.dispatch_rows, config.device)  # [W, rows, H]
+        self._private = private_rows(s, s.lanes_per_region, s.dispatch_rows, config.compute_device)  # [W, rows, H]
 
     def poll(self) -> DispatchMessage | None:
         return self._scan(self.inbox.ready, lambda lane_id, j: self.inbox.take(lane_id, self._private[j]))
@@ -147,7 +147,7 @@ class LinksCombineReceiver(CombineReceiver):
         self.bell = mailbox.bell
         self.inbox = _Inbox(config, mailbox, self.lane_id, [s.expert_world_rank(e) for e in range(s.num_expert_ranks)],
                             COMBINE_TAG, s.combine_header_words, s.segment_rows)
-        self._private = private_rows(s, s.num_expert_ranks, s.segment_rows, config.device)  # [E, rows, H]
+        self._private = private_rows(s, s.num_expert_ranks, s.segment_rows, config.compute_device)  # [E, rows, H]
         self._seq = [0] * s.num_expert_ranks
 
     def poll(self, ranks: Sequence[int]) -> CombineMessage | None:

@@ -26,7 +26,7 @@ DISPATCH_TAG, COMBINE_TAG = 32, 48  # header; payload uses tag + 1
 
 
 def _send(dst: int, tag: int, words: list[int], payload: torch.Tensor) -> None:
-    dist.send(torch.tensor(words, dtype=torch.int64), dst, tag=tag)  # the handshake
+    dist.send(torch.tensor(words, dtype=torch.int64, device="cpu"), dst, tag=tag)  # the handshake (gloo: host)
     if payload.shape[0]:
         dist.send(payload.contiguous(), dst, tag=tag + 1)
 
@@ -37,7 +37,7 @@ class _Inbox:
 
     def __init__(self, spec, tag: int, header_words: int, num_lanes: int, rows: int, lane_of_rank):
         self.tag, self.lane_of_rank = tag, lane_of_rank
-        self.hdr = torch.empty(1 + header_words, dtype=torch.int64)  # [lane_id or expert rank, *words]
+        self.hdr = torch.empty(1 + header_words, dtype=torch.int64, device="cpu")  # [lane_id or rank, *words]
         self.private = private_rows(spec, num_lanes, rows)  # [lanes, rows, H]
         self.pending = [deque() for _ in range(num_lanes)]  # per lane: (words, payload [n, H])
         self.holds_private = [False] * num_lanes
@@ -49,7 +49,8 @@ class _Inbox:
         if words[0] != lane:
             raise ProtocolError(f"rank {src} sent a message for lane {words[0]}, expected {lane}")
         if self.holds_private[lane]:
-            payload = torch.empty(n, self.private.shape[2], dtype=self.private.dtype)  # [n, H]
+            p = self.private
+            payload = torch.empty(n, p.shape[2], dtype=p.dtype, device=p.device)  # [n, H]
         else:
             payload, self.holds_private[lane] = self.private[lane, :n], True
         if n:

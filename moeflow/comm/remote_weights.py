@@ -35,7 +35,7 @@ class WeightServer:
         self._thread.start()
 
     def _run(self) -> None:
-        req = torch.empty(6, dtype=torch.int64)
+        req = torch.empty(6, dtype=torch.int64, device="cpu")  # gloo: host tensors
         byes = 0
         try:
             while byes < self.num_peers:
@@ -62,8 +62,8 @@ class RemotePeerWeights(PeerWeights):
 
     def read(self, name: str, index: tuple[int, ...], offset: int, out: torch.Tensor) -> None:
         i0, i1 = index
-        dist.send(torch.tensor([READ, self.ids[name], i0, i1, offset, out.numel()], dtype=torch.int64), self.rank,
-                  tag=REQUEST_TAG)
+        request = torch.tensor([READ, self.ids[name], i0, i1, offset, out.numel()], dtype=torch.int64, device="cpu")
+        dist.send(request, self.rank, tag=REQUEST_TAG)
         buf = out if out.is_contiguous() else torch.empty_like(out)
         dist.recv(buf, self.rank, tag=REPLY_TAG)
         if buf is not out:
@@ -100,7 +100,7 @@ class LinksWeightStore(WeightStore):
         if self.rank is not None:
             for r in self._remote(self.rank):
                 try:
-                    dist.send(torch.tensor([BYE, 0, 0, 0, 0, 0], dtype=torch.int64), r, tag=REQUEST_TAG)
+                    dist.send(torch.tensor([BYE, 0, 0, 0, 0, 0], dtype=torch.int64, device="cpu"), r, tag=REQUEST_TAG)
                 except RuntimeError:
                     pass  # it is gone: nothing to say goodbye to
         if self.server is not None:

@@ -168,7 +168,8 @@ class ShmDispatchReceiver(DispatchReceiver):
 
     def _region_private(self, region: int) -> torch.Tensor:
         if self._private[region] is None:
-            self._private[region] = private_rows(self.spec, self.spec.lanes_per_region, self.spec.dispatch_rows)
+            self._private[region] = private_rows(self.spec, self.spec.lanes_per_region, self.spec.dispatch_rows,
+                                                 self.config.compute_device)
         return self._private[region]
 
     def _take(self, region: int, seq: int, slot: int) -> DispatchMessage:
@@ -210,7 +211,8 @@ class ShmCombineReceiver(CombineReceiver):
         self.bell = self.mailbox.bell
         self.reader = LaneReader(self.mailbox)
         self._expect = [1] * self.spec.num_expert_ranks  # next seq of each segment
-        self._private = private_rows(self.spec, self.spec.num_expert_ranks, self.spec.segment_rows)  # [E, rows, H]
+        self._private = private_rows(self.spec, self.spec.num_expert_ranks, self.spec.segment_rows,
+                                     config.compute_device)  # [E, rows, H]
 
     def poll(self, ranks: Sequence[int]) -> CombineMessage | None:
         mb, s = self.mailbox, self.spec.num_slots

@@ -51,6 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="; ".join(f"{m}: {c.summary}" for m, c in sorted(LAYOUTS.items())))
     p.add_argument("--dtype", default="auto", choices=list(DTYPES),
                    help="auto: the checkpoint's dtype where this machine computes it natively, else float32")
+    p.add_argument("--device", default="auto", help="auto (CUDA when torch sees one), cpu, cuda (workers spread "
+                   "over the GPUs by rank) or cuda:N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     lim = p.add_argument_group("engine limits (default: LLM's)")
@@ -112,7 +114,8 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``LLM`` for the parsed flags; refuses flags the chosen mode lacks."""
-    kw = dict(model=args.model, revision=args.revision, mode=args.mode, dtype=args.dtype, seed=args.seed,
+    kw = dict(model=args.model, revision=args.revision, mode=args.mode, dtype=args.dtype, device=args.device,
+              seed=args.seed,
               num_threads=args.threads,
               pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None,
               cluster=cluster_config(args))

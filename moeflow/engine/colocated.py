@@ -7,6 +7,7 @@ from moeflow.config import EngineConfig
 from moeflow.core import Request
 from moeflow.engine.base import Engine, StepResult, clock, context_len, validate_request
 from moeflow.engine.memory import ProcessFootprint, apply_budget
+from moeflow.hardware.device import worker_device
 from moeflow.layout import ColocatedLayout
 from moeflow.messages import BatchTiming
 from moeflow.model.kv_cache import KVCache
@@ -29,10 +30,13 @@ class ColocatedEngine(Engine):
         self.config, self.layout = config, layout
         torch.set_num_threads(config.num_threads)
         dtype = TORCH_DTYPES[config.dtype]
-        self.model_config, weights = load_weights(model_path, dtype)
+        device = worker_device(config.device, 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.model_config, weights = load_weights(model_path, dtype, device=device)
         mc = self.model_config
         self.max_model_len = context_len(config, mc)
-        kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype)
+        kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype, device)
         self.runner = ModelRunner(MoETransformer(mc, weights), kv, seed=config.seed)
         self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
                                         config.max_num_seqs, config.max_num_batched_tokens)

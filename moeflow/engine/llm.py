@@ -59,7 +59,8 @@ class LLM:
     """``LLM(model, mode=..., <EngineConfig fields>, <the mode's layout fields>)``, or
     ``LLM(model, layout=AsapLayout(...), ...)``; ``LLM.from_system(spec)`` for an experiment entry."""
 
-    def __init__(self, model: str = "tiny", mode: str = "colocated", dtype: str = "auto", seed: int = 0,
+    def __init__(self, model: str = "tiny", mode: str = "colocated", dtype: str = "auto", device: str = "auto",
+                 seed: int = 0,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, num_kv_blocks: int = 4096,
                  kv_block_size: int = 16, max_model_len: int | None = None, num_threads: int = 1,
                  pin_cpus: bool = False, transport: str = "shm", trace: bool = False, revision: str | None = None,
@@ -78,7 +79,7 @@ class LLM:
         elif layout_kwargs or mode not in ("colocated", layout.mode):
             raise ConfigError(f"give the deployment either as layout=... or as mode= and its options, not both "
                               f"(mode={mode!r}, options {sorted(layout_kwargs)})")
-        config = EngineConfig(model=model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+        config = EngineConfig(model=model, dtype=dtype, device=device, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, kv_block_size=kv_block_size,
                               num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                               num_threads=num_threads, seed=seed, pin_cpus=pin_cpus, transport=transport, trace=trace,

@@ -16,7 +16,7 @@ from moeflow.engine.colocated import ColocatedEngine
 from moeflow.engine.dep import DepEngine
 from moeflow.engine.dwdp import DwdpEngine
 from moeflow.engine.memory import MemoryPlan, apply_budget
-from moeflow.hardware import resolve_dtype
+from moeflow.hardware import resolve_device, resolve_dtype
 from moeflow.layout import Layout
 from moeflow.model.weights import load_config
 
@@ -40,8 +40,11 @@ def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engi
     if cluster.is_multinode and not cls.multinode:
         raise ConfigError(f"mode {layout.mode!r} runs on one host; modes across hosts: {list(MULTINODE_MODES)}")
     model, _ = load_config(model_path)
-    # NOTE: resolved here, once, so every worker of the deployment gets the same concrete dtype
-    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, model.checkpoint_dtype).dtype)
+    # NOTE: resolved here, once, so every worker of the deployment gets the same concrete device and
+    # dtype (the dtype for that device: the checkpoint's bf16 on a GPU that has it)
+    device = resolve_device(config.device)
+    config = dataclasses.replace(config, device=device,
+                                 dtype=resolve_dtype(config.dtype, model.checkpoint_dtype, device).dtype)
     return cls(model_path, config, layout)
 
 

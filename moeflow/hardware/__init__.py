@@ -8,7 +8,8 @@ import importlib
 
 _EXPORTS = {"Capability": "capability", "detect": "capability", "DtypeChoice": "dtype",
             "EmulatedDtypeWarning": "dtype", "decide_dtype": "dtype", "resolve_dtype": "dtype",
-            "GemmRates": "probe", "gemm_gflops": "probe", "probe_rates": "probe"}
+            "GemmRates": "probe", "gemm_gflops": "probe", "probe_rates": "probe",
+            "resolve_device": "device", "worker_device": "device"}
 __all__ = list(_EXPORTS)
 
 

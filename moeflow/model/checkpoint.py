@@ -27,8 +27,10 @@ def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 
 
 class CheckpointReader:
-    def __init__(self, path: str, dtype: torch.dtype):
-        self.path, self.dtype = path, dtype
+    def __init__(self, path: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        """Tensors come back in ``dtype`` on ``device`` (a CUDA device is read straight into; meta
+        gives shapes only: read on the CPU, dropped)."""
+        self.path, self.dtype, self.device = path, dtype, torch.device(device)
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
@@ -60,18 +62,21 @@ class CheckpointReader:
         if file not in self._open:
             if not os.path.isfile(file):
                 raise CheckpointError(f"{self.path}: shard {os.path.basename(file)} (holding {key!r}) not found")
-            self._open[file] = safe_open(file, framework="pt")
+            self._open[file] = self._safe_open(file)
         t = self._open[file].get_tensor(key)
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{self.path}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         if t.dtype in _FP8 and self.has(key + "_scale_inv"):
             t = dequantize_blocks(t, self._raw(key + "_scale_inv"), self.block)
-        return t.to(dtype or self.dtype)
+        return t.to(device=self.device, dtype=dtype or self.dtype)
+
+    def _safe_open(self, file: str):
+        return safe_open(file, framework="pt", device=str(self.device) if self.device.type == "cuda" else "cpu")
 
     def _raw(self, key: str) -> torch.Tensor:
         file = self.key_file[key]
         if file not in self._open:
-            self._open[file] = safe_open(file, framework="pt")
+            self._open[file] = self._safe_open(file)
         return self._open[file].get_tensor(key)
 
     def maybe(self, key: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None:

@@ -19,16 +19,20 @@ from moeflow.model.paged_attention import DecodeBatch
 
 
 class KVCache:
-    def __init__(self, layout: KVLayout, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, layout: KVLayout, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         self.layout = dict(layout)
         self.num_layers, self.block_size, self.num_blocks, self.dtype = num_layers, block_size, num_blocks, dtype
-        self.entries = {name: torch.zeros((num_layers, num_blocks * block_size, *shape), dtype=dtype)  # [L, N, *e]
+        self.device = torch.device(device)
+        self.entries = {name: torch.zeros((num_layers, num_blocks * block_size, *shape), dtype=dtype,
+                                          device=self.device)  # [L, N, *e]
                         for name, shape in self.layout.items()}
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> "KVCache":
+    def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> "KVCache":
         """The cache of ``cfg``'s attention kind (a TP member passes its own, sharded config)."""
-        return cls(attention_for(cfg).kv_layout(), cfg.num_layers, num_blocks, block_size, dtype)
+        return cls(attention_for(cfg).kv_layout(), cfg.num_layers, num_blocks, block_size, dtype, device)
 
     @property
     def bytes_per_token(self) -> int:
@@ -53,10 +57,11 @@ class KVCache:
         return tuple(cache[layer] for cache in self.entries.values())
 
 
-def slots_for(block_ids: tuple[int, ...] | list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+def slots_for(block_ids: tuple[int, ...] | list[int], start: int, stop: int, block_size: int,
+              device: torch.device | str = "cpu") -> torch.Tensor:
     """Cache slots of positions [start, stop) of a request whose blocks are ``block_ids``."""
-    pos = torch.arange(start, stop, dtype=torch.int64)  # [stop - start]
-    table = torch.as_tensor(block_ids, dtype=torch.int64)
+    pos = torch.arange(start, stop, dtype=torch.int64, device=device)  # [stop - start]
+    table = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
     return table[pos // block_size] * block_size + pos % block_size
 
 
@@ -70,25 +75,27 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None  # [T] int64 cache slot of each new token; None: no cache
     block_tables: list[tuple[int, ...]]  # per request: its blocks, in position order
     block_size: int
+    device: torch.device = torch.device("cpu")  # where the batch's tensors (and the cache) are
 
     @classmethod
-    def build(cls, query_lens: list[int], context_lens: list[int],
-              block_tables: list[tuple[int, ...]] | None, block_size: int) -> "AttentionMetadata":
-        positions = torch.cat([torch.arange(c, c + q, dtype=torch.int64)
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[tuple[int, ...]] | None,
+              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        device = torch.device(device)
+        positions = torch.cat([torch.arange(c, c + q, dtype=torch.int64, device=device)
                                for q, c in zip(query_lens, context_lens)]) if query_lens else \
-            torch.empty(0, dtype=torch.int64)
+            torch.empty(0, dtype=torch.int64, device=device)
         slot_mapping = None
         if block_tables is not None:
-            parts = [slots_for(bt, c, c + q, block_size)
+            parts = [slots_for(bt, c, c + q, block_size, device)
                      for bt, q, c in zip(block_tables, query_lens, context_lens)]
-            slot_mapping = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+            slot_mapping = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
         return cls(positions, list(query_lens), list(context_lens), slot_mapping,
-                   list(block_tables or []), block_size)
+                   list(block_tables or []), block_size, device)
 
     @classmethod
-    def no_cache(cls, query_lens: list[int]) -> "AttentionMetadata":
+    def no_cache(cls, query_lens: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
         """Prefill from scratch without keeping KV (e.g. scoring prompts)."""
-        return cls.build(query_lens, [0] * len(query_lens), None, 1)
+        return cls.build(query_lens, [0] * len(query_lens), None, 1, device)
 
     def iter_seqs(self):
         """Yield (first row in the batch, new tokens, cached tokens) per request."""
@@ -103,8 +110,9 @@ class AttentionMetadata:
         others (None: no request decodes, or no cache)."""
         if self.slot_mapping is None:
             return None
-        return DecodeBatch.build(self.query_lens, self.context_lens, self.block_tables, self.block_size)
+        return DecodeBatch.build(self.query_lens, self.context_lens, self.block_tables, self.block_size, self.device)
 
     def context_slots(self, i: int) -> torch.Tensor:
         """Slots of all positions a request's queries attend to (cached + new)."""
-        return slots_for(self.block_tables[i], 0, self.context_lens[i] + self.query_lens[i], self.block_size)
+        return slots_for(self.block_tables[i], 0, self.context_lens[i] + self.query_lens[i], self.block_size,
+                         self.device)

@@ -96,8 +96,8 @@ def attention_reference(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     k = k_all.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
     v = v_all.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,shd->hns", q.float(), k) / d ** 0.5  # [Hq, n, S]
-    qpos = torch.arange(n).unsqueeze(1) + ctx_len
-    kpos = torch.arange(k.shape[0]).unsqueeze(0)
+    qpos = torch.arange(n, device=q.device).unsqueeze(1) + ctx_len
+    kpos = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
     scores = scores.masked_fill(kpos > qpos, float("-inf"))
     return torch.einsum("hns,shd->nhd", scores.softmax(-1), v).to(q.dtype)
 

@@ -21,13 +21,17 @@ class ExpertIndex:
 
     def __init__(self, expert_ids: tuple[int, ...]):
         self.expert_ids = tuple(expert_ids)
-        lut = torch.full((max(self.expert_ids, default=-1) + 1,), -1, dtype=torch.int64)
-        lut[list(self.expert_ids)] = torch.arange(len(self.expert_ids))
-        self.global_to_local = lut  # [max id + 1] int64, -1 where not held
+        lut = [-1] * (max(self.expert_ids, default=-1) + 1)
+        for i, e in enumerate(self.expert_ids):
+            lut[e] = i
+        self._lut = lut
+        self._on: dict[torch.device, torch.Tensor] = {}  # the table on each device it was asked on
 
     def local_ids(self, global_ids: torch.Tensor) -> torch.Tensor:
         """Map global expert ids to local ones; -1 where this process does not hold the expert."""
-        lut = self.global_to_local
+        lut = self._on.get(global_ids.device)
+        if lut is None:  # [max id + 1] int64, -1 where not held
+            lut = self._on[global_ids.device] = torch.tensor(self._lut, dtype=torch.int64, device=global_ids.device)
         inside = global_ids < lut.numel()
         return torch.where(inside, lut[global_ids.clamp(max=lut.numel() - 1)], -1)
 
@@ -105,8 +109,15 @@ def experts_merged(parts: list[tuple[torch.Tensor, torch.Tensor]], x_sorted: tor
 
 
 def _grouped_mm_aligned(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    # NOTE: grouped_mm needs every row stride to be a multiple of 16 bytes (H and F multiples of 8
-    # in bf16); real checkpoints are, odd test shapes may not be.
+    """Whether ``F.grouped_mm`` runs these weights: on the CPU any float dtype, on CUDA bfloat16 on
+    compute capability 9.0 or newer (elsewhere the loop runs); and every row stride a multiple of
+    16 bytes (H and F multiples of 8 in bf16): real checkpoints are, odd test shapes may not be."""
+    dev = w13.device
+    if dev.type == "cuda":
+        if w13.dtype != torch.bfloat16 or torch.cuda.get_device_capability(dev) < (9, 0):
+            return False
+    elif dev.type != "cpu":
+        return False
     item = w13.element_size()
     return (w13.shape[-1] * item) % 16 == 0 and (w2.shape[-1] * item) % 16 == 0
 
@@ -157,7 +168,7 @@ def weighted_sum(num_tokens: int, plan: ExpertPlan, y_sorted: torch.Tensor, topk
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Scatter-add weight * expert output back per token. Returns [T, H] (accumulated in ``out``)."""
     if out is None:
-        out = torch.zeros(num_tokens, y_sorted.shape[1], dtype=y_sorted.dtype)
+        out = torch.zeros(num_tokens, y_sorted.shape[1], dtype=y_sorted.dtype, device=y_sorted.device)
     wts = topk_weights.reshape(-1)[plan.pair_index].to(y_sorted.dtype).unsqueeze(1)  # [N, 1]
     out.index_add_(0, plan.token_index, y_sorted * wts)
     return out

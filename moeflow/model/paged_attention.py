@@ -10,7 +10,10 @@ Which runs is ``$MOEFLOW_PAGED_ATTENTION`` (read in ``settings``): ``auto`` (def
 kernel on CPU where it builds and the gather path elsewhere (one warning naming why, when it does
 not build); ``gather`` forces the slow path (the "before" of before/after runs); ``kernel``
 requires the kernel and raises where it cannot run. Only the choice knows about CPUs: the caller
-passes tensors on any device.
+passes tensors on any device. On CUDA the gather path runs (SDPA over each request's gathered
+keys): flash-attn's paged decode needs KV blocks of a multiple of 256 tokens and FlashInfer is not
+a dependency, so neither is wired in yet; the choice per device kind is logged once
+(``uses_kernel``), so a run says which path its decode took.
 
 Legend: B decode requests, Hq / Hkv query / kv heads, Dk / Dv key / value dims, N cache slots.
 """
@@ -49,7 +52,7 @@ class DecodeBatch:
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[tuple[int, ...]],
-              block_size: int) -> DecodeBatch | None:
+              block_size: int, device: torch.device | str = "cpu") -> DecodeBatch | None:
         """None when no request decodes."""
         rows, tables, lens = [], [], []
         start = 0
@@ -61,11 +64,11 @@ class DecodeBatch:
             start += q
         if not rows:
             return None
-        padded = torch.zeros(len(rows), max(len(t) for t in tables), dtype=torch.int32)  # [B, max_blocks]
-        for i, t in enumerate(tables):
-            padded[i, :len(t)] = torch.as_tensor(t, dtype=torch.int32)
-        return cls(torch.as_tensor(rows, dtype=torch.int64), padded, torch.as_tensor(lens, dtype=torch.int32),
-                   block_size)
+        width = max(len(t) for t in tables)
+        padded = [list(t) + [0] * (width - len(t)) for t in tables]  # [B, max_blocks]
+        return cls(torch.as_tensor(rows, dtype=torch.int64, device=device),
+                   torch.as_tensor(padded, dtype=torch.int32, device=device),
+                   torch.as_tensor(lens, dtype=torch.int32, device=device), block_size)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: DecodeBatch,
@@ -78,6 +81,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: D
 
 def uses_kernel(device: torch.device) -> bool:
     """Whether decode attention on ``device`` runs the in-place kernel (see the module docstring)."""
+    use = _uses_kernel(device)
+    _log_choice(device.type, use)
+    return use
+
+
+@functools.cache
+def _log_choice(device_type: str, kernel: bool) -> None:
+    if device_type != "meta":
+        log.info("decode attention on %s: %s", device_type, "the in-place paged kernel" if kernel else
+                 "SDPA over each request's gathered KV")
+
+
+def _uses_kernel(device: torch.device) -> bool:
     mode = paged_attention_mode()
     if mode not in MODES:
         raise ValueError(f"MOEFLOW_PAGED_ATTENTION={mode!r}: must be one of {MODES}")

@@ -24,9 +24,10 @@ def softmax_scale(head_dim: int, scaling: dict) -> float:
     return scale
 
 
-def inv_freq_and_scaling(dim: int, theta: float, scaling: dict, max_position: int) -> tuple[torch.Tensor, float]:
-    """-> (inverse frequencies [D/2] float32, the factor cos and sin are multiplied by)."""
-    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # [D/2]
+def inv_freq_and_scaling(dim: int, theta: float, scaling: dict, max_position: int,
+                         device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
+    """-> (inverse frequencies [D/2] float32 on ``device``, the factor cos and sin are multiplied by)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)  # [D/2]
     kind = scaling.get("rope_type", "default")
     if kind == "default":
         return 1.0 / pos_freqs, 1.0
@@ -50,7 +51,7 @@ def inv_freq_and_scaling(dim: int, theta: float, scaling: dict, max_position: in
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # no singularity
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp  # the share of each frequency kept as trained
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv, float(attention_factor)
@@ -67,20 +68,25 @@ class Rotary:
     def __init__(self, dim: int, theta: float, scaling: dict | None = None, max_position: int = 4096,
                  interleave: bool = False):
         self.dim, self.interleave = dim, interleave
-        self.inv_freq, self.attention_scaling = inv_freq_and_scaling(dim, theta, scaling or {}, max_position)
-        self._cos = torch.empty(0, dim)
-        self._sin = torch.empty(0, dim)
+        self._freq_args = (dim, theta, scaling or {}, max_position)
+        self.inv_freq, self.attention_scaling = inv_freq_and_scaling(*self._freq_args)
+        self._cos: torch.Tensor | None = None  # [n, D], grown on use, on the positions' device
+        self._sin: torch.Tensor | None = None
 
-    def _grow(self, n: int) -> None:
-        n = max(n, 2 * self._cos.shape[0], 256)
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)  # [n, D/2]
+    def _grow(self, n: int, device: torch.device) -> None:
+        have = self._cos.shape[0] if self._cos is not None and self._cos.device == device else 0
+        n = max(n, 2 * have, 256)
+        inv = inv_freq_and_scaling(*self._freq_args, device=device)[0]  # made there, not copied there
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=device), inv)  # [n, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
         self._cos, self._sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D]; positions: [T] int64 -> rotated x, same dtype."""
-        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
-            self._grow(int(positions.max()) + 1)
+        # NOTE: a meta tensor has no values: its table is only sized (the device test runs on meta)
+        needed = int(positions.max()) + 1 if positions.numel() and positions.device.type != "meta" else 0
+        if self._cos is None or self._cos.device != positions.device or needed > self._cos.shape[0]:
+            self._grow(needed, positions.device)
         cos = self._cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1).to(x.dtype)
         half = self.dim // 2

@@ -20,14 +20,14 @@ from moeflow.model.tiny_config import EMBEDDED, TINY_HF_CONFIG, TINY_VERSION  # 
 
 
 def _tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)  # generated here and saved: host tensors
     h, v = cfg["hidden_size"], cfg["vocab_size"]
 
     def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g, device="cpu") * 0.02).to(torch.bfloat16)
 
     def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16)
+        return torch.ones(n, dtype=torch.bfloat16, device="cpu")
 
     def mlp(prefix: str, f: int) -> dict:
         return {f"{prefix}gate_proj.weight": rnd(f, h), f"{prefix}up_proj.weight": rnd(f, h),
@@ -46,7 +46,7 @@ def _tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             continue
         t[f"{p}mlp.gate.weight"] = rnd(e, h)
         if deepseek:
-            t[f"{p}mlp.gate.e_score_correction_bias"] = torch.zeros(e, dtype=torch.float32)
+            t[f"{p}mlp.gate.e_score_correction_bias"] = torch.zeros(e, dtype=torch.float32, device="cpu")
             t.update(mlp(f"{p}mlp.shared_experts.", cfg["n_shared_experts"] * f))
         for x in range(e):
             t.update(mlp(f"{p}mlp.experts.{x}.", f))

@@ -66,9 +66,11 @@ def load_config(path: str) -> tuple[ModelConfig, Family]:
     return family.to_model_config(hf), family
 
 
-def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec()) -> tuple[ModelConfig, ModelWeights]:
+def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec(),
+                 device: torch.device | str = "cpu") -> tuple[ModelConfig, ModelWeights]:
+    """``spec``'s part of the checkpoint at ``path`` in ``dtype``, loaded straight onto ``device``."""
     cfg, fam = load_config(path)
-    r = CheckpointReader(path, dtype)
+    r = CheckpointReader(path, dtype, device)
     layers = tuple(range(cfg.num_layers)) if spec.layers is None else spec.layers
     for lid in layers:
         if not 0 <= lid < cfg.num_layers:
@@ -128,8 +130,8 @@ def _load_experts(r: CheckpointReader, fam: Family, cfg: ModelConfig, moe_layers
         if not 0 <= e < cfg.num_experts:
             raise ConfigError(f"expert {e} out of range: the model has {cfg.num_experts} routed experts")
     h, f = cfg.hidden_size, cfg.moe_intermediate_size
-    w13 = torch.empty(len(moe_layers), len(expert_ids), 2 * f, h, dtype=r.dtype)  # [Lm, El, 2F, H]
-    w2 = torch.empty(len(moe_layers), len(expert_ids), h, f, dtype=r.dtype)  # [Lm, El, H, F]
+    w13 = torch.empty(len(moe_layers), len(expert_ids), 2 * f, h, dtype=r.dtype, device=r.device)  # [Lm, El, 2F, H]
+    w2 = torch.empty(len(moe_layers), len(expert_ids), h, f, dtype=r.dtype, device=r.device)  # [Lm, El, H, F]
     for i, lid in enumerate(moe_layers):
         for j, e in enumerate(expert_ids):
             w13[i, j, :f] = r.get(fam.expert_key(lid, e, 0), (f, h))

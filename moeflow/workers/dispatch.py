@@ -20,15 +20,16 @@ class WorkerShare:
 class ExpertRoutes:
     """Placement lookups for one attention DP group (replicas are chosen per group)."""
 
-    def __init__(self, placement: tuple[tuple[int, ...], ...], num_experts: int, group: int):
+    def __init__(self, placement: tuple[tuple[int, ...], ...], num_experts: int, group: int,
+                 device: torch.device | str = "cpu"):
         copies: dict[int, list[int]] = {}
         for w, ids in enumerate(placement):
             for e in ids:
                 copies.setdefault(e, []).append(w)
         worker = [copies[e][group % len(copies[e])] for e in range(num_experts)]
-        self.worker_of = torch.tensor(worker, dtype=torch.int64)  # [E_total]
+        self.worker_of = torch.tensor(worker, dtype=torch.int64, device=device)  # [E_total]
         self.local_of = torch.tensor([placement[worker[e]].index(e) for e in range(num_experts)],
-                                     dtype=torch.int64)  # [E_total] index on that worker
+                                     dtype=torch.int64, device=device)  # [E_total] index on that worker
         self.num_local = [len(ids) for ids in placement]
         self.max_local = max(self.num_local)
 

@@ -37,7 +37,8 @@ class ExpertCompute:
         t0 = time.monotonic()
         replies = []
         for row in msg.rows:
-            counts = torch.tensor(row.tokens_per_expert[:self.num_local], dtype=torch.int64)  # [El]
+            counts = torch.tensor(row.tokens_per_expert[:self.num_local], dtype=torch.int64,
+                                  device=row.payload.device)  # [El]
             y = experts_grouped(self.experts, row.layer_id, row.payload, counts)  # [n, H]
             replies.append(Reply(msg.region, row.lane, y, row.layer_id, row.batch_id))
         self.tracer.add("experts", t0, time.monotonic(), thread, group=msg.region, layer=msg.rows[0].layer_id,

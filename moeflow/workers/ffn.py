@@ -32,7 +32,9 @@ def ffn_pairs(experts: ExpertWeights, inp: FfnInput, order: tuple[int, ...]) -> 
     xs = [inp.payloads[i] for i in order]
     x = torch.cat(xs)  # [N, H]
     el = len(experts.expert_ids)
-    expert_of_row = torch.cat([torch.repeat_interleave(torch.arange(el), torch.tensor(inp.control.tokens_per_expert[i][:el]))
+    dev = x.device
+    expert_of_row = torch.cat([torch.repeat_interleave(torch.arange(el, device=dev),
+                                                       torch.tensor(inp.control.tokens_per_expert[i][:el], device=dev))
                                for i in order])  # [N]
     perm = torch.argsort(expert_of_row, stable=True)
     y = experts_grouped(experts, inp.control.layer, x[perm], torch.bincount(expert_of_row, minlength=el))
@@ -60,7 +62,8 @@ class FfnDaemon:
         self.setup, self.index = setup, j
         self.routes_here = layout.router == "ffn"
         cfg, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
-                              LoadSpec(attention=False, experts=setup.experts_held[j], routers=self.routes_here))
+                              LoadSpec(attention=False, experts=setup.experts_held[j], routers=self.routes_here),
+                              setup.device)
         self.experts, self.gates = w.experts, w.routers
         self.router = router_for(cfg)
         self.connector = FfnConnector(transport, j, layout.served_by(j))

@@ -8,6 +8,7 @@ nobody called it. A deployment starts by unlinking the segments of dead ones (``
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -72,11 +73,18 @@ def worker_main(setup: WorkerSetup, conn: Connection) -> None:
 
     torch.set_num_threads(setup.engine.num_threads)
     from moeflow.comm import make_transport
+    from moeflow.hardware.device import worker_device
     from moeflow.workers.roles import build_worker
     from moeflow.workers.world import close_world, init_world
 
     worker = None
     try:
+        device = worker_device(setup.engine.device, setup.world_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        setup = dataclasses.replace(setup, device=str(device))  # every tensor of this process is made there
+        if setup.comm is not None:  # payloads are copied out of the shared buffers onto it
+            setup = dataclasses.replace(setup, comm=dataclasses.replace(setup.comm, compute_device=setup.device))
         tp = init_world(setup)
         worker = build_worker(setup, make_transport(setup.comm), tp)
         conn.send(WorkerReady(setup.role, setup.index, os.getpid(), worker.memory()))

@@ -68,10 +68,14 @@ def _dwdp_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWo
                              dispatch=False)
     store = transport.weight_store()
     w = stages.weights.experts
-    shared = store.publish(rank, {"w13": w.w13, "w2": w.w2})  # compute from the published copy; drop ours
-    stages.weights.experts = dataclasses.replace(w, w13=shared["w13"], w2=shared["w2"])
+    shared = store.publish(rank, {"w13": w.w13, "w2": w.w2})  # in host shared memory, for the peers
+    if stages.device.type == "cpu":  # compute from the published copy; drop ours
+        stages.weights.experts = dataclasses.replace(w, w13=shared["w13"], w2=shared["w2"])
+    # NOTE: on an accelerator the resident experts stay on it and each pull copies host -> device
+    # (the device-to-device weight store is the CUDA transports' work)
     peers = {r: store.peer(r) for r in range(len(setup.experts_held)) if r != rank}
-    prefetcher = ExpertPrefetcher(rank, setup.experts_held, list(w.layer_ids), (shared["w13"], shared["w2"]), peers,
+    w = stages.weights.experts
+    prefetcher = ExpertPrefetcher(rank, setup.experts_held, list(w.layer_ids), (w.w13, w.w2), peers,
                                   layout.copy_plan, layout.slice_bytes, stages.tracer)
     return AttentionWorker(stages, Prefetching(stages, prefetcher, layout.merge, store), replies=True)
 

@@ -31,10 +31,16 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.requests: dict[str, _ReqState] = {}
-        self._default_gen = torch.Generator().manual_seed(seed)
+        self.device = kv_cache.device  # the model's and the cache's: every tensor here is made there
+        self._default_gen = self._generator(seed)
+
+    def _generator(self, seed: int) -> torch.Generator:
+        # NOTE: multinomial wants its generator on the probabilities' device; meta has no generator
+        gen_device = "cpu" if self.device.type == "meta" else self.device
+        return torch.Generator(device=gen_device).manual_seed(seed)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        gen = self._generator(params.seed) if params.seed is not None else None
         self.requests[request_id] = _ReqState(list(prompt_token_ids), params, gen)
 
     def remove_request(self, request_id: str) -> None:
@@ -45,9 +51,10 @@ class ModelRunner:
         seqs = batch.seqs
         states = [self.requests[s.request_id] for s in seqs]
         tokens = torch.tensor([t for s, st in zip(seqs, states)
-                               for t in st.token_ids[s.start:s.start + s.num_tokens]], dtype=torch.int64)  # [T]
+                               for t in st.token_ids[s.start:s.start + s.num_tokens]], dtype=torch.int64,
+                              device=self.device)  # [T]
         meta = AttentionMetadata.build([s.num_tokens for s in seqs], [s.start for s in seqs],
-                                       [s.block_ids for s in seqs], self.kv_cache.block_size)
+                                       [s.block_ids for s in seqs], self.kv_cache.block_size, self.device)
         return tokens, meta
 
     @torch.inference_mode()
@@ -70,7 +77,7 @@ class ModelRunner:
             for a in range(0, n_plp, _LOGITS_ROWS):
                 b = min(a + _LOGITS_ROWS, n_plp)
                 logits = self.model.logits(hidden[row + a:row + b])
-                nxt = torch.tensor(st.token_ids[s.start + a + 1:s.start + b + 1], dtype=torch.int64)
+                nxt = torch.tensor(st.token_ids[s.start + a + 1:s.start + b + 1], dtype=torch.int64, device=self.device)
                 res.prompt_logprobs += logprobs_of(logits, nxt, st.params.prompt_logprobs)
             if s.is_last_chunk:
                 last_rows.append(row + s.num_tokens - 1)
@@ -84,7 +91,7 @@ class ModelRunner:
                 tok = sample_row(logits[i], p.temperature, p.top_k, p.top_p, st.generator or self._default_gen)
                 res.token_id = tok
                 if p.logprobs is not None:
-                    res.logprobs = logprobs_of(logits[i:i + 1], torch.tensor([tok]), p.logprobs)[0]
+                    res.logprobs = logprobs_of(logits[i:i + 1], torch.tensor([tok], device=self.device), p.logprobs)[0]
                 st.token_ids.append(tok)
         return out
 

@@ -92,17 +92,19 @@ class AttentionStages:
         """``dispatch``: build dispatch/combine endpoints (False: this process runs its experts itself)."""
         self.setup, self.tp, self.group, self.member, self.tp_size = setup, tp, group, member, tp_size
         dtype = TORCH_DTYPES[setup.engine.dtype]
-        cfg, weights = load_weights(setup.model_path, dtype, load_spec)
+        self.device = torch.device(setup.device)
+        cfg, weights = load_weights(setup.model_path, dtype, load_spec, self.device)
         self.cfg, self.weights = cfg, weights
         mcfg, mweights = shard_attention(cfg, weights, member, tp_size)
         self.model = MoETransformer(mcfg, mweights, attn_reduce=tp.all_reduce if tp else None)
         e = setup.engine
-        kv = KVCache.for_model(mcfg, e.num_kv_blocks, e.kv_block_size, dtype)
+        kv = KVCache.for_model(mcfg, e.num_kv_blocks, e.kv_block_size, dtype, self.device)
         self.runner = ModelRunner(self.model, kv, seed=e.seed)
         self.tracer = Tracer(setup.role, setup.index, setup.engine.trace)
         self.receiver = self.sender = None
         if dispatch:
-            self.routes = ExpertRoutes(setup.experts_held, cfg.num_experts, group) if cfg.num_moe_layers else None
+            self.routes = (ExpertRoutes(setup.experts_held, cfg.num_experts, group, self.device)
+                           if cfg.num_moe_layers else None)
             self.epw = setup.comm.spec.experts_per_rank
             self.send_to = None if send_to is None else list(send_to)
             # NOTE: receivers own their buffers; build ours before attaching to the expert side's.
@@ -140,13 +142,14 @@ class AttentionStages:
 
     def zeros(self, n: int) -> torch.Tensor:
         """[n, H] of zeros: what a failed batch's stages hand on, so its peers are never left waiting."""
-        return torch.zeros(n, self.cfg.hidden_size, dtype=TORCH_DTYPES[self.setup.engine.dtype])
+        return torch.zeros(n, self.cfg.hidden_size, dtype=TORCH_DTYPES[self.setup.engine.dtype], device=self.device)
 
     def route(self, layer: int, f: InFlight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's top-k ids and weights [n, K]; a failed batch sends every pair to expert 0."""
         k = self.cfg.num_experts_per_tok
         return guarded(f, f"router of layer {layer}", lambda: self.model.route(layer, x),
-                       lambda: (torch.zeros(x.shape[0], k, dtype=torch.int64), torch.zeros(x.shape[0], k)))
+                       lambda: (torch.zeros(x.shape[0], k, dtype=torch.int64, device=x.device),
+                                torch.zeros(x.shape[0], k, device=x.device)))
 
     def attend(self, layer: int, f: InFlight) -> bool:
         """The layer's attention, and its dense MLP where it has no routed experts (then the layer is
@@ -201,7 +204,7 @@ class AttentionStages:
         """This member's routed-expert output [s, H] from the expert side's results."""
         k = f.topk_w.shape[1]
         flat_w = f.topk_w.reshape(-1)
-        routed = torch.zeros(f.hi - f.lo, self.cfg.hidden_size, dtype=f.hidden.dtype)  # [s, H]
+        routed = torch.zeros(f.hi - f.lo, self.cfg.hidden_size, dtype=f.hidden.dtype, device=f.hidden.device)  # [s, H]
         for sh in f.shares:
             y = payloads[sh.worker]  # [m, H], valid until the next recv: used at once
             routed.index_add_(0, sh.pair_index // k, y * flat_w[sh.pair_index].to(y.dtype).unsqueeze(1))
@@ -246,7 +249,8 @@ class AttentionStages:
         # across members without relying on bitwise-equal logits.
         last = [s for s in f.batch.seqs if s.is_last_chunk]
         out = guarded(f, "sampling", run, skip) if self.member == 0 else {}
-        tokens = torch.tensor([out[s.request_id].token_id if out else 0 for s in last], dtype=torch.int64)
+        tokens = torch.tensor([out[s.request_id].token_id if out else 0 for s in last], dtype=torch.int64,
+                              device="cpu")  # the TP group is gloo: a host tensor
         self.tp.broadcast(tokens)
         if self.member != 0:
             self.runner.append_tokens({s.request_id: int(t) for s, t in zip(last, tokens)})

@@ -83,10 +83,11 @@ class DSA(MLA):
         n = q.shape[0]
         scores = F.relu(torch.einsum("nhd,sd->nhs", q, keys.float()) * self.di ** -0.5)  # [n, Hi, S]
         index = torch.einsum("nh,nhs->ns", wts, scores)  # [n, S]
-        causal = torch.arange(s).unsqueeze(0) <= torch.arange(n).unsqueeze(1) + ctx  # [n, S]
+        dev = keys.device
+        causal = torch.arange(s, device=dev).unsqueeze(0) <= torch.arange(n, device=dev).unsqueeze(1) + ctx  # [n, S]
         index = index.masked_fill(~causal, float("-inf"))
         # NOTE: not topk: its choice among equal scores (ReLU makes many exactly 0) depends on the
         # row's length, so a prefill row (masked tail) and a decode row (shorter) kept different keys.
         # A stable sort keeps the earliest of equal keys, whatever the row's length.
         chosen = index.sort(dim=-1, descending=True, stable=True).indices[:, :self.topk]  # [n, topk]
-        return torch.zeros(n, s, dtype=torch.bool).scatter_(1, chosen, True)
+        return torch.zeros(n, s, dtype=torch.bool, device=dev).scatter_(1, chosen, True)

@@ -188,7 +188,7 @@ class MLA(AttentionKind):
         if ctx == 0 and keep is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            mask = torch.arange(s).unsqueeze(0) <= torch.arange(n).unsqueeze(1) + ctx  # [n, S] causal
+            mask = torch.arange(s, device=q.device).unsqueeze(0) <= torch.arange(n, device=q.device).unsqueeze(1) + ctx
             if keep is not None:
                 mask &= keep
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
