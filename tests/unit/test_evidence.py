@@ -144,6 +144,16 @@ def test_results_carry_provenance(tmp_path):
     prov = json.loads(out.read_text())["provenance"]
     assert {"commit", "dirty", "command", "date", "torch", "python", "cpu_model", "cores", "hostname_hash"} <= set(prov)
     assert prov["command"].endswith(f"simulate --config {cfg} --json {out}") and len(prov["commit"]) == 40
+    # a summary by default: --raw adds every request's TTFT and changes nothing else
+    from moeflow.measure.metrics import without_raw
+
+    raw = tmp_path / "raw.json"
+    assert main(["simulate", "--config", str(cfg), "--json", str(raw), "--raw"]) == 0
+    summary, full = (json.loads(p.read_text()) for p in (out, raw))
+    assert "ttfts_s" not in out.read_text() and len(full["points"][0]["ttfts_s"]) == full["points"][0]["completed"]
+    drop = {"provenance", "sim_speed"}  # when and how fast it ran
+    assert {k: v for k, v in without_raw(full).items() if k not in drop} == {k: v for k, v in summary.items()
+                                                                             if k not in drop}
 
 
 def test_every_committed_result_file_has_provenance():
