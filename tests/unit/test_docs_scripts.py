@@ -5,7 +5,6 @@ committed results are what they are about, not fixtures of the library's tests.
 multihost/link.py runs in tests/integration/test_multihost_link.py."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -52,20 +51,14 @@ def test_the_session8_refit_gives_the_committed_fits(variant, flags, tmp_path):
 def test_the_multihost_run_parses_and_its_commands_take_their_flags():
     """run.sh needs root and two namespaces (not run here): its shell and every moeflow command's
     flags are checked against today's parsers, which is where such a script goes stale."""
-    from moeflow.bench import serve as bench_serve
-    from moeflow.engine import worker_node
-    from moeflow.server import serve as server
+    from moeflow.cli import build_parser
 
     path = os.path.join(RESULTS, "multihost", "run.sh")
     subprocess.run(["bash", "-n", path], check=True)
     with open(path) as f:
         arrays = {name: shlex.split(body) for name, body in re.findall(r"^(SERVE|BENCH)=\((.*)\)$", f.read(), re.M)}
     assert set(arrays) == {"SERVE", "BENCH"}
-    parser = argparse.ArgumentParser(prog="moeflow")
-    sub = parser.add_subparsers(dest="command", required=True)
-    server.add_parser(sub)
-    worker_node.add_parser(sub)
-    bench_serve.add_parser(sub.add_parser("bench").add_subparsers(dest="bench", required=True))
+    parser = build_parser()
     node = ["--nnodes", "2", "--master-addr", "10.214.7.1", "--master-port", "29611"]
     parser.parse_args(["serve", *arrays["SERVE"], "--port", "8611"])
     parser.parse_args(["serve", *arrays["SERVE"], "--port", "8612", *node, "--node-rank", "0"])
