@@ -53,11 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     from moeflow.bench import (
         comm,
         compare,
+        contention,
         decode,
         decode_attention,
         demo,
         env,
         experts,
+        front_cpu,
         plot,
         prefill,
         profile,
@@ -81,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for m in (prefill, decode, decode_attention, comm, experts, router_load, serve, soak, compare, plot, trace_summary):
+    for m in (prefill, decode, decode_attention, comm, experts, router_load, serve, soak, compare, plot, trace_summary,
+              contention, front_cpu):
         m.add_parser(bsub)
 
     return parser

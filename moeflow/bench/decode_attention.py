@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass
 
-from moeflow.bench.profile import _median_s  # warm-up, then the median of repeats
+from moeflow.bench.timing import median_s
 from moeflow.config import DTYPES
 from moeflow.measure.provenance import write_json
 
@@ -106,7 +106,7 @@ def _point(shape: Shape, context: int, args: argparse.Namespace, dtype, kernel_o
     bound_s = kv_bytes / (copy_gbps * 1e9)
 
     def timing(fn) -> dict:
-        s = _median_s(lambda: fn(q, k, v, tables, lens, bs), args.repeats)
+        s = median_s(lambda: fn(q, k, v, tables, lens, bs), args.repeats)
         return {"seconds": s, "gbps": kv_bytes / s / 1e9, "fraction_of_bound": bound_s / s}
 
     gather = timing(gathered_decode_attention)

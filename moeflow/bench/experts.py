@@ -8,9 +8,8 @@ length-aware batching. Tokens are routed uniformly at random (top-k of E), as un
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
+from moeflow.bench.timing import median_s
 from moeflow.config import DTYPES
 from moeflow.measure.provenance import write_json
 
@@ -68,13 +67,7 @@ def run(args: argparse.Namespace) -> int:
         ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok] for _ in range(n)])
         plan = plan_pairs(ids, w.experts)
         xs = x[plan.token_index]
-        experts_grouped(w.experts, layer, xs, plan.counts)
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            experts_grouped(w.experts, layer, xs, plan.counts)
-            times.append(time.perf_counter() - t0)
-        points.append((n, statistics.median(times)))
+        points.append((n, median_s(lambda: experts_grouped(w.experts, layer, xs, plan.counts), args.repeats)))
     knee, cross = inflection_tokens(points), crossover_tokens(points)
     print(f"{args.model}: one MoE layer, {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
           f"{args.dtype}, {args.threads} thread(s)")

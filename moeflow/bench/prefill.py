@@ -12,6 +12,7 @@ import platform
 import statistics
 import time
 
+from moeflow.bench.timing import median_s
 from moeflow.engine.args import add_engine_args, engine_kwargs
 from moeflow.measure.provenance import provenance, write_json
 
@@ -29,15 +30,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def gemm_gflops(threads: int, dtype: str, repeats: int = 5) -> float:
     """GEMM rate of this machine now in ``dtype``: [2048, 1024] x [1024, 4096], median of ``repeats``."""
     import torch
@@ -45,8 +37,7 @@ def gemm_gflops(threads: int, dtype: str, repeats: int = 5) -> float:
     torch.set_num_threads(threads)
     a = torch.randn(2048, 1024).to(getattr(torch, dtype))
     b = torch.randn(4096, 1024).to(getattr(torch, dtype))
-    torch.nn.functional.linear(a, b)
-    t = _median_time(lambda: torch.nn.functional.linear(a, b), repeats)
+    t = median_s(lambda: torch.nn.functional.linear(a, b), repeats)
     return 2 * 2048 * 1024 * 4096 / t / 1e9
 
 
@@ -104,9 +95,9 @@ def run_vs_transformers(args: argparse.Namespace) -> int:
             _hf_prefill(hf, prompts)
         ours, theirs = [], []
         for _ in range(args.repeats):  # alternate so both see the same machine conditions
-            ours.append(_median_time(lambda: llm.generate(prompts, params), 1))
+            ours.append(median_s(lambda: llm.generate(prompts, params), 1, warmup=False))
             if hf is not None:
-                theirs.append(_median_time(lambda: _hf_prefill(hf, prompts), 1))
+                theirs.append(median_s(lambda: _hf_prefill(hf, prompts), 1, warmup=False))
         t_ours = statistics.median(ours)
         row = {"case": name, "prompt_lens": lens, "tokens": tokens, "model_gflop": flops / 1e9,
                "moeflow_s": t_ours, "moeflow_tok_s": tokens / t_ours,
@@ -160,9 +151,9 @@ def run_stream(args: argparse.Namespace) -> int:
             ours.engine.collect_spans()  # drop the warm-up's spans
         t_base, t_ours = [], []
         for i in range(args.repeats):
-            t_base.append(_median_time(lambda: base.generate(prompts, params), 1))
+            t_base.append(median_s(lambda: base.generate(prompts, params), 1, warmup=False))
             t0 = time.monotonic()
-            t_ours.append(_median_time(lambda: ours.generate(prompts, params), 1))
+            t_ours.append(median_s(lambda: ours.generate(prompts, params), 1, warmup=False))
             window = (t0, time.monotonic())
         busy = {}
         if args.trace:

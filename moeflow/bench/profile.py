@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from moeflow.bench.timing import median_s
 from moeflow.config import DTYPES
 from moeflow.measure.provenance import write_json
 from moeflow.sim.profiled import fit_nonneg
@@ -46,16 +47,6 @@ def add_parser(sub) -> None:
                    help="auto: what this machine computes natively (the engine's own default)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and no engine runs (for tests)")
     p.set_defaults(func=run)
-
-
-def _median_s(fn, repeats: int) -> float:
-    fn()  # warm-up: first calls allocate
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def pairs_of(q_lens: list[int], ctx_lens: list[int]) -> int:
@@ -99,7 +90,7 @@ def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) 
             model.combine(layer, a, routed)
 
         attn.append({"q_lens": q_lens, "ctx_lens": ctx_lens, "tokens": sum(q_lens), "seqs": len(q_lens),
-                     "pairs": pairs_of(q_lens, ctx_lens), "s": _median_s(block_fn, repeats)})
+                     "pairs": pairs_of(q_lens, ctx_lens), "s": median_s(block_fn, repeats)})
     attn, dec = attn[:len(shapes)], attn[len(shapes):]
     # NOTE: relative: the prompts span 4 ms (32 tokens) to seconds (8192); in plain least squares the
     # 8192-token sample alone pulled a 4.7 ms per-sequence term in and priced 32-token prompts at +93%
@@ -115,7 +106,7 @@ def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) 
             counts = torch.full((local,), n // local, dtype=torch.int64)
             counts[: n % local] += 1
             x = torch.randn(n, cfg.hidden_size, generator=g).to(dtype)
-            rows.append([n, _median_s(lambda: experts_grouped(wl.experts, layer, x, counts), repeats)])
+            rows.append([n, median_s(lambda: experts_grouped(wl.experts, layer, x, counts), repeats)])
         experts[str(local)] = rows
 
     head = []
@@ -123,7 +114,7 @@ def profile_stages(model_path: str, dtype_name: str, repeats: int, quick: bool) 
         ids = torch.randint(0, cfg.vocab_size, (t,), generator=g)
         hid = torch.randn(sampled, cfg.hidden_size, generator=g).to(dtype)
         head.append({"tokens": t, "sampled": sampled,
-                     "s": _median_s(lambda: (model.embed(ids), model.logits(hid).argmax(-1)), repeats)})
+                     "s": median_s(lambda: (model.embed(ids), model.logits(hid).argmax(-1)), repeats)})
     head_fit = fit_nonneg([[1, h["tokens"], h["sampled"]] for h in head], [h["s"] for h in head])
     return {"num_layers": cfg.num_layers, "num_experts": e, "top_k": cfg.num_experts_per_tok,
             "hidden_size": cfg.hidden_size,

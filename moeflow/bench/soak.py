@@ -53,7 +53,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--kill-at-s", type=float, default=None, help="when to SIGKILL the MoE worker (default: half way)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="docs/results/soak", help="writes OUT.json, OUT.png and OUT.md")
+    p.add_argument("--out", required=True, metavar="OUT",
+                   help="writes OUT.json, OUT.png and OUT.md (e.g. soak-out/soak; make soak: docs/results/soak)")
     p.add_argument("--report-only", action="store_true",
                    help="judge OUT.json's recorded run again (its provenance kept) and redraw OUT.png and OUT.md")
     p.add_argument("serve_args", nargs=argparse.REMAINDER,
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         write_report(result, args.out)
         print(json.dumps(result["verdict"]["checks"], indent=1))
         return 0 if result["verdict"]["pass"] else 1
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)  # before minutes of load, not after
     kill_at = args.kill_at_s if args.kill_at_s is not None else args.duration_s / 2
     result = soak(serve_args, args.duration_s, args.rps, args.length_scale, args.sample_s, kill_at, args.seed)
     write_json(args.out + ".json", result, sys.argv)  # the raw record first: a bug below must not lose the run

@@ -11,6 +11,10 @@ import numpy as np
 # ``bucket_edges`` scales them by the workload's length_scale so a shrunk workload keeps its buckets.
 FIG15_EDGES = (512, 1024, 2048, 4096, 8192, 16384)
 
+# per-request arrays in a point: what a result needs while it is computed (the SLO metrics'
+# quantiles), not what a committed result keeps; ``without_raw`` drops them
+RAW_KEYS = frozenset({"ttfts_s"})
+
 
 @dataclass(frozen=True)
 class RequestRecord:
@@ -92,6 +96,17 @@ def summarize(rps: float, records: list[RequestRecord], start_s: float, length_s
             # every request's TTFT (a request that never got a first token counts in num_requests
             # only): the SLO metrics' quantiles and attainment come from these
             "num_requests": num_requests, "ttfts_s": sorted(round(t, 6) for t in ttft)}
+
+
+def without_raw(result):
+    """``result`` without the per-request arrays (``RAW_KEYS``, at any depth): the summary that a
+    committed result keeps. A simulated result's arrays are regenerated from its config and
+    commit (``moeflow simulate --raw`` writes them)."""
+    if isinstance(result, dict):
+        return {k: without_raw(v) for k, v in result.items() if k not in RAW_KEYS}
+    if isinstance(result, (list, tuple)):
+        return [without_raw(v) for v in result]
+    return result
 
 
 def mean_ttft_lower_bound(ttft_done_s: list[float], waiting_since_s: list[float], num_total: int,

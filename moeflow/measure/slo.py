@@ -64,7 +64,7 @@ class SloMetric:
         if self.quantile is None:
             return point["ttft_mean_s"] if point["ttft_mean_s"] is not None else math.inf
         ttfts = point.get("ttfts_s")
-        if ttfts is None:  # a point without per-request TTFTs (older result files): not decidable
+        if ttfts is None:  # a point without per-request TTFTs (a result's summary, older files): not decidable
             return math.nan
         n = point.get("num_requests", len(ttfts))
         k = math.ceil(self.quantile * n)

@@ -2,7 +2,8 @@
 
 Prints each system's TTFT table per rate, the SLO throughput of each and their ratios, and the
 simulator's speed; writes the ``bench serve`` JSON schema (``{"systems": {...}}`` when the config
-has several), a TTFT-vs-rate plot and a Chrome trace of one rate's simulated timelines.
+has several) without the per-request TTFTs unless ``--raw`` (the simulator is deterministic: the
+config and commit regenerate them), a TTFT-vs-rate plot and a Chrome trace of one rate's timelines.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rps", default=None, help="rates to simulate, comma-separated (default: the config's)")
     p.add_argument("--find-slo-rps", action="store_true", help="bisect for the SLO throughput (also: config)")
     p.add_argument("--json", default=None, metavar="OUT.json")
+    p.add_argument("--raw", action="store_true",
+                   help="keep every request's TTFT in --json (by default the result is a summary without them)")
     p.add_argument("--plot", default=None, metavar="OUT.png")
     p.add_argument("--trace", default=None, metavar="OUT.json", help="Chrome trace of one rate (--trace-rps)")
     p.add_argument("--trace-rps", type=float, default=None, help="rate to trace (default: the first)")
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     with open(args.config) as f:
         if "contexts" in (yaml.safe_load(f) or {}):  # a `bench decode` file: steady-state decode
             return _run_decode(args)
-    from moeflow.measure.metrics import format_point
+    from moeflow.measure.metrics import format_point, without_raw
     from moeflow.experiment.serve import load_experiment as load_config
     from moeflow.sim.run import build_cost, run_system
 
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if comparisons:
         data = {**data, "comparison": comparisons} if "systems" in data else {"systems": out, "comparison": comparisons}
     if args.json:
-        write_json(args.json, data)
+        write_json(args.json, data if args.raw else without_raw(data))
     if args.plot and out:
         from moeflow.measure.plot import plot_results
 

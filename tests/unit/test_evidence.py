@@ -144,17 +144,46 @@ def test_results_carry_provenance(tmp_path):
     prov = json.loads(out.read_text())["provenance"]
     assert {"commit", "dirty", "command", "date", "torch", "python", "cpu_model", "cores", "hostname_hash"} <= set(prov)
     assert prov["command"].endswith(f"simulate --config {cfg} --json {out}") and len(prov["commit"]) == 40
+    # a summary by default: --raw adds every request's TTFT and changes nothing else
+    from moeflow.measure.metrics import without_raw
+
+    raw = tmp_path / "raw.json"
+    assert main(["simulate", "--config", str(cfg), "--json", str(raw), "--raw"]) == 0
+    summary, full = (json.loads(p.read_text()) for p in (out, raw))
+    assert "ttfts_s" not in out.read_text() and len(full["points"][0]["ttfts_s"]) == full["points"][0]["completed"]
+    drop = {"provenance", "sim_speed"}  # when and how fast it ran
+    assert {k: v for k, v in without_raw(full).items() if k not in drop} == {k: v for k, v in summary.items()
+                                                                             if k not in drop}
+
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "results")
+
+
+def _committed_results():
+    """(path under docs/results, parsed JSON) of every committed result file."""
+    for dirpath, _, files in os.walk(RESULTS):
+        for f in files:
+            if f.endswith(".json"):
+                with open(os.path.join(dirpath, f)) as fh:
+                    yield os.path.relpath(os.path.join(dirpath, f), RESULTS), json.load(fh)
 
 
 def test_every_committed_result_file_has_provenance():
     """Results written before provenance existed carry a backfilled block (``recorded: false``)."""
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "results")
-    missing = []
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            if f.endswith(".json"):
-                with open(os.path.join(dirpath, f)) as fh:
-                    d = json.load(fh)
-                if not (isinstance(d, dict) and isinstance(d.get("provenance"), dict) and d["provenance"].get("commit")):
-                    missing.append(os.path.relpath(os.path.join(dirpath, f), root))
+    missing = [path for path, d in _committed_results()
+               if not (isinstance(d, dict) and isinstance(d.get("provenance"), dict) and d["provenance"].get("commit"))]
     assert not missing, f"result files without provenance: {missing}"
+
+
+def test_committed_results_are_summaries_within_10_mb():
+    """Per-request arrays are regenerated, not committed: a simulated result is written without
+    them (``simulate --raw`` keeps them), and all of docs/results stays under 10 MB."""
+    from moeflow.measure.metrics import without_raw
+
+    def simulated(d) -> bool:
+        return isinstance(d, dict) and str((d.get("provenance") or {}).get("command")).startswith("moeflow simulate")
+
+    raw = [path for path, d in _committed_results() if simulated(d) and without_raw(d) != d]
+    assert not raw, f"simulated results with per-request arrays: {raw}"
+    total = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(RESULTS) for f in fs)
+    assert total <= 10 * 2**20, f"docs/results holds {total / 2**20:.1f} MiB"

@@ -3,6 +3,7 @@ the FFN only while the attention is the longer, and m micro-batches re-read the 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -80,10 +81,11 @@ def test_afds_resident_requests_are_what_bench_decode_gave_it(tmp_path):
 
     from moeflow.cli import main
 
-    runs = "docs/results/afd/decode_afd_session7.json"
+    fixtures = os.path.join(os.path.dirname(__file__), "..", "fixtures")  # trimmed copies of docs/results' files
+    runs = os.path.join(fixtures, "decode_afd_session7.json")
     out = tmp_path / "pred.json"
     assert main(["predict", "afd", "--baseline", runs, "--system", "dep2", "--profile",
-                 "docs/results/sim/profile_decode.json", "--context", "2048", "8192", "--measured", runs,
+                 os.path.join(fixtures, "profile_decode.json"), "--context", "2048", "8192", "--measured", runs,
                  "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["predictions"]
     assert [(r["b_afd"], r["measured"]["b_afd"]) for r in rows] == [(30, 30), (8, 8)]

@@ -4,6 +4,7 @@ than those cores could."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 
 import pytest
@@ -12,7 +13,8 @@ from moeflow.experiment.serve import parse_experiment
 from moeflow.sim.cores import CorePool
 from moeflow.sim.run import build_cost, run_point
 
-PROFILE = "docs/results/evidence/profile.json"  # the session-5 profile: 2 cores, float32
+# the session-5 profile (docs/results/evidence/profile.json, its fits): 2 cores, float32
+PROFILE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "profile_tiny_fp32.json")
 
 
 def _list_schedule(jobs: list[tuple[float, float]], cores: int) -> list[float]:

@@ -1,7 +1,10 @@
-"""The soak verdict on records built by hand: what counts as expected and what fails the run."""
+"""The soak verdict on records built by hand: what counts as expected and what fails the run; where
+the soak writes."""
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from moeflow.bench.soak_report import classify, judge
 
@@ -62,3 +65,11 @@ def test_report_writes_the_figure_and_the_summary(tmp_path):
     text = (tmp_path / "soak.md").read_text()
     assert "PASS" in text and "moeflow serve --model tiny" in text and "soak.png" in text
     assert (tmp_path / "soak.png").stat().st_size > 10_000
+
+
+def test_the_soak_writes_only_where_it_is_told(capsys):
+    from moeflow.cli import main
+
+    with pytest.raises(SystemExit) as e:  # no default under docs/results: --out is required
+        main(["bench", "soak", "--duration-s", "1"])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err

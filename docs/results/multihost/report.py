@@ -1,5 +1,6 @@
-"""Writes docs/results/multihost.md from run.sh's JSON files: one host vs two hosts over the
-interleaved repeats (mean ± 95% t-interval, paired ratio, verdict), and the link."""
+"""``python docs/results/multihost/report.py [OUT.md]`` writes docs/results/multihost.md (or OUT.md)
+from run.sh's JSON files: one host vs two hosts over the interleaved repeats (mean ± 95%
+t-interval, paired ratio, verdict), and the link."""
 from __future__ import annotations
 
 import glob
@@ -24,7 +25,7 @@ def runs(name: str) -> list[dict]:
     return [json.load(open(f)) for f in files]
 
 
-def main() -> None:
+def main(out: str = os.path.join(HERE, "..", "multihost.md")) -> None:
     data = {n: runs(n) for n in NAMES}
     k = min(len(v) for v in data.values())
     link = json.load(open(os.path.join(HERE, "link.json")))
@@ -58,9 +59,9 @@ def main() -> None:
         lines.append(f"| {r['rows']} | {r['bytes'] / 2**20:.3f} | {r['rtt_us']:.0f} | {r['gbps']:.2f} |")
     lines += ["", "On one host the same dispatch/combine goes through shared memory: `docs/results/comm.md` "
               "(`moeflow bench comm`) has its latencies."]
-    with open(os.path.join(HERE, "..", "multihost.md"), "w") as f:
+    with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:2])

@@ -1,0 +1,25 @@
+"""The session 7-8 probes as bench commands, on a small checkpoint and one small shape each:
+``bench contention`` (decode attention beside a process running the experts op) and ``bench
+front-cpu`` (the front process's CPU while dep 2 and afd decode) write what docs/results/afd.md reads."""
+from __future__ import annotations
+
+import json
+
+from moeflow.cli import main
+
+
+def test_bench_contention_times_the_block_alone_beside_the_experts_and_again(checkpoints, tmp_path):
+    out = tmp_path / "contention.json"
+    assert main(["bench", "contention", "--model", checkpoints("qwen3").path, "--shapes", "2x40",
+                 "--repeats", "2", "--settle-s", "0.5", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"].values()
+    assert set(row) == {"alone_ms", "beside_experts_ms", "alone_again_ms"} and min(row.values()) > 0
+
+
+def test_bench_front_cpu_measures_both_modes(checkpoints, tmp_path):
+    out = tmp_path / "front_cpu.json"
+    assert main(["bench", "front-cpu", "--model", checkpoints("qwen3").path, "--shapes", "2x16",
+                 "--max-tokens", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["dep", "afd"]
+    assert all(0 < r["front_cpu_s"] and 0 < r["decode_step_s"] < r["wall_s"] for r in rows)
