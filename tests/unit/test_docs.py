@@ -54,18 +54,23 @@ def _moeflow_commands(text: str) -> list[str]:
     return out
 
 
-def _check_command(parser: argparse.ArgumentParser, words: list[str]) -> str | None:
-    """None when ``words`` (after ``moeflow``) names a command the parser has, with flags it knows."""
+def _check_command(parser: argparse.ArgumentParser, words: list[str], whole: bool = False) -> str | None:
+    """None when ``words`` (after ``moeflow``) names a command the parser has, with flags it knows;
+    ``whole``: a complete command line to copy, which must also hold every required flag."""
     subs = _subparsers(parser)
     if subs:
         if not words:  # the group itself ("`moeflow bench` commands")
             return None
         if words[0] not in subs:
             return f"no command {words[0] if words else ''!r} (commands: {sorted(subs)})"
-        return _check_command(subs[words[0]], words[1:])
-    known = _flags(parser)
-    bad = [w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] not in known]
-    return f"unknown flags {bad}" if bad else None
+        return _check_command(subs[words[0]], words[1:], whole)
+    known, given = _flags(parser), {w.split("=")[0] for w in words if w.startswith("--")}
+    bad = sorted(given - known)
+    if bad:
+        return f"unknown flags {bad}"
+    missing = [a.option_strings[0] for a in parser._actions if a.required and a.option_strings
+               and not set(a.option_strings) & given]
+    return f"missing required flags {missing}" if whole and missing else None
 
 
 @pytest.mark.parametrize("doc", ALL_DOCS)
@@ -96,7 +101,9 @@ def test_every_command_shown_is_one_the_cli_has(doc):
             words = line.split()
         words = [w for w in words if not re.match(r"^[\[\]|]+$", w)]
         words = [w.strip("[]") for w in words]
-        problem = _check_command(parser, words)
+        # a line with two flags or more and no "..." is one to copy as it stands (one flag: prose naming it)
+        whole = "..." not in line and "…" not in line and sum(w.startswith("--") for w in words) >= 2
+        problem = _check_command(parser, words, whole)
         if problem:
             wrong.append(f"moeflow {line}: {problem}")
     assert not wrong, f"{doc}:\n" + "\n".join(wrong)
