@@ -4,8 +4,6 @@ against recomputing each sequence from scratch.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -22,7 +20,7 @@ pytestmark = GPU
 def _paged(b: int, hkv: int, dk: int, dv: int, block_size: int, max_len: int, dtype, seed: int,
            latent: bool = False):
     """A cache on the GPU with shuffled blocks, ragged context lengths and a block 0 no request owns
-    -> k, v views [N, Hkv, D*], a DecodeBatch (its tables and lengths on the CPU, as the engine builds it)."""
+    -> k, v views [N, Hkv, D*] and a DecodeBatch there too, as the engine builds them."""
     g = torch.Generator().manual_seed(seed)
     per = -(-max_len // block_size)
     num_blocks = b * per + 1
@@ -42,15 +40,16 @@ def _paged(b: int, hkv: int, dk: int, dv: int, block_size: int, max_len: int, dt
         tables.append(tuple(ids[:used]))
         ids = ids[used:]
     # DecodeBatch counts the new token among the keys: a request of context c decodes over c + 1
-    return k, v, DecodeBatch.build([1] * b, [m - 1 for m in lens], tables, block_size)
+    return k, v, DecodeBatch.build([1] * b, [m - 1 for m in lens], tables, block_size, device=DEVICE)
 
 
 def _reference(q, k, v, batch: DecodeBatch) -> torch.Tensor:
     """attention_reference per request on the CPU, float32, over the keys copied out of the cache."""
     out = []
+    tables = batch.block_tables.cpu().long()
     for i, n in enumerate(batch.context_lens.tolist()):
         pos = torch.arange(n)
-        slots = batch.block_tables[i].long()[pos // batch.block_size] * batch.block_size + pos % batch.block_size
+        slots = tables[i][pos // batch.block_size] * batch.block_size + pos % batch.block_size
         ki, vi = k.cpu()[slots].float(), v.cpu()[slots].float()
         out.append(attention_reference(q[i:i + 1].cpu().float(), ki, vi, n - 1)[0])
     return torch.stack(out)  # [B, Hq, Dv]
@@ -95,19 +94,10 @@ BLOCK = 4
 STEPS = 6
 
 
-def _meta(query_lens, context_lens, tables) -> AttentionMetadata:
-    # NOTE: assumes the engine's convention that a batch's position and slot tensors live where the
-    # model does (block tables stay Python tuples; DecodeBatch moves its own to the cache's device).
-    m = AttentionMetadata.build(query_lens, context_lens, tables, BLOCK)
-    return dataclasses.replace(m, positions=m.positions.to(DEVICE), slot_mapping=m.slot_mapping.to(DEVICE))
-
-
 @torch.no_grad()
 def _recomputed_logits(model: MoETransformer, seq: list[int]) -> torch.Tensor:
     """[V] the last position's logits from a forward over the whole sequence without a cache."""
-    meta = AttentionMetadata.no_cache([len(seq)])
-    meta = dataclasses.replace(meta, positions=meta.positions.to(DEVICE))
-    h = model.forward(torch.tensor(seq, device=DEVICE), meta, None)
+    h = model.forward(torch.tensor(seq, device=DEVICE), AttentionMetadata.no_cache([len(seq)], device=DEVICE), None)
     return model.logits(h[-1:])[0]
 
 
@@ -127,7 +117,7 @@ def test_model_decode_through_the_cache_equals_recomputing(checkpoints, name):
     plan = [[9, 8, 3], [1, 6, 1]] + [[1, 1, 1]] * STEPS  # new tokens per request per step
     for step, q_lens in enumerate(plan):
         ids = torch.tensor([t for s, c, q in zip(seqs, done, q_lens) for t in s[c:c + q]], device=DEVICE)
-        h = model.forward(ids, _meta(q_lens, done, tables), cache)
+        h = model.forward(ids, AttentionMetadata.build(q_lens, done, tables, BLOCK, device=DEVICE), cache)
         last = torch.tensor(q_lens).cumsum(0) - 1
         logits = model.logits(h[last.to(DEVICE)])  # [3, V]
         for i, q in enumerate(q_lens):
