@@ -1,7 +1,7 @@
 """Run pytest-style tests where pytest is not installed (the GPU machine's python may lack it).
 
 A stand-in ``pytest`` module with the few names the tests use (``mark.<name>``, ``mark.parametrize``,
-``mark.skipif``, ``fixture``, ``skip``, ``fail``, ``raises``, ``importorskip``), fixtures from the
+``mark.skipif``, ``fixture``, ``skip``, ``raises``), fixtures from the
 ``conftest.py`` files between the current folder and each test file (by argument name; session,
 module and function scope; yield fixtures torn down), plus ``tmp_path`` and ``tmp_path_factory``.
 No plugins, hooks, assertion rewriting or output capture: a failure prints its traceback.
@@ -30,11 +30,7 @@ from pathlib import Path
 # -- the stand-in pytest API -----------------------------------------------------------------
 
 class Skipped(Exception):
-    pass
-
-
-class Failed(AssertionError):
-    pass
+    """``pytest.skip``, or a skip mark that applies."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,7 @@ class _Marks:
         return Mark(name)
 
 
-mark = _Marks()
+mark = _Marks()  # pytest.mark.<any name>
 
 
 def fixture(fn=None, *, scope: str = "function", **_ignored):
@@ -70,17 +66,6 @@ def skip(reason: str = "") -> None:
     raise Skipped(reason)
 
 
-def fail(reason: str = "") -> None:
-    raise Failed(reason)
-
-
-def importorskip(name: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise Skipped(f"could not import {name!r}: {e}") from None
-
-
 class raises:
     def __init__(self, exc, match: str | None = None):
         self.exc, self.match, self.value = exc, match, None
@@ -90,11 +75,11 @@ class raises:
 
     def __exit__(self, kind, value, tb):
         if kind is None:
-            raise Failed(f"DID NOT RAISE {self.exc}")
+            raise AssertionError(f"DID NOT RAISE {self.exc}")
         if not issubclass(kind, self.exc):
             return False
         if self.match is not None and not re.search(self.match, str(value)):
-            raise Failed(f"{self.match!r} does not match {str(value)!r}")
+            raise AssertionError(f"{self.match!r} does not match {str(value)!r}")
         self.value = value
         return True
 
@@ -125,13 +110,8 @@ def _load(path: Path, name: str):
 
 def _conftests(test_file: Path, root: Path) -> list[Path]:
     """conftest.py files from ``root`` down to the test's folder, outermost first."""
-    out, d = [], test_file.parent
-    while True:
-        if (d / "conftest.py").is_file():
-            out.append(d / "conftest.py")
-        if d == root or d == d.parent:
-            return out[::-1]
-        d = d.parent
+    dirs = [test_file.parent, *(d for d in test_file.parent.parents if d == root or root in d.parents)]
+    return [d / "conftest.py" for d in reversed(dirs) if (d / "conftest.py").is_file()]
 
 
 def _ids(values, argnames: list[str], ids) -> list[str]:
@@ -144,7 +124,7 @@ def _ids(values, argnames: list[str], ids) -> list[str]:
     return ["-".join(one(x, n, i) for x, n in zip(v, argnames)) for i, v in enumerate(values)]
 
 
-def _expand(fn, marks: list[Mark]) -> list[tuple[str, dict]]:
+def _expand(marks: list[Mark]) -> list[tuple[str, dict]]:
     """(id suffix, parameters) per case: the product of the parametrize marks, innermost first."""
     axes = []
     for m in marks:
@@ -162,11 +142,8 @@ def _expand(fn, marks: list[Mark]) -> list[tuple[str, dict]]:
 
 
 def _selected(marks: list[Mark], expr: str | None) -> bool:
-    if not expr:
-        return True
-    negate = expr.startswith("not ")
-    name = expr[4:].strip() if negate else expr.strip()
-    return any(m.name == name for m in marks) != negate
+    negate = bool(expr) and expr.startswith("not ")
+    return not expr or any(m.name == expr.removeprefix("not ").strip() for m in marks) != negate
 
 
 def collect(paths: list[str], mark_expr: str | None, root: Path) -> tuple[list[Item], list, list[tuple[str, str]]]:
@@ -191,11 +168,11 @@ def collect(paths: list[str], mark_expr: str | None, root: Path) -> tuple[list[I
         mod_marks = list(mod_marks) if isinstance(mod_marks, (list, tuple)) else [mod_marks]
         rel = os.path.relpath(f, root)
         for name, fn in vars(mod).items():
-            if not (name.startswith("test") and inspect.isfunction(fn) and fn.__module__ == mod.__name__):
+            if not (name.startswith("test") and inspect.isfunction(fn)):  # imported ones too, as pytest does
                 continue
             marks = [*getattr(fn, "pytestmark", []), *mod_marks]
             if _selected(marks, mark_expr):
-                for suffix, params in _expand(fn, marks):
+                for suffix, params in _expand(marks):
                     items.append(Item(f"{rel}::{name}" + (f"[{suffix}]" if suffix else ""), mod, fn, params, marks))
     return items, conftests, errors
 
@@ -263,8 +240,7 @@ def run(items: list[Item], conftests: list, stop_first: bool) -> list[dict]:
                 module, module_defs = item.module, _fixtures_of(item.module)
             t0, outcome, message = time.monotonic(), "passed", ""
             try:
-                reason = _skip_reason(item.marks)
-                if reason is not None:
+                if (reason := _skip_reason(item.marks)) is not None:
                     raise Skipped(reason)
                 kwargs = {a: item.params[a] if a in item.params else fixtures.value(a, module_defs)
                           for a in inspect.signature(item.fn).parameters}
@@ -302,11 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     items, conftests, errors = collect(args.paths, args.mark, Path.cwd().resolve())
     for path, tb in errors:
         print(f"ERROR collecting {path}\n{tb}", flush=True)
+    results = [] if args.collect_only or (errors and args.x) else run(items, conftests, args.x)
     if args.collect_only:
         print("\n".join(i.id for i in items) + f"\n\n{len(items)} tests collected, {len(errors)} errors")
-        results = []
-    else:
-        results = [] if errors and args.x else run(items, conftests, args.x)
     counts = {k: sum(r["outcome"] == k for r in results) for k in ("passed", "failed", "skipped")}
     counts["errors"], counts["collected"] = len(errors), len(items)
     if not args.collect_only:
