@@ -22,12 +22,13 @@ def reference(checkpoints):
 
 @pytest.mark.parametrize("name,m,n,ub,options", [
     ("qwen3", 1, 1, 1, {}),
-    ("qwen3", 2, 1, 2, {"overlap_scheduling": False}),
+    pytest.param("qwen3", 2, 1, 2, {"overlap_scheduling": False}, marks=pytest.mark.slow),  # make test-slow
     ("qwen3", 3, 2, 2, {"chunked_prefill_size": 16}),  # uneven blocks: daemon 0 serves 0 and 2, daemon 1 serves 1
-    ("qwen3", 2, 2, 3, {"topology": "all", "transport": "dist"}),  # experts split; over torch.distributed
+    pytest.param("qwen3", 2, 2, 3, {"topology": "all", "transport": "dist"},  # experts split; over torch.distributed
+                 marks=pytest.mark.slow),
     ("qwen2_moe", 2, 2, 2, {"topology": "all", "router": "ffn"}),  # shared expert, a dense layer; partial sums
     ("deepseek_v3", 2, 1, 2, {}),  # MLA, grouped sigmoid routing, a leading dense layer
-    ("deepseek_v3", 3, 2, 2, {"router": "ffn", "placement": "round_robin"}),
+    pytest.param("deepseek_v3", 3, 2, 2, {"router": "ffn", "placement": "round_robin"}, marks=pytest.mark.slow),
 ])
 def test_afd_matches_colocated(checkpoints, reference, name, m, n, ub, options):
     transport = options.pop("transport", "shm")

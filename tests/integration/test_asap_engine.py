@@ -49,12 +49,12 @@ def reference(checkpoints):
 
 @pytest.mark.parametrize("name,layout", [
     ("qwen3", (1, 1, 1)),
-    ("qwen3", (2, 1, 2)),
+    pytest.param("qwen3", (2, 1, 2), marks=pytest.mark.slow),  # the full matrix: make test-slow
     ("qwen2_moe", (1, 2, 1)),  # TP attention with qkv bias, a shared expert and a dense layer
-    ("qwen3", (2, 1, 3)),  # 8 experts on 3 workers: 3/3/2, not a multiple
+    pytest.param("qwen3", (2, 1, 3), marks=pytest.mark.slow),  # 8 experts on 3 workers: 3/3/2, not a multiple
     ("deepseek_v3", (1, 2, 2)),  # MLA heads split over 2 TP members, the latent replicated
     ("deepseek_v32", (2, 1, 2)),  # DSA on two groups
-    ("deepseek_v3_noqlora", (1, 2, 1)),  # q straight from the hidden state, split over 2 TP members
+    pytest.param("deepseek_v3_noqlora", (1, 2, 1), marks=pytest.mark.slow),  # q from the hidden state, TP 2
 ])
 def test_asap_matches_colocated(checkpoints, reference, name, layout):
     d, t, e = layout

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
 KEYS = {"tokens", "hidden", "receivers", "async_us", "p2p_us", "handshake_us", "async_sender_us", "p2p_sender_us",
         "speedup", "async_gbps", "memcpy_gbps"}
 

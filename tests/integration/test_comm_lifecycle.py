@@ -13,7 +13,6 @@ from comm_flood import flood_sender, slow_receiver
 
 from moeflow.comm import CommConfig, CommSpec, cleanup, list_segments
 
-pytestmark = pytest.mark.slow
 _CTX = mp.get_context("spawn")
 
 

@@ -13,7 +13,6 @@ from netns import two_hosts
 
 from moeflow.comm import CommConfig
 
-pytestmark = pytest.mark.slow
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "comm_harness.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HARNESS)))
 

@@ -18,7 +18,6 @@ from comm_harness import Plan, assert_matches_reference, run_worker
 
 from moeflow.comm import CommConfig, CommSpec, cleanup, list_segments
 
-pytestmark = pytest.mark.slow
 _CTX = mp.get_context("spawn")
 
 
@@ -108,12 +107,14 @@ def test_shm_stress_matches_reference(tmp_path):
      Plan(seed=2, num_batches=400, inflight=2, max_delay_s=1e-3), 2000),
     # Per link: world ranks 0-3 write the lanes of regions 0 (host 0) and 1 (host 1), expert ranks 4
     # (host 0) and 5 (host 1): every receiver completes regions and segments from shm and gloo lanes.
-    ("links", dict(num_regions=2, lanes_per_region=2, num_expert_ranks=2, num_experts=4, top_k=2, max_batch_tokens=16,
-                   rank_nodes=(0, 0, 1, 1, 0, 1)),
-     Plan(seed=4, num_batches=150, inflight=2, max_delay_s=1e-3), 1000),
+    pytest.param("links", dict(num_regions=2, lanes_per_region=2, num_expert_ranks=2, num_experts=4, top_k=2,
+                               max_batch_tokens=16, rank_nodes=(0, 0, 1, 1, 0, 1)),
+                 Plan(seed=4, num_batches=150, inflight=2, max_delay_s=1e-3), 1000,
+                 marks=pytest.mark.slow),  # make test runs links in test_multihost.py
     # Blocking p2p: one batch in flight, one DP group (see p2p.py on deadlock freedom).
-    ("p2p", dict(num_regions=1, lanes_per_region=2, num_expert_ranks=2, num_experts=2, top_k=1, max_batch_tokens=32),
-     Plan(seed=3, num_batches=250, inflight=1, max_delay_s=1e-3), 1000),
+    pytest.param("p2p", dict(num_regions=1, lanes_per_region=2, num_expert_ranks=2, num_experts=2, top_k=1,
+                             max_batch_tokens=32),
+                 Plan(seed=3, num_batches=250, inflight=1, max_delay_s=1e-3), 1000, marks=pytest.mark.slow),
 ])
 def test_dist_transports_match_reference(tmp_path, transport, layout, plan, min_messages):
     config = _config(transport, hidden_size=64, **layout)

@@ -22,7 +22,6 @@ from moeflow.engine.restart import RestartCount, RestartPolicy
 
 from parity import PARAMS, PROMPTS, assert_same
 
-pytestmark = pytest.mark.slow
 
 DEPLOYMENTS = {
     "colocated": {},

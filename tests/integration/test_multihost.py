@@ -23,7 +23,6 @@ from server_harness import ServerProcess
 
 from moeflow import LLM
 
-pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 NODE0 = os.path.join(HERE, "multihost_node0.py")
@@ -111,7 +110,7 @@ def reference(checkpoints):
 
 @pytest.mark.parametrize("tp,moe,kill", [
     (1, 2, True),
-    (2, 1, False),  # a TP group on host A: its gloo group meets in the same rendezvous as the links
+    pytest.param(2, 1, False, marks=pytest.mark.slow),  # a TP group on host A, its gloo group in the same rendezvous
 ])
 def test_asap_attention_on_one_host_experts_on_the_other(checkpoints, reference, tmp_path, tp, moe, kill):
     layout = dict(mode="asap", attn_dp=1, attn_tp=tp, moe_workers=moe, min_batch_tokens=8, max_batch_tokens=128,
@@ -131,7 +130,7 @@ def test_asap_attention_on_one_host_experts_on_the_other(checkpoints, reference,
 
 @pytest.mark.parametrize("dp,kill", [
     (2, True),  # one rank per host: every link but a rank's own crosses hosts
-    (4, False),  # two per host: ranks 0, 2 on A and 1, 3 on B exchange over shm within a host, gloo across
+    pytest.param(4, False, marks=pytest.mark.slow),  # two per host: shm within a host, gloo across
 ])
 def test_dep_across_two_hosts(checkpoints, reference, tmp_path, dp, kill):
     r = run_two_hosts(tmp_path, checkpoints("qwen3").path, dict(mode="dep", dp=dp), kill=kill, tag=f"d{dp}")
@@ -145,6 +144,7 @@ def test_dep_across_two_hosts(checkpoints, reference, tmp_path, dp, kill):
         _assert_same(r["healed_outputs"], reference)
 
 
+@pytest.mark.slow  # the links are asap's and dep's: make test-slow
 def test_afd_attention_on_one_host_ffn_daemons_on_the_other(checkpoints, reference, tmp_path):
     layout = dict(mode="afd", attn_workers=2, ffn_workers=1, micro_batches=2)
     r = run_two_hosts(tmp_path, checkpoints("qwen3").path, layout, tag="f")
@@ -153,7 +153,7 @@ def test_afd_attention_on_one_host_ffn_daemons_on_the_other(checkpoints, referen
     _assert_same(r["outputs"], reference)
 
 
-@pytest.mark.parametrize("dp", [2, 4])  # 4: each rank pulls from a host-mate (shm) and two others (gloo)
+@pytest.mark.parametrize("dp", [pytest.param(2, marks=pytest.mark.slow), 4])  # 4: pulls from a host-mate (shm) and over gloo
 def test_dwdp_pulls_a_peer_hosts_experts_over_gloo(checkpoints, reference, tmp_path, dp):
     r = run_two_hosts(tmp_path, checkpoints("qwen3").path, dict(mode="dwdp", dp=dp), tag=f"w{dp}")
     print(f"dwdp {dp} ranks on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s")

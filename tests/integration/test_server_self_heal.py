@@ -22,7 +22,6 @@ import pytest
 
 from server_harness import ServerProcess
 
-pytestmark = pytest.mark.slow
 
 BODY = {"prompt": "a long generation", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
 HEAL_LIMIT_S = 90.0  # generous for a loaded 2-core machine; the measured time is printed

@@ -17,13 +17,12 @@ import pytest
 
 from server_harness import ServerProcess
 
-pytestmark = pytest.mark.slow  # asap and afd deployments (2 worker processes each)
 
 # the expert side (MoE worker, FFN daemon) is started first: the lower pid
 MODES = {"asap": ["--attn-dp", "1", "--moe-workers", "1"], "afd": ["--attn-workers", "1", "--ffn-workers", "1"]}
 
 
-@pytest.fixture(params=sorted(MODES))
+@pytest.fixture(params=["asap", pytest.param("afd", marks=pytest.mark.slow)])  # afd's: make test-slow
 def server(checkpoints, tmp_path, request):
     s = ServerProcess(checkpoints("qwen3").path, "--mode", request.param, *MODES[request.param],
                       "--dtype", "float32", "--max-restarts", "0", "--keep-alive-on-failure",

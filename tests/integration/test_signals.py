@@ -27,7 +27,6 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow  # one multi-process deployment per case
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 240.0  # the machine may be shared with a benchmark
@@ -108,7 +107,11 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# make test: one case of every signal and a command without a deployment; the rest: make test-slow
+_SLOW = {"bench-serve", "bench-prefill", "script-term", "demo"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in _SLOW else c for c in sorted(CASES)])
 def test_signal_releases_everything(case, tmp_path):
     cmd, sig, ready_line, has_deployment = CASES[case]
     cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd]

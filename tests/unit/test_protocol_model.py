@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 CHECK = Path(__file__).resolve().parents[2] / "verify" / "check.py"
-pytestmark = pytest.mark.slow  # ~20 s: spin, a C compile per case, a few million states
 
 
 def _check(*cases: str) -> dict[str, dict]:
