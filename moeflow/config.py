@@ -160,7 +160,8 @@ class ClusterConfig:
 
 
 TRANSPORTS = ("shm", "dist")
-DTYPES = ("auto", "bfloat16", "float16", "float32")  # "auto": resolved once per deployment (hardware/dtype.py)
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_ADMISSIONS = ("on-demand", "reserve")  # scheduler/pool.py  # "auto": resolved once per deployment (hardware/dtype.py)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ class EngineConfig:
     # "auto" (CUDA when torch sees one), "cpu", "cuda" (workers spread over the GPUs by rank) or
     # "cuda:N"; the engine replaces "auto" by what it picked (hardware/device.py)
     device: str = "auto"
+    # KV blocks per request: "on-demand" (as the sequence grows, preempting by recompute when a
+    # group runs out) or "reserve" (prompt + max_tokens at admission, never preempted)
+    kv_admission: str = "on-demand"
     # a work item with no answer from its workers this long fails the deployment as a dead worker
     # would (vLLM's engine iteration timeout): a stopped or wedged process is noticed and healed
     stall_timeout_s: float = 60.0
@@ -205,6 +209,8 @@ class EngineConfig:
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
         _require(self.transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        _require(self.kv_admission in KV_ADMISSIONS,
+                 f"EngineConfig.kv_admission must be one of {KV_ADMISSIONS}, got {self.kv_admission!r}")
         _require(isinstance(self.stall_timeout_s, (int, float)) and not isinstance(self.stall_timeout_s, bool)
                  and self.stall_timeout_s > 0, f"EngineConfig.stall_timeout_s must be a number > 0, "
                                                f"got {self.stall_timeout_s!r}")

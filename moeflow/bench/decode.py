@@ -27,6 +27,7 @@ from moeflow.experiment.system import SystemSpec, system_to_dict
 from moeflow.measure.capacity import COMPUTE, TRANSPORT, WAIT, time_split
 from moeflow.measure.decode_report import markdown, summarize
 from moeflow.measure.provenance import write_json
+from moeflow.scheduler.pool import resident_capacity
 
 # the decode step split of ``moeflow bench decode`` (trace span names: workers/stages.py, ffn.py, moe.py)
 DECODE_KINDS = {"attention": COMPUTE - {"experts"}, "ffn": {"experts"}, "transport": TRANSPORT,
@@ -94,7 +95,7 @@ def measure(spec: SystemSpec, context: int, bench: DecodeExperiment, repeat: int
         pool = engine.scheduler.pool
         a = pool.groups[0].allocator
         def capacity_at(gen: int) -> int:
-            return min(pool.max_num_seqs, a.num_blocks // a.blocks_for(context + gen))
+            return resident_capacity(a.num_blocks, a.block_size, context + gen, pool.max_num_seqs)
         per_group, gen = resident(capacity_at, context, bench.warmup_steps, bench.steps,
                                   step_tokens(spec.layout, spec.engine),
                                   None if bench.batch is None else -(-bench.batch // len(pool.groups)))

@@ -72,8 +72,7 @@ class AfdEngine(ProcessEngine):
         config = self._budget(config, model_path)
         world = self._world(m + n) if transport in DIST_TRANSPORTS else None
         setup = functools.partial(self._setup, model_path, comm, held, world)
-        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
-                                        config.max_num_seqs)
+        self.scheduler = make_scheduler(layout, config, self.max_model_len)
         # the daemons first: they own the dispatch buffers the instances attach to
         self._launch([setup("ffn", j, m + j, self._expert_node(j)) for j in range(n)] +
                      [setup("afd_attention", i, i) for i in range(m)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from moeflow.config import DTYPES, TRANSPORTS, ClusterConfig, ConfigError
+from moeflow.config import DTYPES, KV_ADMISSIONS, TRANSPORTS, ClusterConfig, ConfigError
 from moeflow.layout import LAYOUTS, nested
 from moeflow.settings import launcher_env
 
@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     lim = p.add_argument_group("engine limits (default: LLM's)")
     lim.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     lim.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once")
+    lim.add_argument("--kv-admission", default=None, choices=list(KV_ADMISSIONS),
+                     help="KV blocks as a sequence grows, preempting by recompute when a group runs out "
+                          "(on-demand, the default), or for a request's whole life at admission (reserve)")
     lim.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per attention group")
     lim.add_argument("--memory-budget-gib", type=float, default=None,
                      help="bytes each process may hold (weights, buffers, activations, KV cache): sets --num-kv-blocks "
@@ -120,7 +123,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None,
               cluster=cluster_config(args))
     for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib",
-                 "stall_timeout_s"):
+                 "stall_timeout_s", "kv_admission"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     given = layout_kwargs(args)

@@ -68,8 +68,7 @@ class AsapEngine(ProcessEngine):
             groups = tuple(tuple(range(g * t, (g + 1) * t)) for g in range(d)) if t > 1 else ()
             world = self._world(n + e, groups)
         setup = functools.partial(self._setup, model_path, comm, held, world)
-        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
-                                        config.max_num_seqs)
+        self.scheduler = make_scheduler(layout, config, self.max_model_len)
         # MoE workers first: they own the dispatch buffers the attention workers attach to.
         self._launch([setup("moe", i, n + i, self._expert_node(i)) for i in range(e)] +
                      [setup("attention", r, r) for r in range(n)])

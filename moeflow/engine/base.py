@@ -32,6 +32,7 @@ class EngineLoad:
     num_free_kv_blocks: int  # summed over attention groups
     num_kv_blocks: int
     running_per_group: tuple[int, ...] = ()  # resident requests of each attention group (an afd instance, a rank)
+    preemptions_per_group: tuple[int, ...] = ()  # requests preempted by recompute so far, per group
 
 
 class Engine(abc.ABC):
@@ -97,7 +98,8 @@ class Engine(abc.ABC):
         pool = self.scheduler.pool
         return EngineLoad(len(pool.waiting), sum(len(g.requests) for g in pool.groups),
                           sum(g.allocator.num_free for g in pool.groups),
-                          sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups))
+                          sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups),
+                          tuple(g.preemptions for g in pool.groups))
 
     def collect_spans(self) -> list:
         """Trace spans recorded by the deployment's workers (modes with worker processes)."""

@@ -38,8 +38,7 @@ class ColocatedEngine(Engine):
         self.max_model_len = context_len(config, mc)
         kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype, device)
         self.runner = ModelRunner(MoETransformer(mc, weights), kv, seed=config.seed)
-        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
-                                        config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = make_scheduler(layout, config, self.max_model_len)
 
     def add_request(self, request: Request) -> None:
         validate_request(request, self.model_config)

@@ -60,8 +60,7 @@ class DepEngine(ProcessEngine):
         transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(dp)))
         comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
-        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
-                                        config.max_num_seqs)
+        self.scheduler = make_scheduler(layout, config, self.max_model_len)
         world = self._world(dp) if transport != "shm" else None
         self._launch([self._setup(model_path, comm, experts, world, "dep", r, r, r % nnodes) for r in range(dp)])
         self.ranks = list(self.deployment.workers)

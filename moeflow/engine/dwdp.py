@@ -55,8 +55,7 @@ class DwdpEngine(ProcessEngine):
         # weight pulls only: no dispatch/combine buffers
         comm = CommConfig(None, transport, self.deployment_id, rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
-        self.scheduler = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, self.max_model_len,
-                                        config.max_num_seqs)
+        self.scheduler = make_scheduler(layout, config, self.max_model_len)
         world = self._world(layout.dp) if transport != "shm" else None
         fp = weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype])
         self._published = [fp.experts(len(ids)) for ids in self.experts_held]  # each rank's experts in /dev/shm

@@ -7,10 +7,11 @@ deployment can do, so one probe at a fixed rate proves nothing: a rate that satu
 is served with room to spare by a faster one. So the probe raises the offered rate:
 
     probe at ``start_rps``, then at ``rate_factor`` (2) times the previous rate (the same requests,
-    arriving faster), until one raise grows the throughput by less than ``growth_tol`` (10%).
-    Doubling the offered load gained < 10%: at the higher rate the deployment served well under
-    what it was offered, its queue grew, and its throughput is what it can do (the plateau).
-    That probe is the result, *saturated*.
+    arriving faster), until one raise grows the throughput by less than ``growth_tol`` (10%), or
+    the deployment served requests at less than ``served_below`` (half) the offered rate: either
+    way at that rate it served well under what it was offered, its queue grew, and its throughput
+    is what it can do (the plateau; with few requests the queue's growth shows before the plateau,
+    as batches keep getting fuller). That probe is the result, *saturated*.
 
 After ``max_raises`` raises (the cap: ``start_rps`` x rate_factor**max_raises, 16x by default)
 without such a plateau the result is "not saturated at <its highest rate> rps", and its
@@ -29,6 +30,7 @@ class SaturationSearch:
     rate_factor: float = 2.0  # each raise multiplies the offered rate by this
     growth_tol: float = 0.1  # saturated once a raise grows throughput by less than this fraction
     max_raises: int = 4  # the cap: start_rps x rate_factor**max_raises
+    served_below: float = 0.5  # ... or saturated once requests complete at under this share of the offered rate
 
     def __post_init__(self) -> None:
         if not self.start_rps > 0:
@@ -72,7 +74,10 @@ def find_saturation(measure: Callable[[float], dict], search: SaturationSearch) 
     saturated = False
     for _ in range(search.max_raises):
         points.append(measure(points[-1]["rps"] * search.rate_factor))
-        saturated = _tok_s(points[-1]) < (1 + search.growth_tol) * _tok_s(points[-2])
+        p = points[-1]
+        served_rps = p["completed"] / p["duration_s"] if p.get("duration_s") and p.get("completed") else None
+        plateau = _tok_s(p) < (1 + search.growth_tol) * _tok_s(points[-2])
+        saturated = plateau or (served_rps is not None and served_rps < search.served_below * p["rps"])
         if saturated:
             break
     return SaturationResult(saturated, points[-1], tuple((p["rps"], _tok_s(p)) for p in points))

@@ -9,6 +9,7 @@ import json
 
 from moeflow.measure.provenance import write_json
 from moeflow.predict.afd import ATTENTION_MODELS, Baseline, predict
+from moeflow.scheduler.pool import resident_capacity
 
 
 def add_parser(sub) -> None:
@@ -56,7 +57,7 @@ def _afd_resident(result: dict, system: str, layout, context: int) -> int:
     plan = plan_for(layout, resolve_model(result["model"]), config)
 
     def capacity_at(gen: int) -> int:
-        return min(config.max_num_seqs, plan.num_kv_blocks // -(-(context + gen) // config.kv_block_size))
+        return resident_capacity(plan.num_kv_blocks, config.kv_block_size, context + gen, config.max_num_seqs)
     # as bench decode sizes afd's own run: its reservation covers what its first requests decode
     # while the rest of the instance's group prefill, which grows with the group
     warmup = result.get("warmup_steps", DecodeExperiment.warmup_steps)  # files before it was recorded: the default

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from moeflow.config import EngineConfig
 from moeflow.layout import Layout
 from moeflow.scheduler import afd, asap, continuous, dep, dwdp
 from moeflow.scheduler.block_allocator import BlockAllocator
@@ -16,9 +17,9 @@ BUILDERS: dict[str, Callable[[Layout, RequestPool, int], Scheduler]] = {
     "colocated": continuous.build, "dep": dep.build, "asap": asap.build, "dwdp": dwdp.build, "afd": afd.build}
 
 
-def make_scheduler(layout: Layout, num_kv_blocks: int, kv_block_size: int, max_model_len: int, max_num_seqs: int,
-                   max_num_batched_tokens: int = 8192) -> Scheduler:
-    """The scheduler of ``layout``'s mode over one KV allocator per group of the layout."""
-    pool = RequestPool([BlockAllocator(num_kv_blocks, kv_block_size) for _ in range(layout.num_groups)],
-                       max_model_len, max_num_seqs)
-    return BUILDERS[layout.mode](layout, pool, max_num_batched_tokens)
+def make_scheduler(layout: Layout, config: EngineConfig, max_model_len: int) -> Scheduler:
+    """The scheduler of ``layout``'s mode over one KV allocator per group of the layout, with
+    ``config``'s limits (KV blocks, sequences, batched tokens) and KV admission."""
+    pool = RequestPool([BlockAllocator(config.num_kv_blocks, config.kv_block_size) for _ in range(layout.num_groups)],
+                       max_model_len, config.max_num_seqs, config.kv_admission)
+    return BUILDERS[layout.mode](layout, pool, config.max_num_batched_tokens)

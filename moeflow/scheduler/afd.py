@@ -72,8 +72,7 @@ class AfdScheduler(DepScheduler):
         last = start + n == self._known(r)
         self._ahead[rid] = self._ahead.get(rid, 0) + n
         self._samples[rid] = self._samples.get(rid, 0) + last
-        table = self.pool.groups[self.pool.group_of[rid]].allocator.table(rid)
-        return ScheduledSeq(rid, start, n, table, is_last_chunk=last)
+        return self.pool.seq(r, n, start, last)
 
     def update(self, group: int, batch: Batch, sampled: dict[str, int]) -> list[Request]:
         for s in batch.seqs:

@@ -92,7 +92,10 @@ class AsapScheduler(Scheduler):
         for gid, g in enumerate(pool.groups):
             if g.busy:
                 continue
-            decode = [r for r in g.requests if not r.is_prefill]  # a prompt is done within one work item
+            decode = []  # a prompt is done within one work item; oldest first, make_room may preempt the newest
+            for r in [r for r in g.requests if not r.is_prefill]:
+                if r in g.requests and pool.make_room(r, r.num_computed_tokens + 1, {d.request_id for d in decode}):
+                    decode.append(r)
             want = self.pairing.max_batches - (1 if decode and self.pairing.max_batches > 1 else 0)
             proposals = self.former.propose(pool.waiting, now, want, lambda reqs, gid=gid: pool.room_for(gid, reqs)) \
                 if want else []

@@ -60,7 +60,7 @@ class _Former(BatchFormer):
         for r in waiting:
             if len(out) == limit:
                 break
-            n = r.num_prompt_tokens
+            n = r.num_tokens - r.num_computed_tokens  # a preempted request recomputes its outputs too
             if cur and (tokens + n > self.max_batch_tokens or n > self.long_prompt_tokens):
                 close()  # the next request does not fit: this batch is as full as it gets
                 if len(out) == limit:

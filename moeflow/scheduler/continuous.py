@@ -1,8 +1,6 @@
 """Continuous batching on one group: running requests first (decode or the next prefill chunk),
-then FIFO admits.
-
-A request is admitted only when the KV blocks for its whole life (prompt + max_tokens) are free,
-so nothing admitted is ever preempted. Prompts longer than the token budget are cut into chunks.
+then FIFO admits (KV blocks on demand, with preemption: ``pool.py``). Prompts longer than the
+token budget are cut into chunks.
 """
 from __future__ import annotations
 
@@ -29,11 +27,16 @@ class ContinuousBatching(Scheduler):
     def schedule(self, now: float = 0.0) -> list[Work]:
         pool, budget = self.pool, self.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
-        for r in self.running:
+        for r in list(self.running):  # oldest first; make_room may preempt the newest
             if budget == 0:
                 break
-            seqs.append(pool.seq(r, min(r.num_tokens - r.num_computed_tokens, budget)))
-            budget -= seqs[-1].num_tokens
+            if r not in self.running:  # preempted for an older one
+                continue
+            n = min(r.num_tokens - r.num_computed_tokens, budget)
+            if not pool.make_room(r, r.num_computed_tokens + n, {s.request_id for s in seqs}):
+                continue
+            seqs.append(pool.seq(r, n))
+            budget -= n
         while pool.waiting and budget > 0:
             r = pool.waiting[0]
             if not pool.room_for(0, [r]):

@@ -114,6 +114,10 @@ class DepScheduler(Scheduler):
         group.dead, group.busy = False, False
         self.placement.include(rank)
 
+    def _start(self, r: Request) -> int:
+        """The first position ``r``'s next step computes."""
+        return r.num_computed_tokens
+
     def _step_tokens(self, r: Request) -> int:
         """Tokens ``r`` computes in the next step: 1 when decoding, else (the next chunk of) its prompt."""
         left = r.num_tokens - r.num_computed_tokens
@@ -139,9 +143,11 @@ class DepScheduler(Scheduler):
         for i, g in enumerate(pool.groups):
             if i not in ranks:
                 continue
-            for r in g.requests:
+            for r in list(g.requests):  # oldest first; make_room may preempt the newest
+                if r not in g.requests:
+                    continue
                 n = min(self._step_tokens(r), self.max_batch_tokens - load[i])
-                if n > 0:
+                if n > 0 and pool.make_room(r, self._start(r) + n, {q.request_id for q, _ in plan[i]}):
                     plan[i].append((r, n))
                     load[i] += n
         blocked: set[int] = set()  # ranks whose queue head did not fit (round robin)

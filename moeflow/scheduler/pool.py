@@ -4,32 +4,57 @@ A waiting FIFO, and per group (an attention DP group, or a dep rank) the KV bloc
 requests admitted there. The pool is the one owner of ``Request`` objects in the engine process:
 everything else (engines, trackers) holds request ids. Schedulers take a pool and decide *what*
 to admit and batch; the pool does the rest.
+
+KV admission (``admission``), as vLLM's v1 scheduler does it, ``on-demand``: a waiting request is
+admitted once its known tokens fit, and a request's blocks grow
+as it does (``make_room`` before each step, ``seq`` takes them). When a running request cannot get
+its next block, the most recently admitted running requests of its group that are not on the
+workers are preempted by recompute (``preempt``: blocks freed, back to the head of the waiting
+queue with the tokens generated so far, pinned to their group, whose workers keep their state),
+the request itself last. ``reserve`` keeps the older policy for before/after runs: a request is
+admitted only with the blocks of its whole life (prompt + max_tokens), and never preempted.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from moeflow.config import KV_ADMISSIONS as ADMISSIONS
 from moeflow.core import Batch, Request, RequestError, RequestStatus, ScheduledSeq, Work
 from moeflow.scheduler.block_allocator import BlockAllocator
+
+
+
+
+def resident_capacity(num_blocks: int, block_size: int, tokens: int, max_num_seqs: int) -> int:
+    """How many requests that each grow to ``tokens`` one group's cache holds at once, under either
+    admission: on demand they are all admitted and none is preempted once they have grown."""
+    return max(0, min(max_num_seqs, num_blocks // -(-tokens // block_size)))
 
 
 @dataclass
 class Group:
     allocator: BlockAllocator
-    requests: list[Request] = field(default_factory=list)  # admitted here, not finished
+    requests: list[Request] = field(default_factory=list)  # admitted here, not finished, oldest first
     busy: bool = False  # running a work item (schedulers without a global step use it)
     dead: bool = False  # its process died: nothing is placed there any more (dwdp fails only that rank)
+    preemptions: int = 0  # requests preempted here so far
 
 
 class RequestPool:
-    def __init__(self, allocators: list[BlockAllocator], max_model_len: int, max_num_seqs: int):
+    def __init__(self, allocators: list[BlockAllocator], max_model_len: int, max_num_seqs: int,
+                 admission: str = "on-demand"):
+        if admission not in ADMISSIONS:
+            raise ValueError(f"kv admission must be one of {ADMISSIONS}, got {admission!r}")
         self.groups = [Group(a) for a in allocators]
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.admission = admission
         self.waiting: deque[Request] = deque()
         self.group_of: dict[str, int] = {}
         self.requests: dict[str, Request] = {}  # every accepted, unfinished request, by id
+        self.pinned: dict[str, int] = {}  # preempted, waiting: the group whose workers hold its state
+        self.in_flight: dict[str, int] = {}  # request id -> its pieces in batches not yet updated
 
     def get(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -54,32 +79,85 @@ class RequestPool:
         if a.blocks_for(total) > a.num_blocks:
             raise RequestError(f"request {rid}: needs {a.blocks_for(total)} KV blocks, the cache has {a.num_blocks}")
 
+    def _admit_tokens(self, r: Request) -> int:
+        return r.max_total_tokens if self.admission == "reserve" else r.num_tokens
+
     def room_for(self, gid: int, reqs: list[Request]) -> bool:
-        """Whether group ``gid`` can hold ``reqs`` for their whole life (KV blocks, sequence slots)."""
+        """Whether group ``gid`` can take ``reqs`` now: sequence slots, and KV blocks for their whole
+        life (``reserve``) or for their known tokens (``on-demand``); a preempted request goes back to
+        its own group only."""
         g = self.groups[gid]
-        need = sum(g.allocator.blocks_for(r.max_total_tokens) for r in reqs)
+        if any(self.pinned.get(r.request_id, gid) != gid for r in reqs):
+            return False
+        need = sum(g.allocator.blocks_for(self._admit_tokens(r)) for r in reqs)
         return need <= g.allocator.num_free and len(g.requests) + len(reqs) <= self.max_num_seqs
 
     def admit(self, gid: int, r: Request) -> None:
-        """Move ``r`` from waiting to group ``gid`` with the KV blocks of its whole life."""
+        """Move ``r`` from waiting to group ``gid`` with the KV blocks ``room_for`` counted."""
         g = self.groups[gid]
         self.waiting.remove(r)
-        g.allocator.allocate(r.request_id, r.max_total_tokens)
+        self.pinned.pop(r.request_id, None)
+        g.allocator.allocate(r.request_id, self._admit_tokens(r))
         r.status = RequestStatus.RUNNING
         g.requests.append(r)
         self.group_of[r.request_id] = gid
 
-    def seq(self, r: Request, num_tokens: int, start: int | None = None) -> ScheduledSeq:
-        """Positions [start, start + num_tokens) of ``r`` (start: by default, what is not yet computed)."""
+    def make_room(self, r: Request, upto: int, keep: set[str] = frozenset()) -> bool:
+        """KV blocks for positions [0, upto) of running ``r``: taken now, preempting the most recently
+        admitted requests of its group that are not on the workers nor in ``keep`` (already in the
+        step being built) when the group has too few free. When even that is not enough ``r`` itself
+        is preempted (unless on the workers) and False returned: it does not run this step."""
+        g = self.groups[self.group_of[r.request_id]]
+        a = g.allocator
+        while a.blocks_for(upto) - len(a.table(r.request_id)) > a.num_free:
+            victim = next((v for v in reversed(g.requests) if v is not r and v.request_id not in keep
+                           and v.request_id not in self.in_flight), None)
+            if victim is None:
+                if r.request_id not in self.in_flight and r.request_id not in keep:
+                    self.preempt(r)
+                return False
+            self.preempt(victim)
+        a.allocate(r.request_id, upto)
+        return True
+
+    def preempt(self, r: Request) -> None:
+        """By recompute: ``r``'s blocks freed, its computed tokens forgotten, back to the head of the
+        waiting queue with its tokens so far, pinned to its group (whose workers keep its state)."""
+        gid = self.group_of.pop(r.request_id)
+        g = self.groups[gid]
+        g.requests.remove(r)
+        g.allocator.free(r.request_id)
+        g.preemptions += 1
+        r.num_computed_tokens = 0
+        r.status = RequestStatus.WAITING
+        self.pinned[r.request_id] = gid
+        self.waiting.appendleft(r)
+
+    def seq(self, r: Request, num_tokens: int, start: int | None = None, last: bool | None = None) -> ScheduledSeq:
+        """Positions [start, start + num_tokens) of ``r`` (start: by default, what is not yet computed;
+        ``last``: whether they reach its known tokens, by default from ``r``), their KV blocks taken
+        (``make_room`` found them); the piece is on the workers until ``update``."""
         start = r.num_computed_tokens if start is None else start
-        table = self.groups[self.group_of[r.request_id]].allocator.table(r.request_id)
-        return ScheduledSeq(r.request_id, start, num_tokens, table, is_last_chunk=start + num_tokens == r.num_tokens)
+        rid = r.request_id
+        table = self.groups[self.group_of[rid]].allocator.allocate(rid, start + num_tokens)
+        self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+        last = start + num_tokens == r.num_tokens if last is None else last
+        return ScheduledSeq(rid, start, num_tokens, table, is_last_chunk=last)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(g.preemptions for g in self.groups)
 
     def update(self, gid: int, batch: Batch, sampled: dict[str, int]) -> list[Request]:
         """Apply a finished batch of group ``gid``; returns the requests it finished."""
         by_id = {r.request_id: r for r in self.groups[gid].requests}
         finished = []
         for s in batch.seqs:
+            left = self.in_flight.get(s.request_id, 0) - 1
+            if left > 0:
+                self.in_flight[s.request_id] = left
+            else:
+                self.in_flight.pop(s.request_id, None)
             r = by_id.get(s.request_id)
             if r is None:  # aborted while the batch ran
                 continue
@@ -97,6 +175,8 @@ class RequestPool:
         g.allocator.free(r.request_id)
 
     def abort(self, request_id: str, reason: str) -> Request | None:
+        self.pinned.pop(request_id, None)
+        self.in_flight.pop(request_id, None)
         r = next((x for x in self.waiting if x.request_id == request_id), None)
         if r is not None:
             self.waiting.remove(r)

@@ -290,4 +290,5 @@ class AsyncEngine:
             return
         load = self.llm.engine.load()
         self._snap = Snapshot(True, None, pending, load.num_waiting, load.num_running, load.num_free_kv_blocks,
-                              load.num_kv_blocks, load.running_per_group, degraded=self.supervisor.degraded)
+                              load.num_kv_blocks, load.running_per_group, load.preemptions_per_group,
+                              degraded=self.supervisor.degraded)

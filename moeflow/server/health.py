@@ -31,6 +31,7 @@ class Snapshot:
     num_free_kv_blocks: int = 0
     num_kv_blocks: int = 0
     running_per_group: tuple[int, ...] = ()
+    preemptions_per_group: tuple[int, ...] = ()  # since the deployment started (a restart starts again at 0)
     restarting: bool = False  # a failed deployment is being rebuilt (healthy again when it is up)
     degraded: str | None = None  # serving, but with less than it was built with (a lost dwdp rank): why
 

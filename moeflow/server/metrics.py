@@ -12,7 +12,7 @@ from collections import deque
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -108,6 +108,16 @@ class _Gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
+        usage = GaugeMetricFamily("moeflow_kv_cache_usage_ratio", "Share of the KV-cache blocks in use, over all "
+                                  "attention groups (vLLM's kv_cache_usage_perc)")
+        usage.add_metric([], 1 - s.num_free_kv_blocks / s.num_kv_blocks if s.num_kv_blocks else 0.0)
+        yield usage
+        preempted = CounterMetricFamily("moeflow_preemptions", "Requests preempted by recompute when their group ran "
+                                        "out of KV blocks, per attention group, since the deployment started",
+                                        labels=["group"])
+        for g, n in enumerate(s.preemptions_per_group):
+            preempted.add_metric([str(g)], n)
+        yield preempted
         per_group = GaugeMetricFamily("moeflow_requests_running_per_group", "Resident requests of each attention "
                                       "group (afd instance, dep/dwdp rank, asap DP group)", labels=["group"])
         for g, n in enumerate(s.running_per_group):

@@ -18,13 +18,10 @@ from __future__ import annotations
 import dataclasses
 
 from moeflow.measure.workload import WorkloadRequest
+from moeflow.scheduler.pool import resident_capacity
 from moeflow.sim.memory import GIB, plan_kv
 
 STEP_MODES = ("dep", "afd")
-
-
-def _capacity(kv_blocks: int, block: int, per_request_tokens: int, max_num_seqs: int) -> int:
-    return min(max_num_seqs, kv_blocks // -(-per_request_tokens // block))
 
 
 def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes: float = 0.0,
@@ -45,7 +42,7 @@ def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes
                    cost.engine_buffers)
     blocks = plan.kv_tokens // e.kv_block_size
     gen = warmup + steps + 4  # the window, the warm-up and the steps in flight at either end
-    b = capacity = _capacity(blocks, e.kv_block_size, context + gen, e.max_num_seqs)
+    b = capacity = resident_capacity(blocks, e.kv_block_size, context + gen, e.max_num_seqs)
     if b < 1:
         raise ValueError(f"system {spec.name!r}: the KV cache ({plan.kv_tokens} tokens) holds no request of "
                          f"{context + gen} tokens")

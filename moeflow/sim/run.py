@@ -67,6 +67,7 @@ def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float,
     p = summarize(rate, res.records, 0.0, cfg.workload.length_scale, num_aborted=res.num_pending)
     p["sim_events"] = res.num_events
     p["sim_busy"] = res.busy  # per role: fraction of the run its devices computed (not waited)
+    p["preemptions"] = res.preemptions
     if res.expert_imbalance is not None:  # skewed expert loads: the most loaded device / the mean
         p["sim_expert_imbalance"] = res.expert_imbalance
     if res.stopped_early:

@@ -33,6 +33,7 @@ class RunResult:
     busy: dict[str, float] = field(default_factory=dict)  # per role: mean fraction of the run spent computing
     num_pending: int = 0  # requests without a result when the run stopped early
     expert_imbalance: float | None = None  # skewed expert loads: mean (most loaded device / mean) per layer
+    preemptions: int = 0  # requests the scheduler preempted by recompute (KV blocks on demand)
 
 
 @dataclass
@@ -78,8 +79,7 @@ class System(abc.ABC):
     def _scheduler(self) -> Scheduler:
         """The engine's scheduler for this layout, built as the engine builds it."""
         e = self.spec.engine
-        return make_scheduler(self.layout, e.num_kv_blocks, e.kv_block_size, e.max_model_len or _NO_LIMIT,
-                              e.max_num_seqs, e.max_num_batched_tokens)
+        return make_scheduler(self.layout, e, e.max_model_len or _NO_LIMIT)
 
     def span(self, track: str, name: str, start_s: float, end_s: float) -> None:
         if start_s < self.trace_until_s and end_s > start_s:
@@ -109,7 +109,7 @@ class System(abc.ABC):
         bound = mean_ttft_lower_bound(*self._progress(), n, end) if stopped else None
         imbalance = self.loads.mean_imbalance if self.loads is not None and not self.loads.balanced else None
         return RunResult(self.records, self.loop.num_events, end, stopped, bound, self.spans, busy, self._pending,
-                         imbalance)
+                         imbalance, self.sched.pool.num_preemptions)
 
     def expert_loads(self, num_devices: int) -> ExpertLoads:
         """The expert-load model of this system's ``num_devices`` expert devices (SimOptions)."""

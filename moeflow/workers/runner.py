@@ -21,9 +21,13 @@ _LOGITS_ROWS = 1024  # prompt logprobs are computed in slices to bound the [rows
 
 @dataclass
 class _ReqState:
-    token_ids: list[int]
+    token_ids: list[int]  # the prompt, then every token sampled so far
     params: SamplingParams
     generator: torch.Generator | None
+    num_prompt: int
+    # prompt positions whose logprobs went out: a request preempted by recompute runs its prompt
+    # again (from position 0), and its prompt logprobs are not sent twice
+    prompt_logprobs_done: int = 0
 
 
 class ModelRunner:
@@ -41,7 +45,7 @@ class ModelRunner:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         gen = self._generator(params.seed) if params.seed is not None else None
-        self.requests[request_id] = _ReqState(list(prompt_token_ids), params, gen)
+        self.requests[request_id] = _ReqState(list(prompt_token_ids), params, gen, len(prompt_token_ids))
 
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -71,10 +75,13 @@ class ModelRunner:
         for s in batch.seqs:
             st = self.requests[s.request_id]
             res = out[s.request_id] = SeqOutput()
-            n_prompt = len(st.token_ids) if st.params.prompt_logprobs is not None else 0
-            # rows whose next token is a known prompt token: positions start .. min(end, n_prompt - 1)
+            n_prompt = st.num_prompt if st.params.prompt_logprobs is not None else 0
+            # rows whose next token is a known prompt token: positions start .. min(end, n_prompt - 1),
+            # less those already sent
+            first = max(0, st.prompt_logprobs_done - s.start)
             n_plp = max(0, min(s.start + s.num_tokens, n_prompt - 1) - s.start)
-            for a in range(0, n_plp, _LOGITS_ROWS):
+            st.prompt_logprobs_done = max(st.prompt_logprobs_done, s.start + n_plp)
+            for a in range(first, n_plp, _LOGITS_ROWS):
                 b = min(a + _LOGITS_ROWS, n_plp)
                 logits = self.model.logits(hidden[row + a:row + b])
                 nxt = torch.tensor(st.token_ids[s.start + a + 1:s.start + b + 1], dtype=torch.int64, device=self.device)

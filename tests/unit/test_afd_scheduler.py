@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow.config import ConfigError
+from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Request, SamplingParams
 from moeflow.layout import make_layout
 from moeflow.scheduler import make_scheduler
@@ -18,7 +18,7 @@ def _req(rid: str, n: int, max_tokens: int = 4, stop: tuple[int, ...] = ()) -> R
 def _sched(m: int = 1, ub: int = 2, chunk=None):
     layout = make_layout("afd", attn_workers=m, ffn_workers=1, micro_batches=ub, chunked_prefill_size=chunk,
                          max_batch_tokens=1000)
-    return make_scheduler(layout, 1000, 16, 8192, 64)
+    return make_scheduler(layout, EngineConfig(num_kv_blocks=1000, kv_block_size=16, max_num_seqs=64), 8192)
 
 
 def _ids(batch) -> list[str]:

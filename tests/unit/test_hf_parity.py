@@ -119,10 +119,11 @@ def test_chunked_prefill_matches_hf(checkpoints, llm_cache, name):
 
 
 def test_requests_wait_for_cache_blocks_and_seq_slots(checkpoints, llm_cache):
-    """A cache of 64 slots holds one request's whole life at a time, and at most 2 run at once:
-    the rest queue (FIFO), reuse freed blocks, and still decode exactly like HF."""
+    """Whole-life reservation (kv_admission reserve): a cache of 64 slots holds one request's whole
+    life at a time, and at most 2 run at once: the rest queue (FIFO), reuse freed blocks, and still
+    decode exactly like HF."""
     ck = checkpoints("qwen3")
-    llm = llm_cache(ck.path, dtype="float32", num_kv_blocks=8, kv_block_size=8, max_num_seqs=2)
+    llm = llm_cache(ck.path, dtype="float32", num_kv_blocks=8, kv_block_size=8, max_num_seqs=2, kv_admission="reserve")
     prompts = _prompts(400, ck.model.config.vocab_size, (20, 9, 25, 3, 3))
     outs = llm.generate(prompts, SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0, ignore_eos=True))
     for out, prompt in zip(outs, prompts):

@@ -39,7 +39,7 @@ def _run_in_process(path: str, moe_workers: int) -> dict[str, tuple[list, list[i
     attention = build_worker(setup("attention", 0), transport, None)
     transport.pump = lambda: any(w.step() for w in moe)  # the MoE side runs when attention waits on it
 
-    sched = make_scheduler(layout, config.num_kv_blocks, config.kv_block_size, 512, config.max_num_seqs)
+    sched = make_scheduler(layout, config, 512)
     requests = [Request(str(i), p, PARAMS) for i, p in enumerate(PROMPTS)]
     for r in requests:
         sched.add(r)

@@ -20,7 +20,8 @@ def _deployment(num_requests: int = 100):
         calls.append(rate)
         work_s = num_requests * PROMPT_LEN / CAPACITY_TOK_S
         last_done_s = max(num_requests / rate, work_s) + PROMPT_LEN / CAPACITY_TOK_S  # + the last prompt's own time
-        return {"rps": rate, "completed": num_requests, "prefill_tok_s": num_requests * PROMPT_LEN / last_done_s}
+        return {"rps": rate, "completed": num_requests, "prefill_tok_s": num_requests * PROMPT_LEN / last_done_s,
+                "duration_s": last_done_s}
 
     return measure, calls
 
@@ -50,6 +51,20 @@ def test_a_probe_already_above_capacity_confirms_it_with_one_raise():
     measure, calls = _deployment()
     res = find_saturation(measure, SaturationSearch(20.0))
     assert calls == [20.0, 40.0] and res.saturated
+
+
+def test_a_queue_that_grows_is_saturation_though_throughput_still_creeps_up():
+    """Few requests: batches keep getting fuller as they arrive closer together, so tok/s grows past
+    10% a doubling long after the deployment fell behind; it served under half the offered rate."""
+    def measure(rate: float) -> dict:
+        n, batching_gain = 12, min(2.0, 1 + rate / 200)  # fuller batches: up to 2x the work per second
+        duration = max(n / rate, n / (50 * batching_gain))
+        return {"rps": rate, "completed": n, "prefill_tok_s": n * PROMPT_LEN / duration, "duration_s": duration}
+
+    res = find_saturation(measure, SaturationSearch(30.0))
+    # at 120 rps 12 requests took 0.15 s (80 rps served: more than half); at 240 they took 0.12 s,
+    # 100 rps served of 240 offered, while tok/s still grew 25%
+    assert res.saturated and res.offered_rps == 240.0 and res.probes[-1][1] == pytest.approx(1.25 * res.probes[-2][1])
 
 
 def test_nothing_served_is_not_saturation():

@@ -55,8 +55,8 @@ class _Sched(ContinuousBatching):
         return works[0].batches[0] if works else None
 
 
-def _sched(num_blocks=16, block_size=4, budget=10, max_seqs=4, max_model_len=64) -> _Sched:
-    return _Sched(RequestPool([BlockAllocator(num_blocks, block_size)], max_model_len, max_seqs), budget)
+def _sched(num_blocks=16, block_size=4, budget=10, max_seqs=4, max_model_len=64, admission="on-demand") -> _Sched:
+    return _Sched(RequestPool([BlockAllocator(num_blocks, block_size)], max_model_len, max_seqs, admission), budget)
 
 
 def _run(s: ContinuousBatching, batch, token: int = 7):
@@ -132,8 +132,9 @@ def test_running_first_then_fifo_admission_within_budget():
     assert b.num_tokens == 3
 
 
-def test_finished_requests_free_blocks_and_admit_the_next():
-    s = _sched(num_blocks=4, block_size=4, budget=32)
+def test_whole_life_reservation_frees_blocks_and_admits_the_next():
+    """kv_admission reserve (the policy before on-demand, kept for before/after runs)."""
+    s = _sched(num_blocks=4, block_size=4, budget=32, admission="reserve")
     a, big, small = _req("a", 7, max_tokens=2), _req("big", 9, max_tokens=3), _req("small", 1, max_tokens=1)
     for r in (a, big, small):
         s.add(r)

@@ -163,7 +163,7 @@ def test_default_places_requests_for_token_balance():
         spec = system_from_dict("d", {"mode": "dep", "dp": 4, "max_batch_tokens": 32768, "placement": placement,
                                       "engine": LIMITS})
         e = spec.engine
-        sched = make_scheduler(spec.layout, e.num_kv_blocks, e.kv_block_size, 1 << 20, e.max_num_seqs)
+        sched = make_scheduler(spec.layout, e, 1 << 20)
         for i, n in enumerate(lens):
             sched.add(Request(f"r{i}", range(n), SamplingParams(max_tokens=1, ignore_eos=True)))
         tokens = [sum(s.num_tokens for s in w.batches[0].seqs) for w in sched.schedule(0.0)]
