@@ -14,21 +14,37 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings, with vLLM's names and meanings."""
+    """Per-request decoding settings, with vLLM's names and meanings (the sampler applies them in
+    vLLM's order: min_tokens, logit_bias, penalties, temperature, min_p, top_k, top_p)."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0 (or below 1e-5) means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) means all tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
     seed: int | None = None  # a seed makes this request's sampling reproducible on its own
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # strings that end the output (not included in its text)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop tokens/strings cannot end the output before this many tokens
+    presence_penalty: float = 0.0  # OpenAI's: minus this from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this per time a token is already in the output
+    repetition_penalty: float = 1.0  # CTRL's (transformers'): tokens of the prompt or output, divided / multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's
+    n: int = 1  # samples of the same prompt (the server's choices), sharing its prefill
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token (plus the actual one)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise RequestError(f"SamplingParams: {msg}")
+
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (lo < v if lo_open else lo <= v) and v <= hi
+            if not ok:
+                bad(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
@@ -47,6 +63,30 @@ class SamplingParams:
             if v is not None and (not isinstance(v, int) or v < 0):
                 bad(f"{name} must be None or an int >= 0, got {v!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        number("min_p", 0.0, 1.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, float("inf"), lo_open=True)
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad(f"n must be an int >= 1, got {self.n!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(x, str) and x for x in stop):
+            bad(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        bias = tuple(sorted((dict(self.logit_bias).items() if isinstance(self.logit_bias, dict)
+                             else self.logit_bias)))
+        for t, b in bias:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or not isinstance(b, (int, float)) \
+                    or not -100 <= b <= 100:
+                bad(f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got {t!r}: {b!r}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass(frozen=True)
@@ -70,7 +110,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[LogprobsDict] | None
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
-    stop_reason: int | None = None  # the stop token id that ended the request, if any
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
 
 
 @dataclass
@@ -125,8 +165,12 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     error: str | None = None
+    # engine.stop.StopStrings when params.stop is set (the front that tokenizes attaches it)
+    stop_strings: object | None = None
+    # n > 1: the first sample of the same prompt, whose full prompt KV blocks this one shares
+    prefix_of: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -151,15 +195,22 @@ class Request:
     def append_token(self, token_id: int) -> bool:
         """Record a sampled token; returns True when the request is now finished."""
         self.output_token_ids.append(token_id)
-        p = self.params
+        p, n = self.params, len(self.output_token_ids)
+        # NOTE: the sampler keeps EOS and stop tokens out before min_tokens; stop strings count
+        # from min_tokens on (vLLM's rules)
+        text_stop = self.stop_strings.add(token_id, n >= p.min_tokens) if self.stop_strings is not None else None
         if token_id in p.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token_id
         elif not p.ignore_eos and token_id in self.eos_token_ids:
             self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= p.max_tokens:
+        elif text_stop is not None:
+            self.finish_reason, self.stop_reason = "stop", text_stop
+        elif n >= p.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:
             self.status = RequestStatus.FINISHED
+            if self.stop_strings is not None:
+                self.stop_strings.finish()
             return True
         return False
 

@@ -46,6 +46,7 @@ class NewRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()  # kept out of the output before params.min_tokens
 
 
 @dataclass

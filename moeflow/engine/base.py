@@ -96,7 +96,8 @@ class Engine(abc.ABC):
 
     def load(self) -> EngineLoad:
         pool = self.scheduler.pool
-        return EngineLoad(len(pool.waiting), sum(len(g.requests) for g in pool.groups),
+        waiting = len(pool.waiting) + sum(map(len, pool.held.values()))  # held: later samples of a prompt
+        return EngineLoad(waiting, sum(len(g.requests) for g in pool.groups),
                           sum(g.allocator.num_free for g in pool.groups),
                           sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups),
                           tuple(g.preemptions for g in pool.groups))
@@ -119,6 +120,10 @@ def validate_request(request: Request, model: ModelConfig) -> None:
         raise RequestError(f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})")
     # NOTE: checked here, not later: top-n over V < n fails inside a step, after the request is
     # scheduled, and would leave it stuck in the running set.
+    bad = next((t for t, _ in request.params.logit_bias if t >= vocab), None)
+    if bad is not None:
+        raise RequestError(f"request {request.request_id}: SamplingParams: logit_bias names token id {bad}, "
+                           f"outside the vocabulary [0, {vocab})")
     for name in ("logprobs", "prompt_logprobs"):
         n = getattr(request.params, name)
         if n is not None and n > vocab:

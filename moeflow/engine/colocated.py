@@ -43,7 +43,8 @@ class ColocatedEngine(Engine):
     def add_request(self, request: Request) -> None:
         validate_request(request, self.model_config)
         self.scheduler.add(request)
-        self.runner.add_request(request.request_id, request.prompt_token_ids, request.params)
+        self.runner.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                request.eos_token_ids)
 
     def step(self) -> StepResult:
         works = self.scheduler.schedule(clock())

@@ -12,7 +12,8 @@ from moeflow.config import ClusterConfig, ConfigError, EngineConfig
 from moeflow.core import Request, RequestError, RequestOutput, SamplingParams
 from moeflow.engine.base import clock
 from moeflow.engine.modes import create_engine
-from moeflow.engine.output import OutputTracker
+from moeflow.engine.output import OutputTracker, merge_samples
+from moeflow.engine.stop import StopStrings
 from moeflow.engine.restart import RestartCount, RestartPolicy
 from moeflow.engine.tokenizer import load_tokenizer
 from moeflow.layout import Layout, make_layout
@@ -160,9 +161,34 @@ class LLM:
         raise RequestError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        """The one request of ``prompt`` (``params.n`` must be 1: see ``make_requests``)."""
+        if params.n != 1:
+            raise RequestError(f"n={params.n}: a request with several samples is several requests (make_requests)")
+        return self.make_requests(prompt, params, request_id)[0]
+
+    def make_requests(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> list[Request]:
+        """The ``params.n`` requests of ``prompt`` (ids ``{i}_{request_id}`` when n > 1, as vLLM's):
+        sample i has seed ``seed + i`` when seeded, prompt logprobs only for sample 0, and samples
+        1.. share sample 0's full prompt KV blocks (``scheduler/pool.py``)."""
         text, ids = self._to_ids(prompt)
         rid = request_id if request_id is not None else str(next(self._ids))
-        return Request(rid, ids, params, arrival_s=clock(), prompt=text, eos_token_ids=self._eos)
+        now, n = clock(), params.n
+        if n == 1:
+            return [self._request(rid, ids, params, now, text)]
+        out = []
+        for i in range(n):
+            p = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                    prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            r = self._request(f"{i}_{rid}", ids, p, now, text)
+            r.prefix_of = out[0].request_id if out else None
+            out.append(r)
+        return out
+
+    def _request(self, rid: str, ids: list[int], params: SamplingParams, now: float, text: str | None) -> Request:
+        r = Request(rid, ids, params, arrival_s=now, prompt=text, eos_token_ids=self._eos)
+        if params.stop:
+            r.stop_strings = StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        return r
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -173,11 +199,12 @@ class LLM:
         params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        requests = [self.make_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [str(next(self._ids)) for _ in prompts]
+        families = [self.make_requests(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
         self._heal()
         trackers = {}
         try:
-            for r in requests:
+            for r in (r for family in families for r in family):
                 self.engine.add_request(r)
                 trackers[r.request_id] = OutputTracker(r, self.tokenizer)
         except Exception:
@@ -198,7 +225,8 @@ class LLM:
             for rid in pending:
                 self.engine.abort(rid)
             raise
-        return [trackers[r.request_id].output() for r in requests]
+        return [merge_samples(rid, [trackers[r.request_id].output() for r in family])
+                for rid, family in zip(ids, families)]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

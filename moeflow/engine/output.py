@@ -1,6 +1,8 @@
 """Accumulates per-step results of one request into a vLLM-shaped ``RequestOutput``."""
 from __future__ import annotations
 
+import dataclasses
+
 from moeflow.core import CompletionOutput, Logprob, LogprobsDict, Request, RequestMetrics, RequestOutput
 from moeflow.engine.base import clock
 
@@ -43,9 +45,27 @@ class OutputTracker:
         finished = r.finish_reason is not None
         if finished and self.metrics.finished_s is None:
             self.metrics.finished_s = clock()
+        if r.stop_strings is not None:
+            if finished:
+                r.stop_strings.finish()  # an abort or error ends it too: the held text goes out
+            text = r.stop_strings.text
+        else:
+            text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
         completion = CompletionOutput(
-            index=0, text=self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
+            index=0, text=text,
             token_ids=list(r.output_token_ids), cumulative_logprob=self.cumulative_logprob,
             logprobs=self.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
         return RequestOutput(r.request_id, r.prompt, list(r.prompt_token_ids), self.prompt_logprobs,
                              [completion], finished, self.metrics, r.error)
+
+
+def merge_samples(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
+    """The n samples of one prompt (``LLM.make_requests``) as one output: its completions in
+    sample order, the first sample's prompt logprobs and metrics, finished when all are."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outputs)]
+    error = next((o.error for o in outputs if o.error is not None), None)
+    return RequestOutput(request_id, first.prompt, first.prompt_token_ids,
+                         first.prompt_logprobs, completions, all(o.finished for o in outputs), first.metrics, error)

@@ -121,7 +121,7 @@ class ProcessEngine(Engine):
             for s in b.seqs:
                 if s.request_id not in self._known[group]:
                     r = self.scheduler.pool.get(s.request_id)
-                    new.append(NewRequest(r.request_id, r.prompt_token_ids, r.params))
+                    new.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids))
                     self._known[group].add(s.request_id)
         self._work_ids += 1
         msg = RunWork(self._work_ids, batches, new, self._freed[group])

@@ -1,9 +1,21 @@
-"""Token sampling (greedy, temperature, top-k, top-p) and logprob extraction.
+"""The batched sampler: one pass over the [B, V] logits of a step for every request's settings,
+and logprob extraction.
+
+Steps, in vLLM's order: tokens banned this step (EOS and stop tokens before ``min_tokens``) and
+``logit_bias``; the penalties (repetition over prompt and output, CTRL's divide-or-multiply;
+presence and frequency over the output, OpenAI's); greedy rows take the argmax of that; the others
+are divided by their temperature, then ``min_p``, ``top_k`` and ``top_p`` cut the tail, and one
+draw is made: one ``multinomial`` for all unseeded rows, one per seeded row on its own generator
+(so a seeded request samples the same in any batch). Each step runs only when some row needs it,
+on the rows that need it. ``sampler_reference.py`` is the per-row oracle the tests compare with.
 
 Logprobs are those of the raw model distribution (vLLM's default ``raw_logprobs``), independent
-of temperature and truncation. Shape legend: B rows, V vocab.
+of temperature, penalties and truncation. Shape legend: B rows, V vocab.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -11,43 +23,153 @@ import torch
 # (Same alias as ``moeflow.messages.RawLogprobs``; the model does not import the runtime.)
 RawLogprobs = dict[int, tuple[float, int]]
 
-_GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 
 
-def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-               generator: torch.Generator | None) -> int:
-    """logits: [V] float32 -> one token id."""
-    # NOTE: colder than vLLM's _SAMPLING_EPS is greedy: 1/T overflows float32 (and a T below
-    # float32's smallest subnormal becomes 0), which would put inf/nan into the softmax.
-    if temperature < _GREEDY_BELOW:
-        return int(torch.argmax(logits))
-    x = logits / temperature
-    if 0 < top_k < x.numel():
-        kth = torch.topk(x, top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
+@dataclass(frozen=True)
+class RowSampling:
+    """One row's settings for this step (the runner makes them from a request's SamplingParams)."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned: tuple[int, ...] = ()  # ids that cannot be sampled this step
+
+    @property
+    def greedy(self) -> bool:
+        # NOTE: colder than vLLM's _SAMPLING_EPS is greedy: 1/T overflows float32 (and a T below
+        # float32's smallest subnormal becomes 0), which would put inf/nan into the softmax.
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _col(values: list, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)  # [b, 1]
+
+
+def _counts(ids: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """[b, V] float32: how often each id occurs in each row's ``ids``."""
+    width = max(1, max(len(x) for x in ids))
+    # NOTE: padded with the id ``vocab``, whose column is dropped
+    padded = torch.tensor([list(x) + [vocab] * (width - len(x)) for x in ids], dtype=torch.int64, device=device)
+    out = torch.zeros(len(ids), vocab + 1, dtype=torch.float32, device=device)
+    return out.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))[:, :vocab]
+
+
+def _processed(logits: torch.Tensor, rows: Sequence[RowSampling], prompts: Sequence[Sequence[int]],
+               outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[B, V] float32: the logits after bans, bias and penalties."""
+    x = logits.float().clone()
+    dev, vocab = x.device, x.shape[1]
+    idx = [(b, t, v) for b, r in enumerate(rows) for t, v in r.logit_bias]
+    if idx:
+        rb, cb, vb = zip(*idx)
+        x.index_put_((torch.tensor(rb, device=dev), torch.tensor(cb, device=dev)), torch.tensor(vb, device=dev),
+                     accumulate=True)
+    banned = [(b, t) for b, r in enumerate(rows) for t in r.banned]
+    if banned:
+        rb, cb = zip(*banned)
+        x[torch.tensor(rb, device=dev), torch.tensor(cb, device=dev)] = float("-inf")
+    pen = [b for b, r in enumerate(rows) if r.penalized]
+    if pen:
+        sel = torch.tensor(pen, device=dev)
+        xp = x[sel]
+        out_counts = _counts([outputs[b] for b in pen], vocab, dev)  # [p, V]
+        rep = _col([rows[b].repetition_penalty for b in pen], dev)
+        if any(rows[b].repetition_penalty != 1 for b in pen):
+            seen = (_counts([prompts[b] for b in pen], vocab, dev) > 0) | (out_counts > 0)
+            xp = torch.where(seen, torch.where(xp > 0, xp / rep, xp * rep), xp)
+        xp = xp - _col([rows[b].frequency_penalty for b in pen], dev) * out_counts \
+            - _col([rows[b].presence_penalty for b in pen], dev) * (out_counts > 0).float()
+        x[sel] = xp
+    return x
+
+
+def _truncated(x: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+    """[b, V]: tempered logits of sampled rows with min_p, top_k and top_p applied (-inf = cut)."""
+    dev, vocab = x.device, x.shape[1]
+    if any(r.min_p > 0 for r in rows):
+        probs = x.softmax(-1)
+        floor = _col([r.min_p for r in rows], dev) * probs.max(-1, keepdim=True).values
+        x = x.masked_fill(probs < floor, float("-inf"))
+    cut_k = any(0 < r.top_k < vocab for r in rows)
+    cut_p = any(r.top_p < 1.0 for r in rows)
+    if not (cut_k or cut_p):
+        return x
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [b, V]
+    if cut_k:
+        k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=dev)
+        kth = sorted_x.gather(1, (k - 1).unsqueeze(1))  # [b, 1]; ties with the k-th stay
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    if cut_p:
         probs = sorted_x.softmax(-1)
         # drop a token once the mass *before* it already reaches top_p (the top token always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        drop[0] = False  # NOTE: explicitly: a top_p below float32's smallest subnormal compares as 0
-        x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = x.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        drop = (probs.cumsum(-1) - probs) >= _col([r.top_p for r in rows], dev)
+        drop[:, 0] = False  # NOTE: explicitly: a top_p below float32's smallest subnormal compares as 0
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
 
 
-def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> list[RawLogprobs]:
-    """Top-n plus the chosen token for each row. logits: [B, V]; chosen: [B] int64."""
+def probabilities(logits: torch.Tensor, rows: Sequence[RowSampling], prompts: Sequence[Sequence[int]],
+                  outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[B, V] float32: the distribution each row's next token is drawn from (one-hot for greedy rows).
+    ``prompts``/``outputs``: each row's prompt and output ids so far (read for penalized rows only)."""
+    x = _processed(logits, rows, prompts, outputs)
+    probs = torch.zeros_like(x)
+    greedy = [b for b, r in enumerate(rows) if r.greedy]
+    if greedy:
+        sel = torch.tensor(greedy, device=x.device)
+        probs[sel, x[sel].argmax(-1)] = 1.0
+    sampled = [b for b, r in enumerate(rows) if not r.greedy]
+    if sampled:
+        sel = torch.tensor(sampled, device=x.device)
+        tempered = x[sel] / _col([rows[b].temperature for b in sampled], x.device)
+        probs[sel] = _truncated(tempered, [rows[b] for b in sampled]).softmax(-1)
+    return probs
+
+
+def sample(logits: torch.Tensor, rows: Sequence[RowSampling], prompts: Sequence[Sequence[int]],
+           outputs: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
+           default: torch.Generator) -> list[int]:
+    """One token id per row; ``generators[b]`` is row b's own (seeded) generator or None."""
+    probs = probabilities(logits, rows, prompts, outputs)
+    tokens = [0] * len(rows)
+    greedy = [b for b, r in enumerate(rows) if r.greedy]
+    if greedy:
+        for b, t in zip(greedy, probs[greedy].argmax(-1).tolist()):
+            tokens[b] = t
+    shared = [b for b, r in enumerate(rows) if not r.greedy and generators[b] is None]
+    if shared:
+        for b, t in zip(shared, torch.multinomial(probs[shared], 1, generator=default).squeeze(1).tolist()):
+            tokens[b] = t
+    for b, r in enumerate(rows):
+        if not r.greedy and generators[b] is not None:
+            tokens[b] = int(torch.multinomial(probs[b], 1, generator=generators[b]))
+    return tokens
+
+
+def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: int | Sequence[int]) -> list[RawLogprobs]:
+    """Top-n plus the chosen token for each row. logits: [B, V]; chosen: [B] int64; top_n: one for
+    all rows or one per row."""
     lp = logits.float().log_softmax(-1)  # [B, V]
     chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [B]
     ranks = (lp > chosen_lp.unsqueeze(1)).sum(1) + 1  # [B]
+    ns = [top_n] * lp.shape[0] if isinstance(top_n, int) else list(top_n)
+    most = max(ns, default=0)
+    top_v, top_i = (torch.topk(lp, most, dim=-1) if most > 0 else (None, None))
+    top_v, top_i = (top_v.tolist(), top_i.tolist()) if most > 0 else (None, None)
+    chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.tolist(), ranks.tolist()
     out: list[RawLogprobs] = []
-    top_v, top_i = (torch.topk(lp, top_n, dim=-1) if top_n > 0 else (None, None))
-    for b in range(lp.shape[0]):
-        d: RawLogprobs = {}
-        if top_n > 0:
-            for r, (t, v) in enumerate(zip(top_i[b].tolist(), top_v[b].tolist())):
-                d[t] = (v, r + 1)
-        d[int(chosen[b])] = (float(chosen_lp[b]), int(ranks[b]))
+    for b, n in enumerate(ns):
+        d: RawLogprobs = {t: (v, r + 1) for r, (t, v) in enumerate(zip(top_i[b][:n], top_v[b][:n]))} if n else {}
+        d[chosen_l[b]] = (chosen_lp_l[b], ranks_l[b])
         out.append(d)
     return out

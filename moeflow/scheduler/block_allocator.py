@@ -1,4 +1,8 @@
-"""KV-cache block bookkeeping on ints: which blocks each request owns."""
+"""KV-cache block bookkeeping on ints: which blocks each request holds.
+
+A block may be held by several requests (the samples of one prompt share its full prompt blocks,
+``share``); it returns to the free list when the last of them frees it.
+"""
 from __future__ import annotations
 
 
@@ -12,6 +16,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._tables: dict[str, list[int]] = {}
+        self._extra_holders: dict[int, int] = {}  # shared block -> holders beyond the first
 
     @property
     def num_free(self) -> int:
@@ -37,5 +42,20 @@ class BlockAllocator:
     def table(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._tables.get(request_id, ()))
 
+    def share(self, src: str, dst: str, num_blocks: int) -> tuple[int, ...]:
+        """``dst`` (holding nothing yet) starts with the first ``num_blocks`` blocks of ``src``."""
+        if self._tables.get(dst):
+            raise ValueError(f"request {dst} already holds KV blocks")
+        blocks = self._tables[src][:num_blocks]
+        for b in blocks:
+            self._extra_holders[b] = self._extra_holders.get(b, 0) + 1
+        self._tables[dst] = list(blocks)
+        return tuple(blocks)
+
     def free(self, request_id: str) -> None:
-        self._free.extend(reversed(self._tables.pop(request_id, [])))
+        for b in reversed(self._tables.pop(request_id, [])):
+            n = self._extra_holders.pop(b, 0)
+            if n > 1:
+                self._extra_holders[b] = n - 1
+            elif n == 0:
+                self._free.append(b)

@@ -42,7 +42,7 @@ class ContinuousBatching(Scheduler):
             if not pool.room_for(0, [r]):
                 break  # FIFO: a large head request is not overtaken (no starvation)
             pool.admit(0, r)
-            seqs.append(pool.seq(r, min(r.num_tokens, budget)))
+            seqs.append(pool.seq(r, min(r.num_tokens - r.num_computed_tokens, budget)))
             budget -= seqs[-1].num_tokens
         return [Work(0, (Batch(next(self._batch_ids), tuple(seqs)),))] if seqs else []
 

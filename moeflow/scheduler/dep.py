@@ -103,11 +103,11 @@ class DepScheduler(Scheduler):
 
     def lose(self, rank: int) -> list[Request]:
         """``rank``'s process is gone: nothing is placed there until ``rejoin``; returns the requests
-        it held (their caller ends them)."""
+        it held, running or waiting pinned to it (their caller ends them)."""
         group = self.pool.groups[rank]
         group.dead, group.busy = True, True
         self.placement.exclude(rank)
-        return list(group.requests)
+        return list(group.requests) + self.pool.pinned_to(rank)
 
     def rejoin(self, rank: int) -> None:
         group = self.pool.groups[rank]

@@ -13,6 +13,11 @@ workers are preempted by recompute (``preempt``: blocks freed, back to the head 
 queue with the tokens generated so far, pinned to their group, whose workers keep their state),
 the request itself last. ``reserve`` keeps the older policy for before/after runs: a request is
 admitted only with the blocks of its whole life (prompt + max_tokens), and never preempted.
+
+The samples of an n > 1 request (``Request.prefix_of``: sample 0) share its prefill: they wait
+off the queue (``held``) until sample 0 has computed its full prompt blocks, then join the queue
+head holding those blocks, pinned to its group, with only the rest of the prompt to compute.
+When sample 0 is gone first (finished, aborted), they compute the prompt themselves.
 """
 from __future__ import annotations
 
@@ -55,14 +60,42 @@ class RequestPool:
         self.requests: dict[str, Request] = {}  # every accepted, unfinished request, by id
         self.pinned: dict[str, int] = {}  # preempted, waiting: the group whose workers hold its state
         self.in_flight: dict[str, int] = {}  # request id -> its pieces in batches not yet updated
+        self.held: dict[str, list[Request]] = {}  # sample 0's id -> samples waiting for its prompt blocks
 
     def get(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
     def enqueue(self, request: Request) -> None:
-        """Accept a checked request into the waiting FIFO."""
-        self.waiting.append(request)
+        """Accept a checked request into the waiting FIFO (a later sample: see ``held``)."""
         self.requests[request.request_id] = request
+        first = self.requests.get(request.prefix_of) if request.prefix_of is not None else None
+        if first is not None and self.shared_len(first) > 0:
+            if first.request_id in self.group_of and first.num_computed_tokens >= self.shared_len(first):
+                self._share(first, request)
+                self.waiting.append(request)
+            else:
+                self.held.setdefault(first.request_id, []).append(request)
+            return
+        self.waiting.append(request)
+
+    def shared_len(self, r: Request) -> int:
+        """Positions of ``r``'s prompt in full blocks, less its last token (a sample must compute
+        at least that one to get its own first token)."""
+        bs = self.groups[0].allocator.block_size
+        return (r.num_prompt_tokens - 1) // bs * bs
+
+    def _share(self, first: Request, r: Request) -> None:
+        gid, n = self.group_of[first.request_id], self.shared_len(first)
+        self.groups[gid].allocator.share(first.request_id, r.request_id, n // self.groups[gid].allocator.block_size)
+        r.num_computed_tokens = n
+        self.pinned[r.request_id] = gid
+
+    def _release(self, first: Request, share: bool) -> None:
+        """The samples held for ``first`` join the queue head, sharing its blocks when ``share``."""
+        for r in reversed(self.held.pop(first.request_id, [])):
+            if share:
+                self._share(first, r)
+            self.waiting.appendleft(r)
 
     def check(self, request: Request, max_prompt_tokens: int | None, hint: str = "") -> None:
         """Reject what could never run, naming the numbers (nothing is queued on error)."""
@@ -89,7 +122,7 @@ class RequestPool:
         g = self.groups[gid]
         if any(self.pinned.get(r.request_id, gid) != gid for r in reqs):
             return False
-        need = sum(g.allocator.blocks_for(self._admit_tokens(r)) for r in reqs)
+        need = sum(g.allocator.blocks_for(self._admit_tokens(r)) - len(g.allocator.table(r.request_id)) for r in reqs)
         return need <= g.allocator.num_free and len(g.requests) + len(reqs) <= self.max_num_seqs
 
     def admit(self, gid: int, r: Request) -> None:
@@ -162,6 +195,8 @@ class RequestPool:
             if r is None:  # aborted while the batch ran
                 continue
             r.num_computed_tokens += s.num_tokens
+            if r.request_id in self.held and r.num_computed_tokens >= self.shared_len(r):
+                self._release(r, share=True)
             if s.is_last_chunk and r.append_token(sampled[s.request_id]):
                 finished.append(r)
         for r in finished:
@@ -169,17 +204,25 @@ class RequestPool:
         return finished
 
     def _drop(self, r: Request) -> None:
+        self._release(r, share=False)
         self.requests.pop(r.request_id, None)
         g = self.groups[self.group_of.pop(r.request_id)]
         g.requests.remove(r)
         g.allocator.free(r.request_id)
 
     def abort(self, request_id: str, reason: str) -> Request | None:
-        self.pinned.pop(request_id, None)
         self.in_flight.pop(request_id, None)
         r = next((x for x in self.waiting if x.request_id == request_id), None)
+        held = next((f for f in self.held.values() if any(x.request_id == request_id for x in f)), None)
         if r is not None:
             self.waiting.remove(r)
+            if request_id in self.pinned:  # a later sample may hold shared blocks while it waits
+                self.groups[self.pinned[request_id]].allocator.free(request_id)
+            self._release(r, share=False)
+            self.requests.pop(request_id, None)
+        elif held is not None:
+            r = next(x for x in held if x.request_id == request_id)
+            held.remove(r)
             self.requests.pop(request_id, None)
         elif request_id in self.group_of:
             gid = self.group_of[request_id]
@@ -187,11 +230,16 @@ class RequestPool:
             self._drop(r)
         else:
             return None
+        self.pinned.pop(request_id, None)
         r.status, r.finish_reason = RequestStatus.FINISHED, reason
         return r
 
+    def pinned_to(self, gid: int) -> list[Request]:
+        """Waiting requests whose state (preempted) or blocks (later samples) are in group ``gid``."""
+        return [r for r in self.waiting if self.pinned.get(r.request_id) == gid]
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or any(g.requests for g in self.groups)
+        return bool(self.waiting) or bool(self.held) or any(g.requests for g in self.groups)
 
 
 class Scheduler:

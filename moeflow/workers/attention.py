@@ -44,7 +44,7 @@ class AttentionWorker:
         for rid in work.freed:
             s.runner.remove_request(rid)
         for r in work.new_requests:
-            s.runner.add_request(r.request_id, r.prompt_token_ids, r.params)
+            s.runner.add_request(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids)
         flights = s.begin(work.batches, time.monotonic())
         self.schedule.run(flights)
         outputs, timings, errors = {}, [], {}

@@ -13,7 +13,7 @@ import torch
 from moeflow.core import Batch, SamplingParams
 from moeflow.messages import SeqOutput
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
-from moeflow.model.sampler import logprobs_of, sample_row
+from moeflow.model.sampler import RowSampling, logprobs_of, sample
 from moeflow.model.transformer import MoETransformer
 
 _LOGITS_ROWS = 1024  # prompt logprobs are computed in slices to bound the [rows, V] buffer
@@ -25,9 +25,17 @@ class _ReqState:
     params: SamplingParams
     generator: torch.Generator | None
     num_prompt: int
+    # EOS and stop tokens: not sampled before min_tokens (vLLM: EOS only without ignore_eos)
+    min_tokens_banned: tuple[int, ...] = ()
     # prompt positions whose logprobs went out: a request preempted by recompute runs its prompt
     # again (from position 0), and its prompt logprobs are not sent twice
     prompt_logprobs_done: int = 0
+
+    def row(self) -> RowSampling:
+        p = self.params
+        banned = self.min_tokens_banned if len(self.token_ids) - self.num_prompt < p.min_tokens else ()
+        return RowSampling(p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                           p.repetition_penalty, p.logit_bias, banned)
 
 
 class ModelRunner:
@@ -43,9 +51,12 @@ class ModelRunner:
         gen_device = "cpu" if self.device.type == "meta" else self.device
         return torch.Generator(device=gen_device).manual_seed(seed)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_ids: tuple[int, ...] = ()) -> None:
         gen = self._generator(params.seed) if params.seed is not None else None
-        self.requests[request_id] = _ReqState(list(prompt_token_ids), params, gen, len(prompt_token_ids))
+        banned = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))))
+        self.requests[request_id] = _ReqState(list(prompt_token_ids), params, gen, len(prompt_token_ids),
+                                              banned if params.min_tokens else ())
 
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -92,14 +103,22 @@ class ModelRunner:
             row += s.num_tokens
         if last_rows:
             logits = self.model.logits(hidden[last_rows])  # [B, V]
-            for i, rid in enumerate(last_ids):
-                st, res = self.requests[rid], out[rid]
-                p = st.params
-                tok = sample_row(logits[i], p.temperature, p.top_k, p.top_p, st.generator or self._default_gen)
-                res.token_id = tok
-                if p.logprobs is not None:
-                    res.logprobs = logprobs_of(logits[i:i + 1], torch.tensor([tok], device=self.device), p.logprobs)[0]
+            states = [self.requests[rid] for rid in last_ids]
+            # NOTE: histories are copied only for rows with penalties (the only ones that read them)
+            pen = [st.params.uses_penalties for st in states]
+            tokens = sample(logits, [st.row() for st in states],
+                            [st.token_ids[:st.num_prompt] if u else () for st, u in zip(states, pen)],
+                            [st.token_ids[st.num_prompt:] if u else () for st, u in zip(states, pen)],
+                            [st.generator for st in states], self._default_gen)
+            for rid, st, tok in zip(last_ids, states, tokens):
+                out[rid].token_id = tok
                 st.token_ids.append(tok)
+            want = [i for i, st in enumerate(states) if st.params.logprobs is not None]
+            if want:
+                chosen = torch.tensor([tokens[i] for i in want], dtype=torch.int64, device=self.device)
+                lps = logprobs_of(logits[want], chosen, [states[i].params.logprobs for i in want])
+                for i, lp in zip(want, lps):
+                    out[last_ids[i]].logprobs = lp
         return out
 
     def append_tokens(self, sampled: dict[str, int]) -> None:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from cuda_support import DEVICE, GPU
-from moeflow.model.sampler import logprobs_of, sample_row
+from moeflow.model.sampler import logprobs_of
+from moeflow.model.sampler_reference import sample_row
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit"))
 from test_sampling import (  # noqa: E402,F401  (collected here, on the GPU)

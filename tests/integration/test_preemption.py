@@ -1,7 +1,10 @@
 """Preemption by recompute is exact: with a KV cache too small for its requests at once, every mode
 preempts (the counters say so) and still gives colocated's greedy output and prompt logprobs, each
-prompt logprob sent once although the prompt ran twice."""
+prompt logprob sent once although the prompt ran twice. So are n > 1 samples, whose later samples
+compute only the prompt's last partial block on top of the first one's shared blocks."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -32,8 +35,11 @@ def test_outputs_after_preemption_equal_colocated(checkpoints, reference, mode):
     with LLM(checkpoints("qwen3").path, dtype="float32", **SMALL, **MODES[mode]) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
         preemptions = llm.engine.scheduler.pool.num_preemptions
+        samples = llm.generate(PROMPTS[0], dataclasses.replace(PARAMS, n=3))[0]
         free = [g.allocator.num_free for g in llm.engine.scheduler.pool.groups]
     print(f"{mode}: {preemptions} preemptions")
     assert preemptions > 0
     assert_same(outs, reference)
+    assert [c.token_ids for c in samples.outputs] == [reference[0].outputs[0].token_ids] * 3
+    assert_same([samples], reference[:1])
     assert free == [SMALL["num_kv_blocks"]] * len(free)  # nothing stranded

@@ -112,3 +112,57 @@ def test_resident_capacity_is_what_both_admissions_hold_once_grown():
     assert resident_capacity(num_blocks=100, block_size=16, tokens=160, max_num_seqs=64) == 10
     assert resident_capacity(num_blocks=100, block_size=16, tokens=161, max_num_seqs=64) == 9
     assert resident_capacity(num_blocks=100, block_size=16, tokens=16, max_num_seqs=64) == 64
+
+
+def _samples(rid: str, prompt: int, n: int, max_tokens: int = 4) -> list[Request]:
+    out = []
+    for i in range(n):
+        r = _req(f"{i}_{rid}", prompt, max_tokens)
+        r.prefix_of = out[0].request_id if out else None
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("mode, layout", [("colocated", {}), ("dep", {"dp": 2}), ("afd", {"attn_workers": 2})])
+def test_later_samples_share_the_first_samples_full_prompt_blocks(mode, layout):
+    s = _sched(mode, blocks=16, **layout)
+    first, *rest = fam = _samples("p", 11, 3)  # blocks of 4: positions 0..7 shared, 8..10 each its own
+    for r in fam:
+        s.add(r)
+    assert list(s.pool.held) == [first.request_id]
+    works = _step(s)
+    assert {q.request_id for w in works for b in w.batches for q in b.seqs} == {first.request_id}
+    g = s.pool.group_of[first.request_id]
+    a = s.pool.groups[g].allocator
+    works = _step(s)  # the samples join, with only the rest of the prompt to compute
+    pieces = {q.request_id: q for w in works for b in w.batches for q in b.seqs}
+    for r in rest:
+        assert s.pool.group_of[r.request_id] == g
+        assert (pieces[r.request_id].start, pieces[r.request_id].num_tokens) == (8, 3)
+        assert a.table(r.request_id)[:2] == a.table(first.request_id)[:2]
+        assert a.table(r.request_id)[2] != a.table(first.request_id)[2]
+    assert a.num_free == 16 - 3 - 2  # the first's 3 blocks, one own block per later sample
+    while s.has_unfinished():
+        _step(s)
+    assert a.num_free == 16  # shared blocks return once their last holder frees them
+
+
+def test_samples_compute_the_prompt_themselves_when_the_first_is_gone():
+    s = _sched(blocks=16)
+    first, second = _samples("p", 11, 2, max_tokens=1)
+    s.add(first)
+    s.add(second)
+    s.abort(first.request_id, "abort")
+    assert not s.pool.held and list(s.pool.waiting) == [second]
+    _step(s)
+    assert second.num_computed_tokens == 11
+    # aborted while held, and while waiting with shared blocks: nothing leaks
+    s = _sched(blocks=16)
+    fam = _samples("q", 11, 3, max_tokens=6)
+    for r in fam:
+        s.add(r)
+    s.abort(fam[2].request_id, "abort")
+    _step(s)
+    s.abort(fam[1].request_id, "abort")  # waiting, holding the two shared blocks
+    s.abort(fam[0].request_id, "abort")
+    assert s.pool.groups[0].allocator.num_free == 16 and not s.has_unfinished()
