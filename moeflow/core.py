@@ -40,11 +40,10 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise RequestError(f"SamplingParams: {msg}")
 
-        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+        def number(name: str, lo: float, hi: float) -> None:
             v = getattr(self, name)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (lo < v if lo_open else lo <= v) and v <= hi
-            if not ok:
-                bad(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi):
+                bad(f"{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
@@ -66,7 +65,9 @@ class SamplingParams:
         number("min_p", 0.0, 1.0)
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)
-        number("repetition_penalty", 0.0, float("inf"), lo_open=True)
+        # NOTE: bounded, where vLLM takes any positive number: dividing a logit by 5e-324 (what a
+        # fuzzer sent) overflows to inf and the softmax to NaN, inside a worker after acceptance
+        number("repetition_penalty", 0.01, 100.0)
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
                 not 0 <= self.min_tokens <= self.max_tokens:
             bad(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")

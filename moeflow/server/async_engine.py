@@ -27,7 +27,7 @@ from moeflow.core import Request, RequestError
 from moeflow.engine.base import StepResult, clock
 from moeflow.server.health import EngineUnavailable, Overloaded, Snapshot, Stopping, Supervisor
 from moeflow.server.metrics import ServerMetrics
-from moeflow.server.stream import Delta, RequestStream, Tracked
+from moeflow.server.stream import Delta, RequestStream, Tracked, step_delta
 
 logger = logging.getLogger("moeflow.server")
 
@@ -209,6 +209,8 @@ class AsyncEngine:
             with self._lock:
                 error = self._unavailable()
             return self._refuse(stream, error)
+        if r.request_id in self._tracked:  # a client's request_id, sent again before its answer ended
+            return self._refuse(stream, RequestError(f"request_id: {r.request_id!r} is the id of an unfinished request"))
         try:
             self.llm.engine.add_request(r)
         except RequestError as e:
@@ -226,25 +228,24 @@ class AsyncEngine:
     def _deliver(self, result: StepResult) -> None:
         now = clock()
         self.metrics.observe_busy(result.busy_s)
-        tokens: dict[str, list[int]] = {}
-        for rid, out in result.outputs.items():
-            t = self._tracked.get(rid)
-            if t is None or out.token_id is None:
+        outs = {rid: out for rid, out in result.outputs.items() if rid in self._tracked}
+        for rid, out in outs.items():
+            if out.token_id is None:  # a prefill chunk (it may carry prompt logprobs)
                 continue
+            t = self._tracked[rid]
             if t.last_token_s is None:
                 self.metrics.ttft.observe(now - t.stream.request.arrival_s)
             else:
                 self.metrics.itl.observe(now - t.last_token_s)
             t.last_token_s = now
-            tokens.setdefault(rid, []).append(out.token_id)
-        self.metrics.generation_tokens.inc(sum(map(len, tokens.values())))
+        self.metrics.generation_tokens.inc(sum(out.token_id is not None for out in outs.values()))
         finished = {r.request_id: r for r in result.finished if r.request_id in self._tracked}
-        for rid, ids in tokens.items():
-            if rid not in finished:
-                self._tracked[rid].stream.push(Delta(tuple(ids)))
+        for rid, out in outs.items():
+            if rid not in finished and (d := step_delta(self._tracked[rid].stream.request, out, False)) is not None:
+                self._tracked[rid].stream.push(d)
         for rid, r in finished.items():
             t = self._tracked.pop(rid)
-            t.stream.push(Delta(tuple(tokens.get(rid, ())), r.finish_reason, r.error))
+            t.stream.push(step_delta(r, outs.get(rid), True))
             self.metrics.finished.labels(r.finish_reason).inc()
             if r.finish_reason in ("stop", "length"):
                 self.metrics.e2e.observe(now - r.arrival_s)

@@ -56,6 +56,7 @@ def short(reason: str) -> str:
 # The field a RequestError names, for ``param``; the message itself stays the engine's.
 _PARAM_PATTERNS = [
     (re.compile(r"SamplingParams: (\w+)"), None),
+    (re.compile(r"^request_id: "), "request_id"),
     (re.compile(r"the prompt is empty|token id -?\d+ is outside"), "prompt"),
     (re.compile(r"exceeds max_batch_tokens|KV blocks"), "prompt"),
 ]

@@ -1,36 +1,32 @@
 """OpenAIServing: /v1/completions and /v1/chat/completions on top of the AsyncEngine.
 
-One request: check the body -> token ids -> SamplingParams (the engine's validation) -> submit
-(429/503 at once when refused) -> wait for the engine thread to queue it (its RequestError is a
-400) -> a JSON answer, or an SSE stream. Either way a client that goes away aborts its request,
-which frees its KV blocks.
+One request body: check it -> token ids -> SamplingParams (the engine's validation) -> its n
+engine requests (``LLM.make_requests``), submitted (429/503 at once when refused) -> wait for the
+engine thread to queue them (a RequestError is a 400) -> a JSON answer, or an SSE stream
+(``answer.py``). Either way a client that goes away aborts what is unfinished, which frees its KV
+blocks; so does a choice that fails, for the others.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moeflow.core import RequestError, SamplingParams
-from moeflow.engine.detokenizer import IncrementalDetokenizer
+from moeflow.core import RequestError
 from moeflow.server import errors
+from moeflow.server.answer import Answer, sse
 from moeflow.server.async_engine import AsyncEngine
-from moeflow.server.health import EngineUnavailable, Overloaded
-from moeflow.server.stream import RequestStream
 from moeflow.server.chat import render_chat
 from moeflow.server.config import ServerConfig
 from moeflow.server.errors import ApiError
+from moeflow.server.health import EngineUnavailable, Overloaded
 from moeflow.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from moeflow.server.stream import RequestStream, merged
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _disconnected(raw: HttpRequest) -> None:
@@ -48,23 +44,29 @@ class OpenAIServing:
 
     async def completion(self, body: CompletionRequest, raw: HttpRequest):
         self._check(body)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            ids = await self._encode(lambda: list(self.engine.llm.tokenizer.encode(prompt)), "prompt")
-        else:
-            ids = prompt
+        tokenizer = self.engine.llm.tokenizer
+        ids = await self._encode(lambda: body.prompt_ids(tokenizer), "prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
-        return await self._run("text_completion", f"cmpl-{uuid.uuid4().hex}", ids, "prompt", max_tokens, body, raw)
+        return await self._run("text_completion", f"cmpl-{body.request_id or uuid.uuid4().hex}", ids, "prompt",
+                               max_tokens, body, raw)
 
     async def chat(self, body: ChatCompletionRequest, raw: HttpRequest):
         self._check(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = await self._encode(lambda: render_chat(self.engine.llm.tokenizer, messages).token_ids, "messages")
+        tokenizer = self.engine.llm.tokenizer
+
+        def render() -> list[int]:
+            return body.truncated(render_chat(
+                tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, add_special_tokens=body.add_special_tokens,
+                template_kwargs=body.chat_template_kwargs).token_ids)
+
+        ids = await self._encode(render, "messages")
         max_tokens = body.requested_max_tokens
         if max_tokens is None:  # the rest of the context (at least 1, so an overlong prompt is named as such)
             max_tokens = max(1, self.engine.max_model_len - len(ids))
-        return await self._run("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", ids, "messages", max_tokens,
-                               body, raw)
+        return await self._run("chat.completion", f"chatcmpl-{body.request_id or uuid.uuid4().hex}", ids,
+                               "messages", max_tokens, body, raw)
 
     # -- shared steps -------------------------------------------------------------------------
 
@@ -83,14 +85,6 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:  # a lone surrogate, a template that refuses the roles, ...
             raise errors.bad_request(f"{param} cannot be tokenized: {e}", param=param) from e
 
-    def _params(self, body: _Sampling, max_tokens: int) -> SamplingParams:
-        kw = dict(max_tokens=max_tokens, ignore_eos=body.ignore_eos, seed=body.seed,
-                  stop_token_ids=tuple(body.stop_token_ids or ()))
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(body, name) is not None:
-                kw[name] = getattr(body, name)
-        return SamplingParams(**kw)
-
     async def _run(self, kind: str, rid: str, ids: list[int], prompt_param: str, max_tokens: int,
                    body: _Sampling, raw: HttpRequest):
         def invalid(e: RequestError) -> ApiError:
@@ -100,41 +94,47 @@ class OpenAIServing:
             return err
 
         try:
-            params = self._params(body, max_tokens)
+            params = body.sampling_params(max_tokens)
             # off the loop: it checks and copies every id (4 M of them held the loop for 0.7 s)
-            request = await asyncio.to_thread(self.engine.llm.make_request, {"prompt_token_ids": ids}, params, rid)
+            requests = await asyncio.to_thread(self.engine.llm.make_requests, {"prompt_token_ids": ids}, params, rid)
         except RequestError as e:
             raise invalid(e) from e
+        streams: list[RequestStream] = []
         try:
-            stream = self.engine.submit(request)
-        except Overloaded:
-            raise errors.overloaded(self.engine.max_pending) from None
-        except EngineUnavailable as e:
-            raise errors.unavailable(str(e), e.retry_after_s) from None
-        try:
-            await stream.accepted()
-        except RequestError as e:
-            raise invalid(e) from e
-        except EngineUnavailable as e:
-            raise errors.unavailable(str(e), e.retry_after_s) from None
-        except BaseException:  # cancelled while queued: nobody will read the answer
-            self.engine.abort(rid)
+            for r in requests:
+                streams.append(self.engine.submit(r))
+            for s in streams:
+                await s.accepted()
+        except BaseException as e:  # refused, or cancelled while queued: nobody will read the answer
+            self._abort(streams)
+            if isinstance(e, Overloaded):
+                raise errors.overloaded(self.engine.max_pending) from None
+            if isinstance(e, EngineUnavailable):
+                raise errors.unavailable(str(e), e.retry_after_s) from None
+            if isinstance(e, RequestError):
+                raise invalid(e) from e
             raise
         head = dict(id=rid, created=int(time.time()), model=self.config.model_name)
+        answer = Answer(kind, head, self.engine.llm.tokenizer, body, streams[0].request.num_prompt_tokens)
         if body.stream:
-            return StreamingResponse(self._stream(kind, stream, head, body.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._answer(kind, stream, head, raw)
+            return StreamingResponse(self._stream(answer, streams), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._answer(answer, streams, raw)
 
-    async def _answer(self, kind: str, stream: RequestStream, head: dict, raw: HttpRequest) -> JSONResponse:
-        """The whole completion as one JSON body; aborts the request if the client leaves first."""
+    def _abort(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            if not s.finished:
+                self.engine.abort(s.request.request_id)
+
+    async def _answer(self, answer: Answer, streams: list[RequestStream], raw: HttpRequest) -> JSONResponse:
+        """The whole answer as one JSON body; aborts what is unfinished if the client leaves first."""
 
         async def collect():
-            ids, last = [], None
-            async for d in stream:
-                ids += d.token_ids
-                last = d
-            return ids, last
+            async for i, d in merged(streams):
+                if d.finish_reason is not None and d.finish_reason not in ("stop", "length"):
+                    return d
+                answer.add(i, d)
+            return None
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_disconnected(raw))
@@ -144,61 +144,30 @@ class OpenAIServing:
             gone.cancel()
             if not work.done():
                 work.cancel()
-                self.engine.abort(head["id"])
+            self._abort(streams)
         if not work.done() or work.cancelled():
             return JSONResponse({}, status_code=499)  # nobody reads it: the client is gone
-        ids, last = work.result()
-        if last.finish_reason not in ("stop", "length"):
-            raise self._failure(last)
-        text = self.engine.llm.tokenizer.decode(ids, skip_special_tokens=True)
-        if kind == "chat.completion":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": last.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-        return JSONResponse({**head, "object": kind, "choices": [choice],
-                             "usage": self._usage(stream, len(ids))})
+        failed = work.result()
+        if failed is not None:
+            raise self._failure(failed)
+        return JSONResponse(answer.body())
 
-    async def _stream(self, kind: str, stream: RequestStream, head: dict, include_usage: bool):
-        chat = kind == "chat.completion"
-        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        extra = {"usage": None} if include_usage else {}
-
-        def chunk(text: str | None, finish_reason: str | None) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if text is None else (
-                    {"content": text} if text else {})
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            return _sse({**head, "choices": [c], **extra})
-
-        text, num_tokens = IncrementalDetokenizer(self.engine.llm.tokenizer), 0
+    async def _stream(self, answer: Answer, streams: list[RequestStream]):
         try:
-            if chat:
-                yield chunk(None, None)
-            async for d in stream:
-                num_tokens += len(d.token_ids)
+            for c in answer.opening():
+                yield c
+            async for i, d in merged(streams):
                 if d.finish_reason is not None and d.finish_reason not in ("stop", "length"):
-                    yield _sse(self._failure(d).body())  # the status line is sent already: an error event
+                    yield sse(self._failure(d).body())  # the status line is sent already: an error event
                     break
-                delta = text.add(list(d.token_ids), final=d.finish_reason is not None)
-                # NOTE: a chunk per step that produced tokens, even when they decode to no text yet
-                # (part of a UTF-8 character): clients time tokens by chunks (TTFT, ITL).
-                if d.token_ids or d.finish_reason is not None:
-                    yield chunk(delta, d.finish_reason)
+                if (c := answer.chunk(i, d)) is not None:
+                    yield c
             else:
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": self._usage(stream, num_tokens)})
+                for c in answer.closing():
+                    yield c
             yield "data: [DONE]\n\n"
         finally:
-            if not stream.finished:  # the client went away mid-stream
-                self.engine.abort(head["id"])
-
-    @staticmethod
-    def _usage(stream: RequestStream, num_tokens: int) -> dict:
-        n = stream.request.num_prompt_tokens
-        return {"prompt_tokens": n, "completion_tokens": num_tokens, "total_tokens": n + num_tokens}
+            self._abort(streams)  # the client went away mid-stream, or a choice failed
 
     @staticmethod
     def _failure(d) -> ApiError:

@@ -128,7 +128,7 @@ def test_n_samples_equal_single_requests_with_consecutive_seeds(llm):
 
 @pytest.mark.parametrize("field, value", [
     ("min_p", -0.1), ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3),
-    ("repetition_penalty", 0.0), ("min_tokens", -1), ("min_tokens", 17), ("n", 0),
+    ("repetition_penalty", 0.0), ("repetition_penalty", 5e-324), ("repetition_penalty", 101.0), ("min_tokens", -1), ("min_tokens", 17), ("n", 0),
     ("stop", [""]), ("stop", [3]), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 200.0}),
 ])
 def test_validation_of_the_new_fields(field, value):
