@@ -42,6 +42,9 @@ class Prober:
         p = summarize(rps, res.records, res.start_s, cfg.length_scale, res.num_rejected, res.num_failed,
                       res.num_aborted)
         p["preemptions"] = pool.num_preemptions - preempted  # KV blocks ran out: requests recomputed
+        # decode-side measures: requests admitted at once (time-weighted over the point) and output tokens/s
+        p["resident_mean"] = res.resident_s / p["duration_s"] if p["duration_s"] > 0 else 0.0
+        p["output_tok_s"] = res.output_tokens / p["duration_s"] if p["duration_s"] > 0 else 0.0
         if res.stopped_early:  # it certainly missed the SLO under stop.metric; for the mean only a bound is known
             p.update(stopped_early=True, stopped_by=stop.metric.name, ttft_mean_s=res.mean_ttft_bound_s,
                      ttft_p50_s=None, ttft_p90_s=None, ttft_p99_s=None)

@@ -33,6 +33,8 @@ class ReplayResult:
     num_aborted: int  # still pending when the replay stopped early
     stopped_early: bool
     mean_ttft_bound_s: float | None  # when stopped early: the mean TTFT is at least this
+    resident_s: float = 0.0  # the integral of admitted requests over the steps' time (request-seconds)
+    output_tokens: int = 0  # tokens generated for the replay's requests
 
 
 class _Tracked:
@@ -70,6 +72,8 @@ def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label
     records: list[RequestRecord] = []
     num_rejected = num_failed = 0
     next_bound_s = 0.0
+    resident_s, output_tokens = 0.0, 0
+    groups = engine.scheduler.pool.groups
     i = 0
     start_s = clock()
     while i < n or tracked:
@@ -96,12 +100,16 @@ def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label
                 engine.drain()
                 bar.close()
                 bound = mean_ttft_lower_bound(done, waiting, n - num_rejected, now)
-                return ReplayResult(records, start_s, num_rejected, num_failed, len(tracked) + n - i, True, bound)
+                return ReplayResult(records, start_s, num_rejected, num_failed, len(tracked) + n - i, True, bound,
+                                    resident_s, output_tokens)
         if engine.has_unfinished():
+            resident = sum(len(g.requests) for g in groups)
             result = engine.step()
+            resident_s += resident * (clock() - now)
             for rid, out in result.outputs.items():
                 if rid in tracked:
                     tracked[rid].on_step(out)
+                    output_tokens += out.token_id is not None
             for r in result.finished:
                 t = tracked.pop(r.request_id, None)
                 if t is None:
@@ -121,7 +129,7 @@ def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label
         elif i < n:
             time.sleep(max(0.0, start_s + requests[i].arrival_s - clock()))
     bar.close()
-    return ReplayResult(records, start_s, num_rejected, num_failed, 0, False, None)
+    return ReplayResult(records, start_s, num_rejected, num_failed, 0, False, None, resident_s, output_tokens)
 
 
 def _progress(records: list[RequestRecord], tracked: dict[str, _Tracked]) -> tuple[list[float], list[float]]:

@@ -10,7 +10,8 @@ import statistics
 from moeflow.measure.slo import ALL_METRICS, format_slo, slo_over_repeats
 from moeflow.measure.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
 
-POINT_FIELDS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "prefill_tok_s")
+POINT_FIELDS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "prefill_tok_s",
+                "output_tok_s", "resident_mean", "preemptions")  # the last three: not in results before issue 29
 
 
 def aggregate_points(repeats: list[dict]) -> list[dict]:
@@ -72,8 +73,15 @@ def comparison(name_a: str, a: dict, name_b: str, b: dict, metric: str) -> dict:
         vb = [_field(r, pa["rps"]) for r in b["repeats"]]
         ia, ib = mean_ci(va), mean_ci(vb)
         ratio = paired_ratio_ci(vb, va)
-        rows.append({"rps": pa["rps"], "ttft_ratio_b_over_a": ratio.to_dict() if ratio else None,
-                     "verdict": verdict(ia, ib, ratio)})
+        row = {"rps": pa["rps"], "ttft_ratio_b_over_a": ratio.to_dict() if ratio else None,
+               "verdict": verdict(ia, ib, ratio)}
+        oa = [_field(r, pa["rps"], "output_tok_s") for r in a["repeats"]]
+        ob = [_field(r, pa["rps"], "output_tok_s") for r in b["repeats"]]
+        if all(oa) and all(ob):  # output tokens/s a / b, paired per repeat (> 1: a generates faster)
+            out_ratio = paired_ratio_ci(oa, ob)
+            row["output_ratio_a_over_b"] = out_ratio.to_dict() if out_ratio else None
+            row["output_verdict"] = verdict(mean_ci(oa), mean_ci(ob), out_ratio)
+        rows.append(row)
     slo_ratio = slo_over_repeats([_slo_ratio(r.get("slo", {}).get(metric), q.get("slo", {}).get(metric))
                                   for r, q in zip(a["repeats"], b["repeats"])])
     out = {"a": name_a, "b": name_b, "metric": metric, "per_rate": rows, "slo_ratio_a_over_b": slo_ratio}
@@ -144,8 +152,11 @@ def markdown(result: dict) -> str:
              f"{VERDICT_RULE}.", ""]
     rates = sorted({p["rps"] for s in systems.values() for p in s["points"]})
     # a saturation-only experiment (no rates) has no TTFT tables and no SLO throughput
-    for field, title in (("ttft_mean_s", "Mean TTFT (s)"), ("ttft_p90_s", "p90 TTFT (s)"),
-                         ("prefill_tok_s", "Prefill throughput (tok/s)")) if rates else ():
+    tables = [("ttft_mean_s", "Mean TTFT (s)"), ("ttft_p90_s", "p90 TTFT (s)"),
+              ("prefill_tok_s", "Prefill throughput (tok/s)"), ("output_tok_s", "Output throughput (tok/s)"),
+              ("resident_mean", "Requests admitted at once (time-weighted)"), ("preemptions", "Preemptions per point")]
+    present = {f for s in systems.values() for p in s["points"] for f in POINT_FIELDS if p.get(f) is not None}
+    for field, title in [(f, t) for f, t in tables if f in present] if rates else ():
         lines += [f"## {title}, mean ± half-width of the 95% interval", "",
                   "| system | " + " | ".join(f"{r:g} rps" for r in rates) + " |", "|---|" + "---|" * len(rates)]
         for name, s in systems.items():
@@ -170,9 +181,14 @@ def markdown(result: dict) -> str:
             if slo is not None:
                 lines += [f"SLO throughput ratio {c['a']}/{c['b']} ({c['metric']}): "
                           f"{format_over_repeats(c['slo_ratio_a_over_b'])}", ""]
-            lines += [f"| rate | mean TTFT {c['b']} / {c['a']} (paired, 95% CI) | verdict |", "|---|---|---|"]
+            out = any("output_ratio_a_over_b" in row for row in c["per_rate"])
+            lines += [f"| rate | mean TTFT {c['b']} / {c['a']} (paired, 95% CI) | verdict |"
+                      + (f" output tok/s {c['a']} / {c['b']} (paired, 95% CI) | verdict |" if out else ""),
+                      "|---|---|---|" + ("---|---|" if out else "")]
             for row in c["per_rate"]:
-                lines.append(f"| {row['rps']:g} | {_ratio(row['ttft_ratio_b_over_a'])} | {row['verdict']} |")
+                lines.append(f"| {row['rps']:g} | {_ratio(row['ttft_ratio_b_over_a'])} | {row['verdict']} |"
+                             + (f" {_ratio(row.get('output_ratio_a_over_b'))} | {row.get('output_verdict', '-')} |"
+                                if out else ""))
             lines.append("")
         sat = c.get("saturation_ratio_a_over_b")
         if sat:
