@@ -37,13 +37,13 @@ def test_tokenizing_and_checking_a_prompt_run_off_the_event_loop(checkpoints):
     def make_llm():
         llm = LLM(checkpoints("qwen3").path, dtype="float32")
         llm.tokenizer = _Recording(llm.tokenizer, threads)
-        make_request = llm.make_request
+        make_requests = llm.make_requests
 
         def recording(*args, **kwargs):
-            threads.append(("make_request", threading.get_ident()))
-            return make_request(*args, **kwargs)
+            threads.append(("make_requests", threading.get_ident()))
+            return make_requests(*args, **kwargs)
 
-        llm.make_request = recording
+        llm.make_requests = recording
         return llm
 
     metrics = ServerMetrics(10.0, clock)
@@ -63,5 +63,5 @@ def test_tokenizing_and_checking_a_prompt_run_off_the_event_loop(checkpoints):
         engine.shutdown()
     assert r.status_code == 200, r.text
     kinds = {k for k, _ in threads}
-    assert kinds == {"encode", "make_request"}, threads
+    assert kinds == {"encode", "make_requests"}, threads
     assert all(t != loop_thread for _, t in threads), threads
