@@ -172,6 +172,9 @@ class Request:
     stop_strings: object | None = None
     # n > 1: the first sample of the same prompt, whose full prompt KV blocks this one shares
     prefix_of: str | None = None
+    # a prefill instance's copy of a disaggregated request: when it finishes, its KV blocks stay
+    # held (a lease) until the decode instance has taken them (``RequestPool.end_lease``)
+    kv_handoff: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

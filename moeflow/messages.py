@@ -47,6 +47,41 @@ class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()  # kept out of the output before params.min_tokens
+    # tokens already generated elsewhere (a decode instance's request: the prefill side's first token)
+    generated: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KvStage:
+    """Where one request's prompt KV is staged for a handoff: ``num_tokens`` positions of every
+    layer and entry, whole (unsplit) heads, at ``offset_bytes`` of the staging arena."""
+
+    arena: str  # the arena's shared-memory path (comm/kv_arena.py)
+    slot: int  # its row of the arena's flag table
+    transfer_id: int  # > 0; what a member stores in its flag when done (minus it: failed)
+    offset_bytes: int
+    num_tokens: int
+    num_layers: int
+    dtype: str  # torch dtype name without "torch."
+    entries: tuple[tuple[str, tuple[int, ...]], ...]  # KV layout: name -> whole per-token shape
+    fail: bool = False  # injected failure (MOEFLOW_PD_FAIL_PROB): the member reports failure, copies nothing
+
+
+@dataclass(frozen=True)
+class KvSend:
+    """Engine -> every KV-holding member of a prefill group: copy this request's blocks into the stage."""
+
+    stage: KvStage
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KvRecv:
+    """Engine -> every KV-holding member of a decode group, before any work item that names the
+    request: copy the stage into these (pre-allocated) blocks."""
+
+    stage: KvStage
+    block_ids: tuple[int, ...]
 
 
 @dataclass

@@ -75,3 +75,16 @@ def launcher_env() -> dict[str, object]:
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         out["agent_store"] = True
     return out
+
+
+def pd_fail_prob() -> float:
+    """MOEFLOW_PD_FAIL_PROB: the chance that a KV handoff's copy is made to fail (SGLang's failure
+    injection for its disaggregation tests); 0 unless set."""
+    raw = os.environ.get("MOEFLOW_PD_FAIL_PROB", "").strip()
+    try:
+        p = float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"MOEFLOW_PD_FAIL_PROB must be a number in [0, 1], got {raw!r}") from None
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"MOEFLOW_PD_FAIL_PROB must be a number in [0, 1], got {raw!r}")
+    return p

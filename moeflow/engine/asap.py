@@ -23,7 +23,6 @@ from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied
 from moeflow.workers.world import DIST_TRANSPORTS
 
-_IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
 
 
 def _spec(layout: AsapLayout, mc, config: EngineConfig) -> CommSpec:
@@ -86,10 +85,10 @@ class AsapEngine(ProcessEngine):
             return self._fail(str(e))
 
     def _collect(self) -> StepResult:
-        timeout = _IDLE_WAIT_S
+        timeout = self.max_wait_s
         wake = self.scheduler.next_wakeup_s()
         if not self._inflight and wake is not None:
-            timeout = min(_IDLE_WAIT_S, max(0.0, wake - clock()))
+            timeout = min(self.max_wait_s, max(0.0, wake - clock()))
         leaders = [self.attention[g * self.layout.attn_tp] for g in self._inflight]
         result = StepResult({}, [])
         for _, msg in self._recv_any(leaders, timeout):

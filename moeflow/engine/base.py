@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from moeflow.config import ConfigError, EngineConfig, ModelConfig
 from moeflow.core import Request, RequestError
 from moeflow.layout import Layout
+from moeflow.scheduler.handoff import Arrivals
 
 
 def clock() -> float:
@@ -101,6 +102,32 @@ class Engine(abc.ABC):
                           sum(g.allocator.num_free for g in pool.groups),
                           sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups),
                           tuple(g.preemptions for g in pool.groups))
+
+    # -- the decode side of a prefill/decode handoff (engine/pd.py) -------------------------------
+
+    max_wait_s: float = 0.05  # longest a step blocks for an answer when nothing else is due
+
+    @property
+    def arrivals(self):
+        """Blocks pre-allocated for requests whose prompt KV is on its way (``scheduler/handoff.py``)."""
+        if getattr(self, "_arrivals", None) is None:
+            self._arrivals = Arrivals(self.scheduler.pool)
+        return self._arrivals
+
+    def admit_arrived(self, request: Request) -> int:
+        """``request``'s prompt KV is in the blocks ``arrivals`` reserved: it decodes from the next step
+        (its first token already in its output); returns its group."""
+        validate_request(request, self.model_config)
+        return self.arrivals.arrive(request)
+
+    def kv_members(self, group: int) -> int:
+        """How many processes hold a share of group ``group``'s KV cache (TP members)."""
+        return 1
+
+    def send_kv(self, group: int, message) -> None:
+        """Hand a ``KvSend``/``KvRecv`` to every process holding group ``group``'s KV cache; each
+        stores its flag in the staging arena when its copy is done."""
+        raise ConfigError(f"mode {self.mode_name!r} cannot hand KV blocks over")
 
     def collect_spans(self) -> list:
         """Trace spans recorded by the deployment's workers (modes with worker processes)."""

@@ -14,6 +14,7 @@ from moeflow.model.kv_cache import KVCache
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import TORCH_DTYPES, load_weights
 from moeflow.scheduler import make_scheduler
+from moeflow.workers.kv_transfer import KvTransfers
 from moeflow.workers.runner import ModelRunner
 
 
@@ -39,12 +40,26 @@ class ColocatedEngine(Engine):
         kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype, device)
         self.runner = ModelRunner(MoETransformer(mc, weights), kv, seed=config.seed)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
+        self._kv = KvTransfers(kv, 0)
 
     def add_request(self, request: Request) -> None:
         validate_request(request, self.model_config)
         self.scheduler.add(request)
         self.runner.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                request.eos_token_ids)
+                                request.eos_token_ids, tuple(request.output_token_ids))
+
+    def admit_arrived(self, request: Request) -> int:
+        group = super().admit_arrived(request)
+        self.runner.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                request.eos_token_ids, tuple(request.output_token_ids))
+        return group
+
+    def send_kv(self, group: int, message) -> None:
+        with torch.inference_mode():
+            self._kv.handle(message)
+
+    def shutdown(self) -> None:
+        self._kv.close()
 
     def step(self) -> StepResult:
         works = self.scheduler.schedule(clock())

@@ -24,7 +24,6 @@ from moeflow.model.weights import TORCH_DTYPES, load_config
 from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied, WorkerHandle, WorkerStalled
 
-_IDLE_WAIT_S = 0.05  # longest a step blocks when nothing is due
 
 
 def _footprints(layout: DwdpLayout, mc, config: EngineConfig):
@@ -86,7 +85,7 @@ class DwdpEngine(ProcessEngine):
         return result
 
     def _collect(self) -> StepResult:
-        timeout = _IDLE_WAIT_S if self._inflight or not self.scheduler.has_unfinished() else 0.0
+        timeout = self.max_wait_s if self._inflight or not self.scheduler.has_unfinished() else 0.0
         result = StepResult({}, [])
         try:
             got = self._recv_any([self.ranks[r] for r in self._inflight], timeout, watch=self._alive())

@@ -16,12 +16,13 @@ from moeflow.engine.colocated import ColocatedEngine
 from moeflow.engine.dep import DepEngine
 from moeflow.engine.dwdp import DwdpEngine
 from moeflow.engine.memory import MemoryPlan, apply_budget
+from moeflow.engine.pd import PdEngine
 from moeflow.hardware import resolve_device, resolve_dtype
 from moeflow.layout import Layout
 from moeflow.model.weights import load_config
 
 MODES: dict[str, type[Engine]] = {e.mode_name: e for e in (ColocatedEngine, DepEngine, AsapEngine, DwdpEngine,
-                                                          AfdEngine)}
+                                                          AfdEngine, PdEngine)}
 MULTINODE_MODES = tuple(m for m, e in MODES.items() if e.multinode)  # the modes whose workers may span hosts
 
 
@@ -46,6 +47,9 @@ def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engi
     config = dataclasses.replace(config, device=device,
                                  dtype=resolve_dtype(config.dtype, model.checkpoint_dtype, device).dtype)
     return cls(model_path, config, layout)
+
+
+PdEngine.build_instance = staticmethod(create_engine)  # a pd deployment's instances are engines of the table
 
 
 def plan_for(layout: Layout, model_path: str, config: EngineConfig) -> MemoryPlan:

@@ -22,6 +22,8 @@ from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle, WorkerS
 
 log = get_logger("moeflow.engine")
 
+KV_ROLES = ("attention", "dep", "dwdp", "afd_attention")  # the worker roles that hold a group's KV cache
+
 
 def describe_nodes(setups: list[WorkerSetup], nnodes: int) -> str:
     """Which workers each host runs, as the start-up line prints it."""
@@ -112,6 +114,15 @@ class ProcessEngine(Engine):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def kv_members(self, group: int) -> int:
+        return getattr(self.layout, "attn_tp", 1)
+
+    def send_kv(self, group: int, message) -> None:
+        t = self.kv_members(group)
+        for w in self.deployment.workers:
+            if w.role in KV_ROLES and w.index // t == group:
+                self.deployment.send(w, message)
+
     # -- work messages ------------------------------------------------------------------------
 
     def _run_work(self, group: int, batches: tuple[Batch, ...], members: list[WorkerHandle]) -> None:
@@ -121,7 +132,8 @@ class ProcessEngine(Engine):
             for s in b.seqs:
                 if s.request_id not in self._known[group]:
                     r = self.scheduler.pool.get(s.request_id)
-                    new.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids))
+                    new.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids,
+                                          tuple(r.output_token_ids)))
                     self._known[group].add(s.request_id)
         self._work_ids += 1
         msg = RunWork(self._work_ids, batches, new, self._freed[group])

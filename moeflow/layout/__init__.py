@@ -17,8 +17,10 @@ from moeflow.config import ConfigError
 from moeflow.layout.base import PLACEMENTS, Layout, assign_experts, field_default, require
 from moeflow.layout.modes import (AFD_ROUTERS, AFD_TOPOLOGIES, COPY_PLANS, AfdLayout, AsapLayout, ColocatedLayout,
                                   DepLayout, DwdpLayout)
+from moeflow.layout.pd import DECODE_MODES, PREFILL_MODES, PdLayout, is_layout_field, parse_parts
 
-LAYOUTS: dict[str, type[Layout]] = {c.mode: c for c in (ColocatedLayout, DepLayout, AsapLayout, DwdpLayout, AfdLayout)}
+LAYOUTS: dict[str, type[Layout]] = {c.mode: c for c in (ColocatedLayout, DepLayout, AsapLayout, DwdpLayout, AfdLayout,
+                                                        PdLayout)}
 
 
 def layout_class(mode: str) -> type[Layout]:
@@ -30,7 +32,8 @@ def layout_class(mode: str) -> type[Layout]:
 def nested(cls: type[Layout]) -> dict[str, type]:
     """Fields of ``cls`` that are sub-configs whose own fields are accepted flat (e.g. asap's
     scheduler: ``min_batch_tokens=64`` means ``scheduler=SchedulerConfig(min_batch_tokens=64)``)."""
-    return {f.name: type(field_default(f)) for f in dataclasses.fields(cls) if dataclasses.is_dataclass(field_default(f))}
+    return {f.name: type(field_default(f)) for f in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(field_default(f)) and not is_layout_field(f)}
 
 
 def flat_names(cls: type[Layout]) -> set[str]:
@@ -49,6 +52,9 @@ def make_layout(mode: str, **kw: Any) -> Layout:
         raise ConfigError(f"mode {mode!r} has no option(s) {sorted(unknown)}; its options: {sorted(flat_names(cls))}")
     own = {f.name for f in dataclasses.fields(cls)}
     args = {k: v for k, v in kw.items() if k in own and k not in nested(cls)}
+    for f in filter(is_layout_field, dataclasses.fields(cls)):  # a layout of layouts (pd): its parts as mappings
+        if isinstance(args.get(f.name), dict):
+            args[f.name] = layout_from_dict(args[f.name], f"{mode} {f.name}")
     for name, sub in nested(cls).items():
         given = kw.get(name)
         sub_kw = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(sub)} and k not in own}
@@ -76,4 +82,9 @@ def layout_from_dict(d: dict, where: str = "layout") -> Layout:
 
 def layout_to_dict(layout: Layout) -> dict:
     """The inverse of ``layout_from_dict`` (for result files)."""
-    return {"mode": layout.mode, **dataclasses.asdict(layout)}
+    out = {"mode": layout.mode}
+    for f in dataclasses.fields(layout):
+        v = getattr(layout, f.name)
+        out[f.name] = layout_to_dict(v) if is_layout_field(f) else (
+            dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+    return out

@@ -29,8 +29,6 @@ from moeflow.core import Batch, Request, RequestError, RequestStatus, ScheduledS
 from moeflow.scheduler.block_allocator import BlockAllocator
 
 
-
-
 def resident_capacity(num_blocks: int, block_size: int, tokens: int, max_num_seqs: int) -> int:
     """How many requests that each grow to ``tokens`` one group's cache holds at once, under either
     admission: on demand they are all admitted and none is preempted once they have grown."""
@@ -61,6 +59,7 @@ class RequestPool:
         self.pinned: dict[str, int] = {}  # preempted, waiting: the group whose workers hold its state
         self.in_flight: dict[str, int] = {}  # request id -> its pieces in batches not yet updated
         self.held: dict[str, list[Request]] = {}  # sample 0's id -> samples waiting for its prompt blocks
+        self.leases: dict[str, int] = {}  # finished kv_handoff requests -> the group still holding their blocks
 
     def get(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -200,15 +199,25 @@ class RequestPool:
             if s.is_last_chunk and r.append_token(sampled[s.request_id]):
                 finished.append(r)
         for r in finished:
-            self._drop(r)
+            self._drop(r, lease=r.kv_handoff)
         return finished
 
-    def _drop(self, r: Request) -> None:
+    def _drop(self, r: Request, lease: bool = False) -> None:
         self._release(r, share=False)
         self.requests.pop(r.request_id, None)
-        g = self.groups[self.group_of.pop(r.request_id)]
+        gid = self.group_of.pop(r.request_id)
+        g = self.groups[gid]
         g.requests.remove(r)
-        g.allocator.free(r.request_id)
+        if lease:
+            self.leases[r.request_id] = gid
+        else:
+            g.allocator.free(r.request_id)
+
+    def end_lease(self, request_id: str) -> None:
+        """The decode side took (or gave up on) a finished request's blocks: they are freed."""
+        gid = self.leases.pop(request_id, None)
+        if gid is not None:
+            self.groups[gid].allocator.free(request_id)
 
     def abort(self, request_id: str, reason: str) -> Request | None:
         self.in_flight.pop(request_id, None)

@@ -10,8 +10,9 @@ import time
 
 import torch
 
-from moeflow.messages import BatchTiming, RunWork, WorkDone
+from moeflow.messages import BatchTiming, KvRecv, KvSend, RunWork, WorkDone
 from moeflow.workers.control import serve_control
+from moeflow.workers.kv_transfer import KvTransfers
 from moeflow.workers.schedule import LayerSchedule
 from moeflow.workers.stages import AttentionStages
 
@@ -20,6 +21,7 @@ class AttentionWorker:
     def __init__(self, stages: AttentionStages, schedule: LayerSchedule, replies: bool):
         self.stages, self.schedule = stages, schedule
         self.replies = replies  # the group's leader reports WorkDone; other TP members stay silent
+        self.kv = KvTransfers(stages.runner.kv_cache, stages.member)  # the prefill/decode handoff
 
     def serve(self, conn) -> None:
         def on_message(msg) -> None:
@@ -27,6 +29,9 @@ class AttentionWorker:
                 done = self.run_work(msg)
                 if self.replies:
                     conn.send(done)
+            elif isinstance(msg, (KvSend, KvRecv)):
+                with torch.inference_mode():
+                    self.kv.handle(msg)
 
         s = self.stages
         serve_control(conn, s.setup.role, s.setup.index, s.tracer, on_message)
@@ -35,6 +40,7 @@ class AttentionWorker:
         return {**self.stages.memory(), **self.schedule.memory()}
 
     def close(self) -> None:
+        self.kv.close()
         self.schedule.close()
         self.stages.close()
 
@@ -44,7 +50,7 @@ class AttentionWorker:
         for rid in work.freed:
             s.runner.remove_request(rid)
         for r in work.new_requests:
-            s.runner.add_request(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids)
+            s.runner.add_request(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids, r.generated)
         flights = s.begin(work.batches, time.monotonic())
         self.schedule.run(flights)
         outputs, timings, errors = {}, [], {}

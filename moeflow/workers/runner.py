@@ -52,11 +52,14 @@ class ModelRunner:
         return torch.Generator(device=gen_device).manual_seed(seed)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: tuple[int, ...] = ()) -> None:
+                    eos_token_ids: tuple[int, ...] = (), generated: tuple[int, ...] = ()) -> None:
+        """``generated``: tokens sampled elsewhere (a decode instance's first token, from its prefill
+        instance); the prompt's logprobs went out from there too."""
         gen = self._generator(params.seed) if params.seed is not None else None
         banned = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))))
-        self.requests[request_id] = _ReqState(list(prompt_token_ids), params, gen, len(prompt_token_ids),
-                                              banned if params.min_tokens else ())
+        n = len(prompt_token_ids)
+        self.requests[request_id] = _ReqState(list(prompt_token_ids) + list(generated), params, gen, n,
+                                              banned if params.min_tokens else (), n if generated else 0)
 
     def remove_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -1,0 +1,145 @@
+"""The KV handoff's staging arena: one shared-memory segment between the processes of one host, a
+flag table and a byte heap, and the block copies in and out of it.
+
+It knows caches as tensors ``[L, N, *e]`` per entry and positions as slot indices; not requests.
+The prefill side's members gather a request's slots of every layer into a range of the heap
+(whole heads: a member that holds heads [lo, hi) writes those columns; replicated entries come
+from member 0), then store their flag; the decode side's members copy the range into their own
+slots (their own heads), then store theirs. The owner (the engine process) allocates ranges and
+reads the flags; nobody waits on anybody inside a copy, and no block is pickled.
+
+NOTE: ordering. A flag is stored after the copy into the heap has returned; x86 is TSO, so a
+reader that sees the flag sees the payload (the mailbox relies on the same, ``mailbox.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moeflow.comm.segment import Segment, segment_path
+
+MAX_SLOTS = 1024  # transfers in flight at once (flag-table rows)
+MAX_MEMBERS = 16  # TP members per side (flag-table columns)
+_ALIGN = 64
+_FLAGS_BYTES = MAX_SLOTS * 2 * MAX_MEMBERS * 8  # int64 [slot, side (0 write, 1 read), member]
+WRITE, READ = 0, 1
+
+Entries = dict[str, torch.Tensor]  # entry name -> [L, N, *e] one cache's tensor
+
+
+def arena_path(deployment_id: str) -> str:
+    return segment_path(deployment_id, "kv-arena")
+
+
+class KvArena:
+    """A mapped staging arena: ``flags`` [MAX_SLOTS, 2, MAX_MEMBERS] int64 and the heap after it."""
+
+    def __init__(self, segment: Segment):
+        self.segment = segment
+        self.flags = torch.frombuffer(segment.buf, dtype=torch.int64, count=_FLAGS_BYTES // 8).view(
+            MAX_SLOTS, 2, MAX_MEMBERS)
+        self.heap_bytes = segment.size_bytes - _FLAGS_BYTES
+
+    @classmethod
+    def create(cls, path: str, heap_bytes: int) -> "KvArena":
+        return cls(Segment.create(path, _FLAGS_BYTES + heap_bytes, lambda buf: None))
+
+    @classmethod
+    def attach(cls, path: str, timeout_s: float = 10.0) -> "KvArena":
+        return cls(Segment.attach(path, lambda buf: len(buf) > _FLAGS_BYTES, timeout_s))
+
+    def views(self, offset_bytes: int, num_layers: int, num_tokens: int, dtype: torch.dtype,
+              entries: tuple[tuple[str, tuple[int, ...]], ...]) -> Entries:
+        """The staged request at ``offset_bytes`` of the heap: one [L, n, *e] view per entry."""
+        out, off = {}, _FLAGS_BYTES + offset_bytes
+        for name, shape in entries:
+            count = num_layers * num_tokens * math.prod(shape)
+            out[name] = torch.frombuffer(self.segment.buf, dtype=dtype, count=count, offset=off).view(
+                num_layers, num_tokens, *shape)
+            off += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
+        return out
+
+    def close(self) -> None:
+        self.flags = None
+        self.segment.close()
+
+
+def staged_bytes(num_layers: int, num_tokens: int, itemsize: int, entries) -> int:
+    """Heap bytes one staged request takes (each entry aligned as ``views`` lays them out)."""
+    return sum(-(-num_layers * num_tokens * math.prod(shape) * itemsize // _ALIGN) * _ALIGN for _, shape in entries)
+
+
+def head_range(whole: tuple[int, ...], mine: tuple[int, ...], member: int) -> tuple[int, int] | None:
+    """The heads [lo, hi) of a whole entry that a member's own entry holds; None: it holds it whole
+    (replicated: MLA's latent, DSA's indexer keys). Heads split evenly on dim 0 (GQA's K/V)."""
+    if tuple(mine) == tuple(whole):
+        return None
+    if len(mine) != len(whole) or tuple(mine[1:]) != tuple(whole[1:]) or whole[0] % mine[0]:
+        raise ValueError(f"a member's KV entry {tuple(mine)} is not an even head split of {tuple(whole)}")
+    return member * mine[0], (member + 1) * mine[0]
+
+
+def stage_out(cache: Entries, slots: torch.Tensor, staged: Entries, member: int) -> None:
+    """Copy positions ``slots`` [n] of every layer of ``cache`` into ``staged`` (this member's heads)."""
+    for name, src in cache.items():
+        dst = staged[name]
+        heads = head_range(dst.shape[2:], src.shape[2:], member)
+        if heads is None:
+            if member == 0:  # replicated on every member: one writes it
+                torch.index_select(src, 1, slots.to(src.device), out=dst) if src.device == dst.device else \
+                    dst.copy_(src.index_select(1, slots.to(src.device)))
+        else:
+            dst[:, :, heads[0]:heads[1]].copy_(src.index_select(1, slots.to(src.device)))
+
+
+def stage_in(staged: Entries, cache: Entries, slots: torch.Tensor, member: int) -> None:
+    """Copy ``staged`` (this member's heads of it) into positions ``slots`` [n] of every layer of ``cache``."""
+    for name, dst in cache.items():
+        src = staged[name]
+        heads = head_range(src.shape[2:], dst.shape[2:], member)
+        part = src if heads is None else src[:, :, heads[0]:heads[1]]
+        dst.index_copy_(1, slots.to(dst.device), part.to(dst.device, dst.dtype))
+
+
+def stage_out_reference(cache: Entries, slots: list[int], staged: Entries, member: int) -> None:
+    """The slow oracle of ``stage_out``: position by position, layer by layer."""
+    for name, src in cache.items():
+        dst = staged[name]
+        heads = head_range(dst.shape[2:], src.shape[2:], member)
+        if heads is None and member != 0:
+            continue
+        for layer in range(src.shape[0]):
+            for i, s in enumerate(slots):
+                if heads is None:
+                    dst[layer, i] = src[layer, s]
+                else:
+                    dst[layer, i, heads[0]:heads[1]] = src[layer, s]
+
+
+class HeapRanges:
+    """First-fit byte ranges of the arena's heap, owned by the engine process (pure bookkeeping)."""
+
+    def __init__(self, size_bytes: int):
+        self.size_bytes = size_bytes
+        self.used: dict[int, int] = {}  # offset -> length, of the ranges handed out
+
+    def take(self, nbytes: int) -> int | None:
+        """An aligned offset with ``nbytes`` free after it, or None while none is."""
+        nbytes = -(-nbytes // _ALIGN) * _ALIGN
+        at = 0
+        for off in sorted(self.used):
+            if off - at >= nbytes:
+                break
+            at = off + self.used[off]
+        if at + nbytes > self.size_bytes:
+            return None
+        self.used[at] = nbytes
+        return at
+
+    def give(self, offset: int) -> None:
+        self.used.pop(offset, None)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.used.values())

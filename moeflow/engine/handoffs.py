@@ -1,0 +1,138 @@
+"""The handoff's lifecycle, between a pd deployment's instances (``engine/pd.py`` mixes it in).
+
+Per request: ``pending`` (its blocks leased on the prefill instance, waiting for decode room) ->
+``writing`` (blocks reserved on the decode instance with the most free KV; the prefill members
+copy into a stage) -> ``reading`` (the lease ended: the stage holds the copy; the decode members
+copy into the reserved blocks) -> arrived (it decodes). A failed copy, a lease that runs out, or
+a dead instance gives up the handoff: every block is freed, then ``kv_load_failure_policy``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from moeflow.comm.kv_arena import READ, WRITE
+from moeflow.core import Request
+from moeflow.engine.base import StepResult, clock
+from moeflow.engine.kv_handoff import DONE, FAILED
+from moeflow.messages import KvRecv, KvSend, KvStage
+
+
+@dataclass
+class Handoff:
+    """One request between its prefill and decode instances."""
+
+    request: Request  # the client's (every token lands here)
+    decode_request: Request  # the decode side's copy: the prompt and the prefill side's first token
+    prefill: int  # prefill instance
+    prefill_group: int  # its group holding the blocks (under the lease)
+    prefill_blocks: tuple[int, ...]
+    prefilled_s: float  # the first token was sampled (the lease started)
+    state: str = "pending"  # pending (no decode room yet) -> writing -> reading -> arrived
+    decode: int | None = None
+    decode_group: int | None = None
+    decode_blocks: tuple[int, ...] = ()
+    stage: KvStage | None = None
+    started_s: float | None = None  # decode room found: blocks reserved, the copy out began
+
+
+class Handoffs:
+    """The state machine; the engine provides ``prefill``, ``decode``, ``layout``, ``kv``,
+    ``handoffs``, ``where``, ``_fail_prob``, ``_rng`` and ``_finish``."""
+
+    def _advance(self, out: StepResult) -> None:
+        """One look at every handoff, oldest first."""
+        now = clock()
+        self.kv.drain()
+        for h in list(self.handoffs.values()):
+            if h.state in ("pending", "writing") and self.prefill[h.prefill].failed is not None:
+                self._give_up(h, f"prefill instance {h.prefill} failed: {self.prefill[h.prefill].failed}", out)
+            elif h.state == "reading" and self.decode[h.decode].failed is not None:
+                self._give_up(h, f"decode instance {h.decode} failed: {self.decode[h.decode].failed}", out)
+            elif h.state in ("pending", "writing") and now - h.prefilled_s > self.layout.kv_lease_s:
+                self.kv.stats.lease_expiries += 1
+                self._give_up(h, f"its KV lease expired after {self.layout.kv_lease_s:g} s "
+                                 f"({'no decode instance had room' if h.state == 'pending' else 'the copy out stalled'})", out)
+            elif h.state == "pending":
+                self._start(h, now)
+            elif h.state == "writing":
+                self._poll(h, WRITE, self.prefill[h.prefill].kv_members(h.prefill_group), out)
+            elif h.state == "reading":
+                self._poll(h, READ, self.decode[h.decode].kv_members(h.decode_group), out)
+
+    def _start(self, h: Handoff, now: float) -> None:
+        """Decode room (the instance with the most free KV) and a stage: blocks reserved, copy out sent."""
+        best = None
+        for j, e in enumerate(self.decode):
+            gid = e.arrivals.best_group(h.decode_request) if e.failed is None else None
+            if gid is not None:
+                free = e.scheduler.pool.groups[gid].allocator.num_free
+                if best is None or free > best[2]:
+                    best = (j, gid, free)
+        if best is None:
+            return
+        stage = self.kv.open(h.request.num_prompt_tokens)
+        if stage is None:
+            return
+        j, gid, _ = best
+        h.decode, h.decode_group, h.stage, h.started_s, h.state = j, gid, stage, now, "writing"
+        h.decode_blocks = self.decode[j].arrivals.reserve(gid, h.decode_request)
+        self.kv.stats.prealloc_wait_s.append(now - h.prefilled_s)
+        self.prefill[h.prefill].send_kv(h.prefill_group, KvSend(self._maybe_fail(stage), h.prefill_blocks))
+
+    def _maybe_fail(self, stage):
+        if self._fail_prob and self._rng.random() < self._fail_prob:
+            return dataclasses.replace(stage, fail=True)
+        return stage
+
+    def _poll(self, h: Handoff, side: int, members: int, out: StepResult) -> None:
+        state = self.kv.status(h.stage, side, members)
+        if state == FAILED:
+            self.kv.stats.failures += 1
+            self._give_up(h, "its KV copy " + ("out of the prefill instance" if side == WRITE else
+                                               "into the decode instance") + " failed", out, closed=True)
+        elif state == DONE and side == WRITE:
+            self.prefill[h.prefill].scheduler.pool.end_lease(h.request.request_id)  # the stage holds a copy now
+            self.kv.arena.flags[h.stage.slot, READ].zero_()
+            h.state = "reading"
+            self.decode[h.decode].send_kv(h.decode_group, KvRecv(self._maybe_fail(h.stage), h.decode_blocks))
+        elif state == DONE:
+            s = self.kv.stats
+            s.transfers += 1
+            s.bytes_total += self.kv.bytes_for(h.stage.num_tokens)
+            s.seconds.append(clock() - h.started_s)
+            self.kv.close(h.stage)
+            del self.handoffs[h.request.request_id]
+            self.decode[h.decode].admit_arrived(h.decode_request)
+            self.where[h.request.request_id] = ("decode", h.decode)
+
+    def _give_up(self, h: Handoff, why: str, out: StepResult, closed: bool = False) -> None:
+        """The handoff failed: blocks freed on both sides, then the policy: fail, or recompute the
+        prompt on a decode instance (from the prompt and the first token)."""
+        del self.handoffs[h.request.request_id]
+        self._drop_handoff(h, closed)
+        rid = h.request.request_id
+        live = [j for j, e in enumerate(self.decode) if e.failed is None]
+        if self.layout.kv_load_failure_policy == "recompute" and live:
+            j = max(live, key=lambda j: self.decode[j].load().num_free_kv_blocks)
+            try:
+                self.decode[j].add_request(h.decode_request)
+                self.kv.stats.recomputes += 1
+                self.where[rid] = ("decode", j)
+                return
+            except Exception as e:  # noqa: BLE001  (then the request fails with both reasons)
+                why += f"; recomputing it failed: {e}"
+        self._finish(h.request, out, f"request {rid}: {why}", "error")
+
+    def _drop_handoff(self, h: Handoff, closed: bool = False) -> None:
+        """Free what a handoff holds: the prefill lease, the decode reservation, its stage."""
+        self.prefill[h.prefill].scheduler.pool.end_lease(h.request.request_id)
+        if h.decode is not None:
+            self.decode[h.decode].arrivals.cancel(h.request.request_id)
+        if h.stage is not None:
+            if closed:
+                self.kv.close(h.stage)
+            else:
+                e, g = (self.prefill[h.prefill], h.prefill_group) if h.state == "writing" else \
+                    (self.decode[h.decode], h.decode_group)
+                self.kv.abandon(h.stage, WRITE if h.state == "writing" else READ, e.kv_members(g))

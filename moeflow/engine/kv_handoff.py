@@ -1,0 +1,94 @@
+"""The engine's side of the KV connector: the staging arena it owns, the stages it opens for each
+handoff, the flags it reads, and what the handoffs cost (the ``/metrics`` series).
+
+A stage is a range of the arena's heap and a row of its flag table. It is reused only once every
+member that was sent a copy has stored its flag: a stage abandoned mid-copy (lease expiry, an
+abort) drains first, so a late copy never lands in someone else's range.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from moeflow.comm.kv_arena import MAX_SLOTS, HeapRanges, KvArena, arena_path, staged_bytes
+from moeflow.messages import KvStage
+
+BUSY, DONE, FAILED = "busy", "done", "failed"
+
+
+@dataclass
+class TransferStats:
+    """Counters and the handoff-time samples since start (a server exports them)."""
+
+    transfers: int = 0
+    failures: int = 0  # copies that failed (injected or not)
+    lease_expiries: int = 0
+    recomputes: int = 0  # handoffs given up and recomputed on the decode side
+    bytes_total: int = 0
+    seconds: list[float] = field(default_factory=list)  # per handoff: decode room found -> KV in place
+    prealloc_wait_s: list[float] = field(default_factory=list)  # per handoff: first token -> decode room
+
+
+class KvConnector:
+    def __init__(self, deployment_id: str, heap_bytes: int, num_layers: int, dtype: str,
+                 entries: tuple[tuple[str, tuple[int, ...]], ...]):
+        self.arena = KvArena.create(arena_path(deployment_id), heap_bytes)
+        self.heap = HeapRanges(heap_bytes)
+        self.num_layers, self.dtype, self.entries = num_layers, dtype, entries
+        self.itemsize = getattr(torch, dtype).itemsize
+        self._slots = list(range(MAX_SLOTS - 1, -1, -1))
+        self._ids = itertools.count(1)
+        self._draining: list[tuple[KvStage, int, int]] = []  # (stage, side, members) abandoned mid-copy
+        self.stats = TransferStats()
+
+    def bytes_for(self, num_tokens: int) -> int:
+        return staged_bytes(self.num_layers, num_tokens, self.itemsize, self.entries)
+
+    def open(self, num_tokens: int) -> KvStage | None:
+        """A stage for ``num_tokens`` positions, or None while the arena has no room."""
+        if not self._slots:
+            return None
+        offset = self.heap.take(self.bytes_for(num_tokens))
+        if offset is None:
+            return None
+        return KvStage(self.arena.segment.path, self._slots.pop(), next(self._ids), offset, num_tokens,
+                       self.num_layers, self.dtype, self.entries)
+
+    def status(self, stage: KvStage, side: int, members: int) -> str:
+        """DONE once every member stored its flag, FAILED once all answered and one failed."""
+        flags = self.arena.flags[stage.slot, side, :members].tolist()
+        if all(f == stage.transfer_id for f in flags):
+            return DONE
+        if all(f in (stage.transfer_id, -stage.transfer_id) for f in flags):
+            return FAILED
+        return BUSY
+
+    def close(self, stage: KvStage) -> None:
+        self.arena.flags[stage.slot].zero_()
+        self.heap.give(stage.offset_bytes)
+        self._slots.append(stage.slot)
+
+    def abandon(self, stage: KvStage, side: int, members: int) -> None:
+        """Give up on a stage whose copies were sent: it is closed once they have all answered."""
+        self._draining.append((stage, side, members))
+        self.drain()
+
+    def drain(self, gone: bool = False) -> None:
+        """Close the abandoned stages whose copies have all answered (``gone``: all of them, their
+        processes are no more)."""
+        keep = []
+        for stage, side, members in self._draining:
+            if gone or self.status(stage, side, members) != BUSY:
+                self.close(stage)
+            else:
+                keep.append((stage, side, members))
+        self._draining = keep
+
+    @property
+    def in_flight(self) -> int:
+        return MAX_SLOTS - len(self._slots)
+
+    def shutdown(self) -> None:
+        self.arena.close()

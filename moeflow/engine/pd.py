@@ -1,0 +1,239 @@
+"""Mode ``pd``: prefill instances hand each request's KV cache to decode instances (xPyD).
+
+Each instance is a whole engine of its own layout (built by the mode table's ``create_engine``);
+this engine routes requests and moves their KV. A request runs on the least-loaded prefill
+instance with ``max_tokens=1``; its blocks stay leased there when its first token is sampled (the
+client sees that token at once). Then: decode room found (the instance with the most free KV,
+blocks pre-allocated there) -> the prefill members copy the blocks into the staging arena ->
+the decode members copy them into the reserved blocks -> the request decodes there. A handoff
+that fails, or whose lease runs out waiting for decode room, fails the request or is recomputed
+on a decode instance (``kv_load_failure_policy``). ``docs/pd.md`` has the diagram and the table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import uuid
+from typing import Callable
+
+import torch
+
+from moeflow.config import ConfigError, EngineConfig
+from moeflow.core import Request, RequestError, RequestStatus
+from moeflow.engine.base import Engine, EngineLoad, StepResult, clock, validate_request
+from moeflow.comm.kv_arena import staged_bytes
+from moeflow.engine.handoffs import Handoff, Handoffs
+from moeflow.engine.kv_handoff import KvConnector
+from moeflow.layout import PdLayout
+from moeflow.model.attention import attention_for
+from moeflow.settings import pd_fail_prob
+
+_SUB_WAIT_S = 2e-3  # an instance's step blocks at most this long: the others are stepped in turn
+
+
+class HandoffsFull(RequestError):
+    """Too many prefilled requests wait for decode room (the server answers 503)."""
+
+
+class PdEngine(Handoffs, Engine):
+    mode_name = "pd"
+    multinode = False
+    # the mode table's create_engine (engine/modes.py sets it: the modes never import the table)
+    build_instance: Callable[..., Engine] | None = None
+
+    def __init__(self, model_path: str, config: EngineConfig, layout: PdLayout):
+        self.config, self.layout, self.model_path = config, layout, model_path
+        self.prefill: list[Engine] = []
+        self.decode: list[Engine] = []
+        self.kv: KvConnector | None = None
+        try:
+            self.prefill = [self._instance(layout.prefill) for _ in range(layout.prefill_instances)]
+            self.decode = [self._instance(layout.decode) for _ in range(layout.decode_instances)]
+            first = self.prefill[0]
+            self.model_config, self.max_model_len = first.model_config, min(e.max_model_len for e in self.instances)
+            for e in self.decode:  # one deployment builds both from one model; separate servers may not
+                check_compatible(first, e)
+            mc = self.model_config
+            entries = tuple(attention_for(mc).kv_layout().items())
+            full = staged_bytes(mc.num_layers, self.max_model_len, getattr(torch, config.dtype).itemsize, entries)
+            heap = (layout.kv_buffer_mib << 20) if layout.kv_buffer_mib else min(max(4 * full, 64 << 20), 1 << 30)
+            # NOTE: <pid>-<hex>, as an engine's: a SIGKILLed owner's arena is reclaimed by the next one
+            self.kv = KvConnector(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", heap, mc.num_layers, config.dtype, entries)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.requests: dict[str, Request] = {}  # the client's requests, unfinished
+        self.where: dict[str, tuple[str, int]] = {}  # request id -> ("prefill" | "decode", instance)
+        self.handoffs: dict[str, Handoff] = {}  # between the two sides, oldest first
+        self._fail_prob, self._rng = pd_fail_prob(), random.Random(config.seed)
+
+    def _instance(self, layout) -> Engine:
+        e = PdEngine.build_instance(layout, self.model_path, self.config)
+        e.max_wait_s = _SUB_WAIT_S
+        return e
+
+    @property
+    def instances(self) -> list[Engine]:
+        return self.prefill + self.decode
+
+    # -- intake -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        validate_request(request, self.model_config)
+        if request.request_id in self.requests:
+            raise RequestError(f"request {request.request_id}: a request with this id is running")
+        need = self.kv.bytes_for(request.num_prompt_tokens)
+        if need > self.kv.heap.size_bytes:
+            raise RequestError(f"request {request.request_id}: its prompt's KV ({need / 2**20:.1f} MiB) exceeds the "
+                               f"handoff buffer ({self.kv.heap.size_bytes / 2**20:.1f} MiB, kv_buffer_mib)")
+        if len(self.handoffs) >= self.layout.max_pending_handoffs:
+            raise HandoffsFull(f"{len(self.handoffs)} prefilled requests wait for decode room "
+                               f"(max_pending_handoffs); retry later")
+        live = [i for i, e in enumerate(self.prefill) if e.failed is None]
+        if not live:
+            raise RequestError("every prefill instance has failed")
+        i = min(live, key=lambda i: _busy(self.prefill[i]))
+        p = request.params
+        first = Request(request.request_id, request.prompt_token_ids,
+                        dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1)), request.arrival_s,
+                        eos_token_ids=request.eos_token_ids, kv_handoff=True)
+        self.prefill[i].add_request(first)
+        self.requests[request.request_id] = request
+        self.where[request.request_id] = ("prefill", i)
+
+    def abort(self, request_id: str) -> None:
+        r = self.requests.pop(request_id, None)
+        side, i = self.where.pop(request_id, (None, 0))
+        h = self.handoffs.pop(request_id, None)
+        if h is not None:
+            self._drop_handoff(h)
+        elif side == "prefill":
+            self.prefill[i].abort(request_id)
+            self.prefill[i].scheduler.pool.end_lease(request_id)
+        elif side == "decode":
+            self.decode[i].abort(request_id)
+        if r is not None:
+            r.status, r.finish_reason = RequestStatus.FINISHED, r.finish_reason or "abort"
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        result = StepResult({}, [])
+        for i, e in enumerate(self.prefill):
+            if e.failed is None:
+                self._prefilled(i, e.step(), result)
+        self._advance(result)
+        for j, e in enumerate(self.decode):
+            if e.failed is None:
+                self._decoded(e.step(), result)
+        self._advance(result)
+        return result
+
+    def _prefilled(self, i: int, res: StepResult, out: StepResult) -> None:
+        out.busy_s.update({f"prefill{i}.{k}": v for k, v in res.busy_s.items()})
+        for rid, o in res.outputs.items():
+            r = self.requests.get(rid)
+            if r is not None:
+                out.outputs[rid] = o
+                if o.token_id is not None:
+                    r.append_token(o.token_id)
+        for rp in res.finished:
+            r = self.requests.get(rp.request_id)
+            pool = self.prefill[i].scheduler.pool
+            if r is None or rp.finish_reason in ("abort", "error") or r.finish_reason is not None:
+                pool.end_lease(rp.request_id)
+                if r is not None:
+                    self._finish(r, out, rp.error, rp.finish_reason if r.finish_reason is None else None)
+                continue
+            gid = pool.leases[rp.request_id]
+            rd = Request(r.request_id, r.prompt_token_ids, r.params, r.arrival_s, eos_token_ids=r.eos_token_ids,
+                         output_token_ids=list(r.output_token_ids))
+            self.handoffs[r.request_id] = Handoff(r, rd, i, gid, pool.groups[gid].allocator.table(r.request_id),
+                                                  clock())
+            self.where.pop(r.request_id, None)
+
+    def _decoded(self, res: StepResult, out: StepResult) -> None:
+        for rid, o in res.outputs.items():
+            r = self.requests.get(rid)
+            if r is not None and o.token_id is not None and r.finish_reason is None:
+                out.outputs[rid] = o
+                if r.append_token(o.token_id):  # a stop string, which only the client's request tracks
+                    side, j = self.where[rid]
+                    self.decode[j].abort(rid)
+                    self._finish(r, out)
+        for rd in res.finished:
+            r = self.requests.get(rd.request_id)
+            if r is not None:
+                self._finish(r, out, rd.error, rd.finish_reason if r.finish_reason is None else None)
+
+    def _finish(self, r: Request, out: StepResult, error: str | None = None, reason: str | None = None) -> None:
+        if reason is not None:
+            r.finish_reason = reason
+        r.error = r.error or error
+        r.status = RequestStatus.FINISHED
+        self.requests.pop(r.request_id, None)
+        self.where.pop(r.request_id, None)
+        out.finished.append(r)
+
+    # -- the deployment -----------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        loads = [e.load() for e in self.instances if e.failed is None]
+        return EngineLoad(sum(x.num_waiting for x in loads) + len(self.handoffs), sum(x.num_running for x in loads),
+                          sum(x.num_free_kv_blocks for x in loads), sum(x.num_kv_blocks for x in loads),
+                          tuple(n for x in loads for n in x.running_per_group),
+                          tuple(n for x in loads for n in x.preemptions_per_group))
+
+    def check_workers(self) -> StepResult:
+        out = StepResult({}, [])
+        for side, engines in (("prefill", self.prefill), ("decode", self.decode)):
+            for e in engines:
+                if e.failed is None:
+                    res = e.check_workers()
+                    (self._decoded(res, out) if side == "decode" else self._prefilled(engines.index(e), res, out))
+        self._advance(out)
+        return out
+
+    def degraded(self) -> str | None:
+        lost = [f"{side} instance {i} failed ({e.failed})" for side, es in (("prefill", self.prefill),
+                                                                           ("decode", self.decode))
+                for i, e in enumerate(es) if e.failed is not None]
+        return "; ".join(lost) or None
+
+    def heal(self) -> bool:
+        """Rebuild every failed instance in place; the others go on serving."""
+        for engines, layout in ((self.prefill, self.layout.prefill), (self.decode, self.layout.decode)):
+            for i, e in enumerate(engines):
+                if e.failed is not None:
+                    e.shutdown()
+                    self.kv.drain(gone=True)
+                    engines[i] = self._instance(layout)
+        return True
+
+    def drain(self, timeout_s: float = 120.0) -> None:
+        for e in self.instances:
+            e.drain(timeout_s)
+
+    def shutdown(self) -> None:
+        for e in self.instances:
+            e.shutdown()
+        if self.kv is not None:
+            self.kv.shutdown()
+
+
+def check_compatible(prefill: Engine, decode: Engine) -> None:
+    """A decode instance must run the prefill instance's model in its dtype, or the KV means nothing."""
+    a, b = prefill.model_config, decode.model_config
+    if a != b or prefill.config.dtype != decode.config.dtype or prefill.config.kv_block_size <= 0:
+        raise ConfigError(f"the decode layout runs {b.architecture} ({b.num_layers} layers, {decode.config.dtype}) "
+                          f"but the prefill layout runs {a.architecture} ({a.num_layers} layers, "
+                          f"{prefill.config.dtype}): a KV cache can only pass between the same model and dtype")
+
+
+def _busy(e: Engine) -> int:
+    x = e.load()
+    return x.num_waiting + x.num_running

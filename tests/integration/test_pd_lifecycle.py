@@ -1,0 +1,88 @@
+"""The handoff's lifecycle on both sides: injected copy failures under load, leases that run out
+while the decode side is full, aborts at every stage; every request ends with an answer or an
+explicit error and every block returns (zero stranded blocks on either side)."""
+from __future__ import annotations
+
+import pytest
+
+from moeflow import LLM, SamplingParams
+from moeflow.core import Request
+
+from test_pd_engine import assert_all_returned
+
+COLO = {"mode": "colocated"}
+
+
+def _prompts(n: int, length: int = 24) -> list[list[int]]:
+    return [[(7 * i + j) % 200 + 1 for j in range(length + i % 5)] for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_injected_transfer_failures(checkpoints, monkeypatch, policy):
+    """5% of copies fail (SGLang's failure injection): nothing crashes, every request ends; with
+    recompute every answer equals the reference's, with fail the failed ones say why."""
+    monkeypatch.setenv("MOEFLOW_PD_FAIL_PROB", "0.05")
+    path = checkpoints("qwen3").path
+    prompts, sp = _prompts(60), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM(path, dtype="float32") as ref:
+        expected = [o.outputs[0].token_ids for o in ref.generate(prompts, sp)]
+    with LLM(path, dtype="float32", mode="pd", prefill=COLO, decode=COLO, kv_load_failure_policy=policy) as llm:
+        outs = llm.generate(prompts, sp)
+        stats = llm.engine.kv.stats
+        assert_all_returned(llm.engine)
+    assert stats.failures > 0  # the seeded injection hit some copies
+    failed = [o for o in outs if o.error is not None]
+    if policy == "recompute":
+        assert not failed and stats.recomputes == stats.failures
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    else:
+        assert len(failed) == stats.failures and all("KV copy" in o.error for o in failed)
+        assert all(o.outputs[0].token_ids == e for o, e in zip(outs, expected) if o.error is None)
+        assert all(len(o.outputs[0].token_ids) == 1 for o in failed)  # the first token came from the prefill side
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_lease_expires_while_decode_is_full(checkpoints, policy):
+    """The decode cache holds one request's whole life (reserve admission, 8 blocks): the second
+    handoff waits past its lease; its prefill blocks are freed and the policy decides."""
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="pd", prefill=COLO, decode=COLO, num_kv_blocks=8,
+             kv_admission="reserve", kv_lease_s=0.05, kv_load_failure_policy=policy) as llm:
+        sp = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+        outs = llm.generate(_prompts(2, 30), sp)
+        stats = llm.engine.kv.stats
+        assert_all_returned(llm.engine)
+    assert stats.lease_expiries >= 1
+    if policy == "recompute":
+        assert all(o.error is None and len(o.outputs[0].token_ids) == 80 for o in outs)
+    else:
+        assert sum("lease expired" in (o.error or "") for o in outs) == stats.lease_expiries
+        assert any(o.error is None and len(o.outputs[0].token_ids) == 80 for o in outs)
+
+
+def test_abort_at_every_stage(checkpoints):
+    """Requests aborted while prefilling, waiting for decode room, mid-copy and decoding: nothing stays held."""
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="pd", num_kv_blocks=16,
+             prefill={"mode": "asap", "attn_dp": 1, "moe_workers": 1, "min_batch_tokens": 8},
+             decode={"mode": "afd", "attn_workers": 1, "ffn_workers": 1}) as llm:
+        e = llm.engine
+        sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        ids = [f"r{i}" for i in range(12)]
+        for rid, p in zip(ids, _prompts(12, 40)):
+            e.add_request(Request(rid, p, sp))
+        seen = set()
+        for _ in range(400):
+            e.step()
+            states = {rid: (h.state if (h := e.handoffs.get(rid)) else e.where.get(rid, ("done",))[0]) for rid in ids}
+            for rid, s in states.items():
+                if s not in seen and s != "done":  # abort the first request seen in each stage
+                    seen.add(s)
+                    e.abort(rid)
+            if not e.has_unfinished():
+                break
+        for rid in ids:
+            e.abort(rid)
+        e.drain()
+        for _ in range(50):  # abandoned stages close once their copies answered
+            e.step()
+        assert {"prefill", "decode"} <= seen
+        assert_all_returned(e)
