@@ -12,6 +12,10 @@ class RequestError(ValueError):
     """A request (prompt or sampling parameters) is invalid; the message names the field."""
 
 
+class EngineBusy(RuntimeError):
+    """The engine cannot take a request now (a bounded queue is full); the client may retry."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, with vLLM's names and meanings (the sampler applies them in
@@ -140,6 +144,7 @@ class RequestMetrics:
     prefill_start_s: float | None = None
     prefill_compute_s: float | None = None
     prefill_wait_s: float | None = None
+    kv_handoff_s: float | None = None  # pd: decode room found to KV in place (the second token waited for it)
 
     @property
     def ttft_s(self) -> float | None:

@@ -28,6 +28,7 @@ class SeqOutput:
     logprobs: RawLogprobs | None = None
     prompt_logprobs: list[RawLogprobs] = field(default_factory=list)  # positions start+1 .. of this chunk
     timing: "BatchTiming | None" = None  # the engine attaches its batch's timing
+    handoff_s: float | None = None  # pd: on a request's first decode-side output, its KV handoff's seconds
 
     def followed_by(self, later: "SeqOutput") -> "SeqOutput":
         """One request's output over two consecutive chunks of one work item (the halves of a lone

@@ -36,15 +36,16 @@ class Prober:
         reqs = generate_requests(cfg)
         prompts = random_prompts(reqs, self.vocab, cfg.seed)
         rps = rate if rate is not None else recorded_rate(reqs)
-        pool = self.llm.engine.scheduler.pool
-        preempted = pool.num_preemptions
+        engine = self.llm.engine
+        preempted = sum(engine.load().preemptions_per_group)
         res = replay(self.llm, reqs, prompts, label=label or f"{rps:g}rps", stop=stop, progress=self.progress)
         p = summarize(rps, res.records, res.start_s, cfg.length_scale, res.num_rejected, res.num_failed,
                       res.num_aborted)
-        p["preemptions"] = pool.num_preemptions - preempted  # KV blocks ran out: requests recomputed
+        p["preemptions"] = sum(engine.load().preemptions_per_group) - preempted  # KV ran out: requests recomputed
         # decode-side measures: requests admitted at once (time-weighted over the point) and output tokens/s
         p["resident_mean"] = res.resident_s / p["duration_s"] if p["duration_s"] > 0 else 0.0
         p["output_tok_s"] = res.output_tokens / p["duration_s"] if p["duration_s"] > 0 else 0.0
+        p["output_tok_s_per_process"] = p["output_tok_s"] / self.llm.layout.num_processes
         if res.stopped_early:  # it certainly missed the SLO under stop.metric; for the mean only a bound is known
             p.update(stopped_early=True, stopped_by=stop.metric.name, ttft_mean_s=res.mean_ttft_bound_s,
                      ttft_p50_s=None, ttft_p90_s=None, ttft_p99_s=None)

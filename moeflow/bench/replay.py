@@ -73,7 +73,6 @@ def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label
     num_rejected = num_failed = 0
     next_bound_s = 0.0
     resident_s, output_tokens = 0.0, 0
-    groups = engine.scheduler.pool.groups
     i = 0
     start_s = clock()
     while i < n or tracked:
@@ -103,7 +102,7 @@ def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label
                 return ReplayResult(records, start_s, num_rejected, num_failed, len(tracked) + n - i, True, bound,
                                     resident_s, output_tokens)
         if engine.has_unfinished():
-            resident = sum(len(g.requests) for g in groups)
+            resident = engine.load().num_running
             result = engine.step()
             resident_s += resident * (clock() - now)
             for rid, out in result.outputs.items():
@@ -120,7 +119,8 @@ def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label
                     num_failed += 1
                 else:
                     records.append(RequestRecord(len(r.prompt_token_ids), m.arrival_s, m.first_scheduled_s,
-                                                 m.first_token_s, t.compute_s, m.finished_s))
+                                                 m.first_token_s, t.compute_s, m.finished_s,
+                                                 len(out.outputs[0].token_ids), m.kv_handoff_s))
                 bar.update()
             if not result.outputs and not result.finished:
                 time.sleep(_IDLE_POLL_S)

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 
 from moeflow.config import DTYPES, KV_ADMISSIONS, TRANSPORTS, ClusterConfig, ConfigError
-from moeflow.layout import LAYOUTS, nested
+from moeflow.layout import LAYOUTS, nested, parse_parts
 from moeflow.settings import launcher_env
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}
@@ -76,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                           "worker would (default 60)")
     add_cluster_args(p)
     lay = p.add_argument_group("layout (each applies to the modes named)")
+    for side in ("prefill", "decode"):
+        lay.add_argument(f"--{side}", default=None, metavar="'mode=M,key=value,...'",
+                         help=f"pd: the layout of each {side} instance, as a mode and its options (pd)")
     for flag, (f, default, modes, kind) in sorted(_layout_options().items()):
         help = f"{f.metadata['help']} ({', '.join(modes)})"
         dest = f"layout__{f.name}"
@@ -127,6 +130,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     given = layout_kwargs(args)
+    for side in ("prefill", "decode"):
+        if getattr(args, side, None) is not None:
+            if args.mode != "pd":
+                raise ConfigError(f"--{side}: not an option of mode {args.mode!r} (it is pd's)")
+            given[side] = parse_parts(getattr(args, side), f"--{side}")
     options = _layout_options()
     foreign = sorted(flag for flag, (f, _, modes, _) in options.items() if f.name in given and args.mode not in modes)
     if foreign:

@@ -22,6 +22,9 @@ class StepResult:
     finished: list[Request]  # requests that finished (or failed) in this step
     # worker name -> seconds of compute its work items reported in this step (a server's busy fraction)
     busy_s: dict[str, float] = field(default_factory=dict)
+    # pd: the KV handoffs completed in this step, (seconds, bytes) each, and the pre-allocation waits
+    kv_transfers: list[tuple[float, int]] = field(default_factory=list)
+    prealloc_waits_s: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,10 @@ class EngineLoad:
     num_kv_blocks: int
     running_per_group: tuple[int, ...] = ()  # resident requests of each attention group (an afd instance, a rank)
     preemptions_per_group: tuple[int, ...] = ()  # requests preempted by recompute so far, per group
+    running_per_role: tuple[tuple[str, int], ...] = ()  # pd: (prefill | decode, requests on that side)
+    num_handoffs: int = 0  # pd: requests between their prefill and decode instances
+    # pd: handoff outcomes so far, (name, count): failures, lease_expiries, recomputes
+    handoff_counts: tuple[tuple[str, int], ...] = ()
 
 
 class Engine(abc.ABC):

@@ -38,29 +38,36 @@ class Handoff:
 
 class Handoffs:
     """The state machine; the engine provides ``prefill``, ``decode``, ``layout``, ``kv``,
-    ``handoffs``, ``where``, ``_fail_prob``, ``_rng`` and ``_finish``."""
+    ``handoffs``, ``handoff_s``, ``where``, ``_fail_prob``, ``_rng`` and ``_finish``."""
 
     def _advance(self, out: StepResult) -> None:
-        """One look at every handoff, oldest first."""
+        """Every handoff as far as it can go now, oldest first (an in-process copy is done when sent:
+        its next state follows at once)."""
         now = clock()
         self.kv.drain()
         for h in list(self.handoffs.values()):
-            if h.state in ("pending", "writing") and self.prefill[h.prefill].failed is not None:
-                self._give_up(h, f"prefill instance {h.prefill} failed: {self.prefill[h.prefill].failed}", out)
-            elif h.state == "reading" and self.decode[h.decode].failed is not None:
-                self._give_up(h, f"decode instance {h.decode} failed: {self.decode[h.decode].failed}", out)
-            elif h.state in ("pending", "writing") and now - h.prefilled_s > self.layout.kv_lease_s:
-                self.kv.stats.lease_expiries += 1
-                self._give_up(h, f"its KV lease expired after {self.layout.kv_lease_s:g} s "
-                                 f"({'no decode instance had room' if h.state == 'pending' else 'the copy out stalled'})", out)
-            elif h.state == "pending":
-                self._start(h, now)
-            elif h.state == "writing":
-                self._poll(h, WRITE, self.prefill[h.prefill].kv_members(h.prefill_group), out)
-            elif h.state == "reading":
-                self._poll(h, READ, self.decode[h.decode].kv_members(h.decode_group), out)
+            state = None
+            while h.state != state and h.request.request_id in self.handoffs:
+                state = h.state
+                self._look(h, now, out)
 
-    def _start(self, h: Handoff, now: float) -> None:
+    def _look(self, h: Handoff, now: float, out: StepResult) -> None:
+        if h.state in ("pending", "writing") and self.prefill[h.prefill].failed is not None:
+            self._give_up(h, f"prefill instance {h.prefill} failed: {self.prefill[h.prefill].failed}", out)
+        elif h.state == "reading" and self.decode[h.decode].failed is not None:
+            self._give_up(h, f"decode instance {h.decode} failed: {self.decode[h.decode].failed}", out)
+        elif h.state in ("pending", "writing") and now - h.prefilled_s > self.layout.kv_lease_s:
+            self.kv.stats.lease_expiries += 1
+            why = "no decode instance had room" if h.state == "pending" else "the copy out stalled"
+            self._give_up(h, f"its KV lease expired after {self.layout.kv_lease_s:g} s ({why})", out)
+        elif h.state == "pending":
+            self._start(h, now, out)
+        elif h.state == "writing":
+            self._poll(h, WRITE, self.prefill[h.prefill].kv_members(h.prefill_group), out)
+        elif h.state == "reading":
+            self._poll(h, READ, self.decode[h.decode].kv_members(h.decode_group), out)
+
+    def _start(self, h: Handoff, now: float, out: StepResult) -> None:
         """Decode room (the instance with the most free KV) and a stage: blocks reserved, copy out sent."""
         best = None
         for j, e in enumerate(self.decode):
@@ -78,6 +85,7 @@ class Handoffs:
         h.decode, h.decode_group, h.stage, h.started_s, h.state = j, gid, stage, now, "writing"
         h.decode_blocks = self.decode[j].arrivals.reserve(gid, h.decode_request)
         self.kv.stats.prealloc_wait_s.append(now - h.prefilled_s)
+        out.prealloc_waits_s.append(now - h.prefilled_s)
         self.prefill[h.prefill].send_kv(h.prefill_group, KvSend(self._maybe_fail(stage), h.prefill_blocks))
 
     def _maybe_fail(self, stage):
@@ -101,6 +109,8 @@ class Handoffs:
             s.transfers += 1
             s.bytes_total += self.kv.bytes_for(h.stage.num_tokens)
             s.seconds.append(clock() - h.started_s)
+            out.kv_transfers.append((s.seconds[-1], self.kv.bytes_for(h.stage.num_tokens)))
+            self.handoff_s[h.request.request_id] = s.seconds[-1]  # goes out with its first decode output
             self.kv.close(h.stage)
             del self.handoffs[h.request.request_id]
             self.decode[h.decode].admit_arrived(h.decode_request)

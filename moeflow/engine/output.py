@@ -27,6 +27,8 @@ class OutputTracker:
             self.metrics.first_scheduled_s = t.start_s if t is not None else now
         if self.prompt_logprobs is not None:
             self.prompt_logprobs += [self._dict(d) for d in seq_output.prompt_logprobs]
+        if seq_output.handoff_s is not None:
+            self.metrics.kv_handoff_s = seq_output.handoff_s
         if seq_output.token_id is not None:
             if self.metrics.first_token_s is None:
                 self.metrics.first_token_s = now

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from moeflow.config import ConfigError, EngineConfig
-from moeflow.core import Request, RequestError, RequestStatus
+from moeflow.core import EngineBusy, Request, RequestError, RequestStatus
 from moeflow.engine.base import Engine, EngineLoad, StepResult, clock, validate_request
 from moeflow.comm.kv_arena import staged_bytes
 from moeflow.engine.handoffs import Handoff, Handoffs
@@ -32,8 +32,8 @@ from moeflow.settings import pd_fail_prob
 _SUB_WAIT_S = 2e-3  # an instance's step blocks at most this long: the others are stepped in turn
 
 
-class HandoffsFull(RequestError):
-    """Too many prefilled requests wait for decode room (the server answers 503)."""
+class HandoffsFull(EngineBusy):
+    """Too many prefilled requests wait for decode room (the server answers 503, Retry-After)."""
 
 
 class PdEngine(Handoffs, Engine):
@@ -66,6 +66,7 @@ class PdEngine(Handoffs, Engine):
         self.requests: dict[str, Request] = {}  # the client's requests, unfinished
         self.where: dict[str, tuple[str, int]] = {}  # request id -> ("prefill" | "decode", instance)
         self.handoffs: dict[str, Handoff] = {}  # between the two sides, oldest first
+        self.handoff_s: dict[str, float] = {}  # arrived on a decode instance, no output there yet: its handoff
         self._fail_prob, self._rng = pd_fail_prob(), random.Random(config.seed)
 
     def _instance(self, layout) -> Engine:
@@ -106,6 +107,7 @@ class PdEngine(Handoffs, Engine):
         r = self.requests.pop(request_id, None)
         side, i = self.where.pop(request_id, (None, 0))
         h = self.handoffs.pop(request_id, None)
+        self.handoff_s.pop(request_id, None)
         if h is not None:
             self._drop_handoff(h)
         elif side == "prefill":
@@ -122,14 +124,16 @@ class PdEngine(Handoffs, Engine):
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        # NOTE: decode first: a request that arrives on a decode instance in this step decodes in the
+        # next one, so its prefill output (first token, prompt logprobs) and its first decode output
+        # never meet in one StepResult (one output per request per step)
         result = StepResult({}, [])
+        for e in self.decode:
+            if e.failed is None:
+                self._decoded(e.step(), result)
         for i, e in enumerate(self.prefill):
             if e.failed is None:
                 self._prefilled(i, e.step(), result)
-        self._advance(result)
-        for j, e in enumerate(self.decode):
-            if e.failed is None:
-                self._decoded(e.step(), result)
         self._advance(result)
         return result
 
@@ -160,6 +164,7 @@ class PdEngine(Handoffs, Engine):
         for rid, o in res.outputs.items():
             r = self.requests.get(rid)
             if r is not None and o.token_id is not None and r.finish_reason is None:
+                o.handoff_s = self.handoff_s.pop(rid, None)
                 out.outputs[rid] = o
                 if r.append_token(o.token_id):  # a stop string, which only the client's request tracks
                     side, j = self.where[rid]
@@ -177,16 +182,23 @@ class PdEngine(Handoffs, Engine):
         r.status = RequestStatus.FINISHED
         self.requests.pop(r.request_id, None)
         self.where.pop(r.request_id, None)
+        self.handoff_s.pop(r.request_id, None)
         out.finished.append(r)
 
     # -- the deployment -----------------------------------------------------------------------
 
     def load(self) -> EngineLoad:
         loads = [e.load() for e in self.instances if e.failed is None]
-        return EngineLoad(sum(x.num_waiting for x in loads) + len(self.handoffs), sum(x.num_running for x in loads),
+        side = {"prefill": 0, "decode": 0}
+        for s, _ in self.where.values():
+            side[s] += 1
+        st = self.kv.stats
+        return EngineLoad(sum(x.num_waiting for x in loads), sum(x.num_running for x in loads),
                           sum(x.num_free_kv_blocks for x in loads), sum(x.num_kv_blocks for x in loads),
                           tuple(n for x in loads for n in x.running_per_group),
-                          tuple(n for x in loads for n in x.preemptions_per_group))
+                          tuple(n for x in loads for n in x.preemptions_per_group), tuple(side.items()),
+                          len(self.handoffs), (("failures", st.failures), ("lease_expiries", st.lease_expiries),
+                                               ("recomputes", st.recomputes)))
 
     def check_workers(self) -> StepResult:
         out = StepResult({}, [])

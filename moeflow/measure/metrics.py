@@ -26,6 +26,8 @@ class RequestRecord:
     first_token_s: float
     compute_s: float | None  # compute of every batch it took part in until its first token; None: not reported
     finished_s: float
+    num_output: int = 1  # output tokens
+    handoff_s: float | None = None  # pd: its KV handoff (decode room found to KV in place)
 
     def __post_init__(self) -> None:
         if not self.arrival_s <= self.first_token_s <= self.finished_s:
@@ -35,6 +37,11 @@ class RequestRecord:
     @property
     def ttft_s(self) -> float:
         return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None with a single output token."""
+        return (self.finished_s - self.first_token_s) / (self.num_output - 1) if self.num_output > 1 else None
 
     @property
     def queue_s(self) -> float:
@@ -95,7 +102,23 @@ def summarize(rps: float, records: list[RequestRecord], start_s: float, length_s
             "prompt_tokens": tokens, "duration_s": wall, "buckets": buckets(records, bucket_edges(length_scale)),
             # every request's TTFT (a request that never got a first token counts in num_requests
             # only): the SLO metrics' quantiles and attainment come from these
-            "num_requests": num_requests, "ttfts_s": sorted(round(t, 6) for t in ttft)}
+            "num_requests": num_requests, "ttfts_s": sorted(round(t, 6) for t in ttft), **decode_side(records)}
+
+
+def decode_side(records: list[RequestRecord]) -> dict:
+    """TPOT and TPS/user (1/TPOT, per request: DWDP's "TPS/user" axis) over requests with more than
+    one output token, and the mean KV handoff of a pd deployment; empty for prefill-only runs."""
+    tpot = [r.tpot_s for r in records if r.tpot_s is not None and r.tpot_s > 0]
+    out: dict = {}
+    if tpot:
+        tps = [1.0 / t for t in tpot]
+        out.update(tpot_mean_s=_mean(tpot), tpot_p50_s=float(np.percentile(tpot, 50)),
+                   tpot_p90_s=float(np.percentile(tpot, 90)), tps_user_mean=_mean(tps),
+                   tps_user_p50=float(np.percentile(tps, 50)), tps_user_p10=float(np.percentile(tps, 10)))
+    handoff = [r.handoff_s for r in records if r.handoff_s is not None]
+    if handoff:
+        out["handoff_mean_s"] = _mean(handoff)
+    return out
 
 
 def without_raw(result):
@@ -132,6 +155,13 @@ def format_point(p: dict) -> str:
              f"  TTFT mean {s(p['ttft_mean_s'], '.3f')} s  p50 {s(p['ttft_p50_s'], '.3f')}  "
              f"p90 {s(p['ttft_p90_s'], '.3f')}  p99 {s(p['ttft_p99_s'], '.3f')}  |  "
              f"prefill {s(p['prefill_tok_s'], '.0f')} tok/s",
+             *([f"  TPOT mean {s(p['tpot_mean_s'] * 1e3, '.1f')} ms  p90 {s(p['tpot_p90_s'] * 1e3, '.1f')}  |  "
+                f"TPS/user mean {s(p['tps_user_mean'], '.1f')}  p10 {s(p['tps_user_p10'], '.1f')}  |  "
+                f"output {s(p.get('output_tok_s'), '.1f')} tok/s"
+                + (f" ({s(p['output_tok_s_per_process'], '.1f')} per process)" if 'output_tok_s_per_process' in p
+                   else "")
+                + (f"  |  KV handoff mean {s(p['handoff_mean_s'] * 1e3, '.1f')} ms" if 'handoff_mean_s' in p else "")]
+               if 'tpot_mean_s' in p else []),
              f"  {'prompt tokens':>15} {'count':>6} {'TTFT s':>8} {'queue s':>8} {'compute s':>9} {'other s':>8}"]
     for b in p["buckets"]:
         if not b["count"]:

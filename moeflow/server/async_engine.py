@@ -23,7 +23,7 @@ import queue
 import threading
 from typing import Callable
 
-from moeflow.core import Request, RequestError
+from moeflow.core import EngineBusy, Request, RequestError
 from moeflow.engine.base import StepResult, clock
 from moeflow.server.health import EngineUnavailable, Overloaded, Snapshot, Stopping, Supervisor
 from moeflow.server.metrics import ServerMetrics
@@ -215,6 +215,8 @@ class AsyncEngine:
             self.llm.engine.add_request(r)
         except RequestError as e:
             return self._refuse(stream, e)
+        except EngineBusy as e:  # a bounded queue inside the deployment (pd's handoffs) is full
+            return self._refuse(stream, EngineUnavailable(str(e), retry_after_s=1.0))
         except Exception as e:  # the deployment failed under us (WorkerDied)
             return self._refuse(stream, EngineUnavailable(f"{type(e).__name__}: {e}"))
         self._tracked[r.request_id] = Tracked(stream)
@@ -228,6 +230,7 @@ class AsyncEngine:
     def _deliver(self, result: StepResult) -> None:
         now = clock()
         self.metrics.observe_busy(result.busy_s)
+        self.metrics.observe_handoffs(result.kv_transfers, result.prealloc_waits_s)
         outs = {rid: out for rid, out in result.outputs.items() if rid in self._tracked}
         for rid, out in outs.items():
             if out.token_id is None:  # a prefill chunk (it may carry prompt logprobs)
@@ -292,4 +295,5 @@ class AsyncEngine:
         load = self.llm.engine.load()
         self._snap = Snapshot(True, None, pending, load.num_waiting, load.num_running, load.num_free_kv_blocks,
                               load.num_kv_blocks, load.running_per_group, load.preemptions_per_group,
-                              degraded=self.supervisor.degraded)
+                              degraded=self.supervisor.degraded, running_per_role=load.running_per_role,
+                              num_handoffs=load.num_handoffs, handoff_counts=load.handoff_counts)

@@ -34,6 +34,9 @@ class Snapshot:
     preemptions_per_group: tuple[int, ...] = ()  # since the deployment started (a restart starts again at 0)
     restarting: bool = False  # a failed deployment is being rebuilt (healthy again when it is up)
     degraded: str | None = None  # serving, but with less than it was built with (a lost dwdp rank): why
+    running_per_role: tuple[tuple[str, int], ...] = ()  # pd: requests on the prefill and the decode side
+    num_handoffs: int = 0  # pd: KV handoffs in flight (prefilled, not yet decoding)
+    handoff_counts: tuple[tuple[str, int], ...] = ()  # pd: failures, lease expiries, recomputes so far
 
 
 class Overloaded(Exception):

@@ -41,6 +41,12 @@ class ServerMetrics:
                                          "(back-off included)", buckets=_LATENCY_BUCKETS_S, registry=r)
         self.stalls = Counter("moeflow_engine_stalls", "Work items that went unanswered past --stall-timeout-s "
                               "(each failed the deployment, or a dwdp rank, as a dead worker would)", registry=r)
+        self.kv_transfer = Histogram("moeflow_kv_transfer_seconds", "pd: one request's KV handoff, decode room "
+                                     "found to KV in place on the decode side", buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_bytes = Counter("moeflow_kv_transfer_bytes", "pd: KV bytes handed from prefill to decode instances",
+                                registry=r)
+        self.kv_prealloc = Histogram("moeflow_kv_prealloc_wait_seconds", "pd: first token sampled to decode blocks "
+                                     "pre-allocated (waiting for decode room)", buckets=_LATENCY_BUCKETS_S, registry=r)
         self._busy_window_s = busy_window_s
         self._busy: deque[tuple[float, str, float]] = deque()  # (when, worker, seconds), oldest first
         self._workers: set[str] = set()
@@ -60,6 +66,14 @@ class ServerMetrics:
                 self._workers.add(worker)
             while self._busy and self._busy[0][0] < now - self._busy_window_s:
                 self._busy.popleft()
+
+    def observe_handoffs(self, transfers: list[tuple[float, int]], prealloc_waits_s: list[float]) -> None:
+        """Engine thread: the KV handoffs a pd deployment completed in one step."""
+        for secs, nbytes in transfers:
+            self.kv_transfer.observe(secs)
+            self.kv_bytes.inc(nbytes)
+        for secs in prealloc_waits_s:
+            self.kv_prealloc.observe(secs)
 
     def busy_fractions(self) -> dict[str, float]:
         """Per worker, compute seconds over the trailing window (or since start, if shorter)."""
@@ -123,6 +137,22 @@ class _Gauges:
         for g, n in enumerate(s.running_per_group):
             per_group.add_metric([str(g)], n)
         yield per_group
+        if s.running_per_role:
+            role = GaugeMetricFamily("moeflow_requests_running_per_role", "pd: requests on the prefill side "
+                                     "(prefilling) and on the decode side (decoding)", labels=["role"])
+            for name, n in s.running_per_role:
+                role.add_metric([name], n)
+            yield role
+            flight = GaugeMetricFamily("moeflow_kv_transfers_in_flight", "pd: prefilled requests whose KV is "
+                                       "not yet on a decode instance (waiting for room, or being copied)")
+            flight.add_metric([], s.num_handoffs)
+            yield flight
+            outcomes = CounterMetricFamily("moeflow_kv_handoffs_given_up", "pd: handoffs given up, by why "
+                                           "(failures, lease_expiries) and how many were recomputed on the decode "
+                                           "side (recomputes)", labels=["outcome"])
+            for name, n in s.handoff_counts:
+                outcomes.add_metric([name], n)
+            yield outcomes
         busy = GaugeMetricFamily("moeflow_worker_busy_fraction", "Compute seconds per wall second of each "
                                  "worker over the trailing window (attention groups, dep ranks, colocated)",
                                  labels=["worker"])
