@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         env,
         experts,
         front_cpu,
+        kv_transfer,
         plot,
         prefill,
         profile,
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     for m in (prefill, decode, decode_attention, comm, experts, router_load, serve, soak, compare, plot, trace_summary,
-              contention, front_cpu):
+              contention, front_cpu, kv_transfer):
         m.add_parser(bsub)
 
     return parser

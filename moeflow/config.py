@@ -193,8 +193,14 @@ class EngineConfig:
     # a work item with no answer from its workers this long fails the deployment as a dead worker
     # would (vLLM's engine iteration timeout): a stopped or wedged process is noticed and healed
     stall_timeout_s: float = 60.0
+    # this server's side of a prefill/decode split across servers (None: it serves whole requests)
+    kv_transfer_config: KvTransferConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_transfer_config, dict):
+            object.__setattr__(self, "kv_transfer_config", KvTransferConfig(**self.kv_transfer_config))
+        _require(self.kv_transfer_config is None or isinstance(self.kv_transfer_config, KvTransferConfig),
+                 f"EngineConfig.kv_transfer_config must be a KvTransferConfig, got {type(self.kv_transfer_config).__name__}")
         if isinstance(self.cluster, dict):  # from a result file or dataclasses.asdict
             object.__setattr__(self, "cluster", ClusterConfig(**self.cluster))
         _require(isinstance(self.cluster, ClusterConfig), f"EngineConfig.cluster must be a ClusterConfig, "
@@ -219,6 +225,42 @@ class EngineConfig:
             _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
                                    and (v > 0 or name != "memory_budget_gib")),
                      f"EngineConfig.{name} must be None or a number > 0 (>= 0 for the reserve), got {v!r}")
+
+
+KV_ROLES = ("prefill", "decode")
+FAILURE_POLICIES = ("fail", "recompute")  # vLLM's kv_load_failure_policy
+
+
+@dataclass(frozen=True)
+class KvTransferConfig:
+    """A server's side of a prefill/decode split across servers (vLLM's ``KVTransferConfig``, SGLang's
+    ``--disaggregation-mode``). ``prefill``: a request that asks for a remote decode is answered with
+    its first token and a handle to its staged KV; ``decode``: a request that carries such a handle
+    takes the KV from the prefill server instead of computing the prompt (``docs/pd.md``)."""
+
+    role: str  # "prefill" | "decode"
+    host: str = "127.0.0.1"  # prefill: the KV port's address, bound and advertised in every handle
+    port: int = 0  # prefill: the KV port (0: any free one; handles name it)
+    lease_s: float = 30.0  # prefill: an offered KV range nobody claimed this long is freed
+    failure_policy: str = "recompute"  # decode: a handoff that fails: the request fails, or recomputes its prompt
+    max_pending: int = 256  # decode: requests waiting for blocks or for their KV; beyond it new ones are refused
+    buffer_mib: int | None = None  # the staging arena (default: room for 4 full-context requests, 64 MiB-1 GiB)
+
+    def __post_init__(self) -> None:
+        _require(self.role in KV_ROLES, f"kv_transfer_config.role must be one of {KV_ROLES}, got {self.role!r}")
+        _require(isinstance(self.host, str) and self.host not in ("", "0.0.0.0", "::"),
+                 f"kv_transfer_config.host is advertised to decode servers in every handle: give this host's "
+                 f"address on the network they share, not {self.host!r}")
+        _require(isinstance(self.port, int) and 0 <= self.port < 65536,
+                 f"kv_transfer_config.port must be a TCP port (0: any free one), got {self.port!r}")
+        _require(isinstance(self.lease_s, (int, float)) and not isinstance(self.lease_s, bool) and self.lease_s > 0,
+                 f"kv_transfer_config.lease_s must be a number > 0, got {self.lease_s!r}")
+        _require(self.failure_policy in FAILURE_POLICIES,
+                 f"kv_transfer_config.failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}")
+        _require(isinstance(self.max_pending, int) and self.max_pending > 0,
+                 f"kv_transfer_config.max_pending must be a positive int, got {self.max_pending!r}")
+        _require(self.buffer_mib is None or (isinstance(self.buffer_mib, int) and self.buffer_mib > 0),
+                 f"kv_transfer_config.buffer_mib must be a positive int, got {self.buffer_mib!r}")
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,11 @@ class Request:
     # a prefill instance's copy of a disaggregated request: when it finishes, its KV blocks stay
     # held (a lease) until the decode instance has taken them (``RequestPool.end_lease``)
     kv_handoff: bool = False
+    # a prefill server's request that finished with its KV staged for a decode server: where
+    # (``kv_handle.KvHandle``; the answer's kv_transfer_params)
+    kv_handle: object | None = None
+    # a decode server's request whose prompt KV a prefill server holds (``kv_handle.KvHandle``)
+    kv_source: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

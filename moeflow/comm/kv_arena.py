@@ -60,6 +60,10 @@ class KvArena:
             off += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
         return out
 
+    def heap_view(self, offset_bytes: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` bytes of the heap at ``offset_bytes`` as a uint8 view [nbytes] (a pull's source or target)."""
+        return torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=nbytes, offset=_FLAGS_BYTES + offset_bytes)
+
     def close(self) -> None:
         self.flags = None
         self.segment.close()

@@ -18,6 +18,16 @@ from moeflow.messages import KvStage
 BUSY, DONE, FAILED = "busy", "done", "failed"
 
 
+def flags_state(arena: KvArena, stage: KvStage, side: int, members: int) -> str:
+    """DONE once every member stored its flag in ``arena``, FAILED once all answered and one failed."""
+    flags = arena.flags[stage.slot, side, :members].tolist()
+    if all(f == stage.transfer_id for f in flags):
+        return DONE
+    if all(f in (stage.transfer_id, -stage.transfer_id) for f in flags):
+        return FAILED
+    return BUSY
+
+
 @dataclass
 class TransferStats:
     """Counters and the handoff-time samples since start (a server exports them)."""
@@ -57,13 +67,7 @@ class KvConnector:
                        self.num_layers, self.dtype, self.entries)
 
     def status(self, stage: KvStage, side: int, members: int) -> str:
-        """DONE once every member stored its flag, FAILED once all answered and one failed."""
-        flags = self.arena.flags[stage.slot, side, :members].tolist()
-        if all(f == stage.transfer_id for f in flags):
-            return DONE
-        if all(f in (stage.transfer_id, -stage.transfer_id) for f in flags):
-            return FAILED
-        return BUSY
+        return flags_state(self.arena, stage, side, members)
 
     def close(self, stage: KvStage) -> None:
         self.arena.flags[stage.slot].zero_()

@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from moeflow.config import ClusterConfig, ConfigError, EngineConfig
+from moeflow.config import ClusterConfig, ConfigError, EngineConfig, KvTransferConfig
 from moeflow.core import Request, RequestError, RequestOutput, SamplingParams
 from moeflow.engine.base import clock
 from moeflow.engine.modes import create_engine
@@ -68,14 +68,16 @@ class LLM:
                  memory_budget_gib: float | None = None, activation_reserve_gib: float | None = None,
                  max_restarts: int = 0, restart_backoff_s: float = 1.0, stall_timeout_s: float = 60.0,
                  kv_admission: str = "on-demand",
-                 cluster: ClusterConfig | None = None,
+                 cluster: ClusterConfig | None = None, kv_transfer_config: KvTransferConfig | dict | None = None,
                  layout: Layout | None = None, **layout_kwargs):
         """``max_restarts``: when a worker dies, its requests end with errors and, before the next
         ``generate``, the deployment is rebuilt up to this many times in a row (back-off from
         ``restart_backoff_s``, doubling); 0 (the default): a failed deployment raises (a degraded one,
         dwdp with a lost rank, is healed in place only when restarts are on). ``stall_timeout_s``: a
         work item its workers leave unanswered this long fails the deployment. ``cluster``:
-        the hosts the deployment spans (this is node 0; the others run ``moeflow worker-node``)."""
+        the hosts the deployment spans (this is node 0; the others run ``moeflow worker-node``).
+        ``kv_transfer_config``: this deployment's side of a prefill/decode split across servers
+        (``KvTransferConfig``: role prefill or decode; ``docs/pd.md``)."""
         if layout is None:
             layout = make_layout(mode, **layout_kwargs)
         elif layout_kwargs or mode not in ("colocated", layout.mode):
@@ -87,7 +89,7 @@ class LLM:
                               num_threads=num_threads, seed=seed, pin_cpus=pin_cpus, transport=transport, trace=trace,
                               memory_budget_gib=memory_budget_gib, activation_reserve_gib=activation_reserve_gib,
                               stall_timeout_s=stall_timeout_s, kv_admission=kv_admission,
-                              cluster=cluster or ClusterConfig())
+                              cluster=cluster or ClusterConfig(), kv_transfer_config=kv_transfer_config)
         self.restart_policy = RestartPolicy(max_restarts, restart_backoff_s)
         self.model_path = resolve_model(model, revision)
         self.layout, self.mode = layout, layout.mode

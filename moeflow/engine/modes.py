@@ -16,14 +16,18 @@ from moeflow.engine.colocated import ColocatedEngine
 from moeflow.engine.dep import DepEngine
 from moeflow.engine.dwdp import DwdpEngine
 from moeflow.engine.memory import MemoryPlan, apply_budget
+from moeflow.engine.decode_role import DecodeRole
 from moeflow.engine.pd import PdEngine
+from moeflow.engine.prefill_role import PrefillRole
 from moeflow.hardware import resolve_device, resolve_dtype
 from moeflow.layout import Layout
+from moeflow.layout.pd import DECODE_MODES, PREFILL_MODES
 from moeflow.model.weights import load_config
 
 MODES: dict[str, type[Engine]] = {e.mode_name: e for e in (ColocatedEngine, DepEngine, AsapEngine, DwdpEngine,
                                                           AfdEngine, PdEngine)}
 MULTINODE_MODES = tuple(m for m, e in MODES.items() if e.multinode)  # the modes whose workers may span hosts
+ROLES = {"prefill": (PrefillRole, PREFILL_MODES), "decode": (DecodeRole, DECODE_MODES)}  # KvTransferConfig.role
 
 
 def engine_class(mode: str) -> type[Engine]:
@@ -46,7 +50,19 @@ def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engi
     device = resolve_device(config.device)
     config = dataclasses.replace(config, device=device,
                                  dtype=resolve_dtype(config.dtype, model.checkpoint_dtype, device).dtype)
-    return cls(model_path, config, layout)
+    kv = config.kv_transfer_config
+    if kv is None:
+        return cls(model_path, config, layout)
+    role, modes = ROLES[kv.role]
+    if layout.mode not in modes:
+        raise ConfigError(f"a {kv.role} server runs one of the modes {modes}, not {layout.mode!r}"
+                          + (" (a pd deployment hands KV between its own instances)" if layout.mode == "pd" else ""))
+    inner = cls(model_path, config, layout)
+    try:
+        return role(inner, kv)
+    except BaseException:
+        inner.shutdown()
+        raise
 
 
 PdEngine.build_instance = staticmethod(create_engine)  # a pd deployment's instances are engines of the table

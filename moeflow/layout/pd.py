@@ -7,12 +7,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from moeflow.config import ConfigError, opt
+from moeflow.config import FAILURE_POLICIES, ConfigError, opt
 from moeflow.layout.base import Layout, positive, require
 
 PREFILL_MODES = ("colocated", "asap", "dep", "dwdp")  # the modes that prefill (dep with or without chunks)
 DECODE_MODES = ("colocated", "dep", "afd", "asap", "dwdp")
-FAILURE_POLICIES = ("fail", "recompute")  # vLLM's kv_load_failure_policy
 
 
 def part(help: str) -> Any:

@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass
 
 from moeflow import settings
+from moeflow.comm.kv_link import route_source
 from moeflow.config import ConfigError
 
 _SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's primary IPv4 address
@@ -31,15 +32,6 @@ class Interface:
     name: str  # e.g. "eth0": what gloo binds ($GLOO_SOCKET_IFNAME)
     addr: str  # its address, the one the other hosts are told to connect to
     chosen_by: str  # "GLOO_SOCKET_IFNAME" or "the route to <master_addr>"
-
-
-def route_source(master_addr: str) -> str:
-    """The local address the kernel would send from to reach ``master_addr`` (no packet is sent)."""
-    infos = socket.getaddrinfo(master_addr, 9, type=socket.SOCK_DGRAM)
-    family, _, _, _, target = infos[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(target)
-        return s.getsockname()[0]
 
 
 def address_of(name: str) -> str | None:

@@ -19,6 +19,7 @@ ALLOWED = {
     ("comm/weights.py", "_view", "frombuffer"): "dwdp's weight store is host shared memory",
     ("comm/kv_arena.py", "__init__", "frombuffer"): "the KV handoff's flag table is host shared memory",
     ("comm/kv_arena.py", "views", "frombuffer"): "the KV handoff's staging heap is host shared memory",
+    ("comm/kv_arena.py", "heap_view", "frombuffer"): "the KV handoff's staging heap is host shared memory",
 }
 
 

@@ -1,0 +1,269 @@
+"""The decode server's role (``moeflow serve --role decode``): a request that carries a ``KvHandle``
+(``Request.kv_source``, the prefill server's ``kv_transfer_params``) takes its prompt's KV from the
+prefill server instead of computing it. Requests without one are served as usual.
+
+Per handoff: waiting (for blocks: pre-allocated against this server's budget, in a queue of at
+most ``max_pending``; beyond it new handoffs are refused) -> fetching (on the same host: the range
+claimed, the members will read the prefill server's shared memory; elsewhere: pulled over the link
+into this server's own arena) -> reading (the members copy the range into the reserved blocks) ->
+arrived: the first token (the prefill side's) goes out with its logprobs, and the request decodes.
+A failed claim, pull or copy frees everything and applies ``failure_policy``: recompute the prompt
+here (from the prompt and the first token), or fail the request.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+from moeflow.comm.kv_arena import READ, KvArena
+from moeflow.comm.kv_client import KvClient, RemoteRange
+from moeflow.comm.kv_link import host_id
+from moeflow.config import KvTransferConfig
+from moeflow.core import EngineBusy, Request, RequestError
+from moeflow.engine.base import Engine, StepResult, clock, validate_request
+from moeflow.engine.kv_handoff import BUSY, DONE, FAILED, flags_state
+from moeflow.engine.role import RoleEngine
+from moeflow.kv_handle import KvHandle
+from moeflow.messages import KvRecv, KvStage, SeqOutput
+from moeflow.settings import pd_fail_prob
+
+_IDLE_WAIT_S = 2e-3  # longest a step waits for the KV link when nothing else runs
+
+
+@dataclass
+class Incoming:
+    request: Request  # the client's
+    handle: KvHandle
+    remote: RemoteRange
+    since_s: float  # accepted
+    state: str = "waiting"  # waiting -> fetching -> reading
+    group: int | None = None
+    blocks: tuple[int, ...] = ()
+    stage: KvStage | None = None  # what the members read: the prefill server's range, or the local copy
+    local: KvStage | None = None  # this server's arena range a pull lands in (another host)
+    started_s: float | None = None  # blocks reserved
+
+
+class DecodeRole(RoleEngine):
+    def __init__(self, inner: Engine, kv: KvTransferConfig):
+        super().__init__(inner, kv)
+        self.client, self.host_id = KvClient(), host_id()
+        self.incoming: dict[str, Incoming] = {}
+        self.first_out: set[str] = set()  # arrived, the first decode output not yet out: it carries handoff_s
+        self._handoff_s: dict[str, float] = {}
+        self._arenas: dict[str, KvArena] = {}  # prefill servers' arenas on this host, by path
+        self._orphans: dict[int, Incoming] = {}  # given up while a claim or pull was out: freed on its answer
+        self._unread: list[Incoming] = []  # given up while the members copied: released once they answered
+        self._fail_prob, self._rng = pd_fail_prob(), random.Random(self.config.seed)
+
+    # -- intake -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        h = request.kv_source
+        if h is None:
+            return self.inner.add_request(request)
+        rid = request.request_id
+        if h.layout != self.kv_layout:
+            raise RequestError(f"request {rid}: its KV was prefilled by {h.layout.describe()}, but this decode "
+                               f"server runs {self.kv_layout.describe()}: a KV cache passes only between the "
+                               f"same model and dtype")
+        if h.num_tokens != request.num_prompt_tokens or h.nbytes != self.kv.bytes_for(h.num_tokens):
+            raise RequestError(f"request {rid}: its KV handle stages {h.num_tokens} positions ({h.nbytes} bytes) "
+                               f"but the prompt has {request.num_prompt_tokens} tokens")
+        validate_request(request, self.model_config)
+        self.inner.scheduler.pool.check(request, None)
+        if rid in self.incoming:
+            raise RequestError(f"request {rid}: a request with this id is running")
+        if len(self.incoming) >= self.kv_config.max_pending:
+            raise EngineBusy(f"{len(self.incoming)} requests wait for blocks or for their KV "
+                             f"(kv_transfer_config.max_pending); retry later")
+        self.incoming[rid] = Incoming(request, h, RemoteRange(h.server_id, h.host, h.port, h.transfer_id, h.slot,
+                                                              h.offset_bytes, h.nbytes), clock())
+
+    def abort(self, request_id: str) -> None:
+        inc = self.incoming.pop(request_id, None)
+        if inc is None:
+            self.first_out.discard(request_id)
+            self._handoff_s.pop(request_id, None)
+            return self.inner.abort(request_id)
+        self._let_go(inc)
+
+    def has_unfinished(self) -> bool:
+        return self.inner.has_unfinished() or bool(self.incoming)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        res = self.inner.step()
+        for rid, o in res.outputs.items():
+            if rid in self.first_out and o.token_id is not None:
+                self.first_out.discard(rid)
+                o.handoff_s = self._handoff_s.pop(rid, None)
+        out = StepResult(res.outputs, res.finished, res.busy_s)
+        # NOTE: with nothing else to run, wait a little for the link rather than spin on it
+        idle = self.incoming and not res.outputs and not self.inner.has_unfinished()
+        self._answers(out, _IDLE_WAIT_S if idle else 0.0)
+        for inc in list(self.incoming.values()):
+            self._advance(inc, out)
+        return out
+
+    def check_workers(self) -> StepResult:
+        out = self.inner.check_workers()
+        self._answers(out)
+        return out
+
+    def _answers(self, out: StepResult, wait_s: float = 0.0) -> None:
+        for a in self.client.poll(wait_s):
+            inc = self._orphans.pop(a.cookie, None)
+            if inc is not None:  # given up meanwhile: free what the job held
+                self._release(inc)
+                continue
+            inc = next((x for x in self.incoming.values() if id(x) == a.cookie), None)
+            if inc is None:
+                continue
+            if not a.ok:
+                if inc.local is not None:
+                    self.kv.close(inc.local)
+                self._give_up(inc, a.error, out)
+            elif inc.local is not None:  # pulled: the prefill server may free its range now
+                self.client.release(inc.remote)
+                self._read(inc, inc.local, self.kv.arena)
+            else:
+                self._read(inc, self._stage_of(inc.handle), self._arena(inc.handle.arena))
+        self._unread = [x for x in self._unread if not self._read_over(x)]
+
+    def _advance(self, inc: Incoming, out: StepResult) -> None:
+        if inc.state == "waiting":
+            self._start(inc)
+        elif inc.state == "reading":
+            arena = self.kv.arena if inc.local is not None else self._arena(inc.handle.arena)
+            state = flags_state(arena, inc.stage, READ, self.inner.kv_members(inc.group))
+            if state == FAILED:
+                self.kv.stats.failures += 1
+                self._finish_read(inc)
+                self._give_up(inc, "its KV copy into the decode instance failed", out)
+            elif state == DONE:
+                self._finish_read(inc)
+                self._arrived(inc, out)
+
+    def _start(self, inc: Incoming) -> None:
+        """Blocks reserved in the group with the most free ones, then the claim or the pull."""
+        h, same_host = inc.handle, inc.handle.host_id == self.host_id and self._arena(inc.handle.arena) is not None
+        gid = self.inner.arrivals.best_group(inc.request)
+        if gid is None:
+            return
+        if not same_host:
+            inc.local = self.kv.open(h.num_tokens)
+            if inc.local is None:
+                return
+        inc.group, inc.state, inc.started_s = gid, "fetching", clock()
+        inc.blocks = self.inner.arrivals.reserve(gid, inc.request)
+        self.kv.stats.prealloc_wait_s.append(inc.started_s - inc.since_s)
+        if same_host:
+            self.client.claim(inc.remote, id(inc))
+        else:
+            self.client.pull(inc.remote, self.kv.arena.heap_view(inc.local.offset_bytes, h.nbytes), id(inc))
+
+    def _read(self, inc: Incoming, stage: KvStage, arena: KvArena) -> None:
+        arena.flags[stage.slot, READ].zero_()
+        inc.stage, inc.state = stage, "reading"
+        if self._fail_prob and self._rng.random() < self._fail_prob:
+            stage = dataclasses.replace(stage, fail=True)
+        self.inner.send_kv(inc.group, KvRecv(stage, inc.blocks))
+
+    def _arrived(self, inc: Incoming, out: StepResult) -> None:
+        r, h = inc.request, inc.handle
+        del self.incoming[r.request_id]
+        secs = clock() - inc.started_s
+        s = self.kv.stats
+        s.transfers, s.bytes_total = s.transfers + 1, s.bytes_total + h.nbytes
+        s.seconds.append(secs)
+        out.kv_transfers.append((secs, h.nbytes))
+        out.prealloc_waits_s.append(inc.started_s - inc.since_s)
+        out.outputs[r.request_id] = SeqOutput(h.first_token_id, h.first_logprobs, list(h.prompt_logprobs))
+        if r.append_token(h.first_token_id):  # its first token ended it: nothing to decode
+            self.inner.arrivals.cancel(r.request_id)
+            out.finished.append(r)
+            return
+        self.inner.admit_arrived(r)
+        self.first_out.add(r.request_id)
+        self._handoff_s[r.request_id] = secs
+
+    # -- giving up ----------------------------------------------------------------------------
+
+    def _give_up(self, inc: Incoming, why: str, out: StepResult) -> None:
+        """Blocks freed, then the policy: recompute the prompt here, or fail the request."""
+        r = inc.request
+        self.incoming.pop(r.request_id, None)
+        self.inner.arrivals.cancel(r.request_id)
+        if self.kv_config.failure_policy == "recompute":
+            out.outputs[r.request_id] = SeqOutput(inc.handle.first_token_id, inc.handle.first_logprobs,
+                                                  list(inc.handle.prompt_logprobs))
+            if r.append_token(inc.handle.first_token_id):
+                out.finished.append(r)
+                return
+            try:
+                self.inner.add_request(r)
+                self.kv.stats.recomputes += 1
+                return
+            except Exception as e:  # noqa: BLE001  (then the request fails with both reasons)
+                why += f"; recomputing it failed: {e}"
+        r.finish_reason, r.error = "error", f"request {r.request_id}: {why}"
+        out.finished.append(r)
+
+    def _let_go(self, inc: Incoming) -> None:
+        """An abort: free the blocks; what a claim, pull or copy still holds is freed when it answers."""
+        self.inner.arrivals.cancel(inc.request.request_id)
+        if inc.state == "waiting":
+            self.client.release(inc.remote)  # the prefill server need not wait for the lease
+        elif inc.state == "fetching":
+            self._orphans[id(inc)] = inc
+        else:
+            self._unread.append(inc)
+
+    def _release(self, inc: Incoming) -> None:
+        if inc.local is not None:
+            self.kv.close(inc.local)
+        self.client.release(inc.remote)
+
+    def _read_over(self, inc: Incoming) -> bool:
+        arena = self.kv.arena if inc.local is not None else self._arena(inc.handle.arena)
+        if arena is not None and flags_state(arena, inc.stage, READ, self.inner.kv_members(inc.group)) == BUSY:
+            return False
+        self._finish_read(inc)
+        return True
+
+    def _finish_read(self, inc: Incoming) -> None:
+        if inc.local is not None:
+            self.kv.close(inc.local)
+        else:
+            self.client.release(inc.remote)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _arena(self, path: str) -> KvArena | None:
+        """A prefill server's arena on this host (None: not attachable here)."""
+        if path not in self._arenas:
+            try:
+                self._arenas[path] = KvArena.attach(path, timeout_s=0.0)
+            except (OSError, TimeoutError, ValueError):
+                return None
+        return self._arenas[path]
+
+    def _stage_of(self, h: KvHandle) -> KvStage:
+        lay = h.layout
+        return KvStage(h.arena, h.slot, h.transfer_id, h.offset_bytes, h.num_tokens, lay.num_layers, lay.dtype,
+                       lay.entries)
+
+    def load(self):
+        x = self.inner.load()
+        st = self.kv.stats
+        return dataclasses.replace(x, running_per_role=(("decode", x.num_running),), num_handoffs=len(self.incoming),
+                                   handoff_counts=(("failures", st.failures), ("recomputes", st.recomputes)))
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+        for a in self._arenas.values():
+            a.close()
+        super().shutdown()

@@ -1,0 +1,169 @@
+"""The prefill server's role (``moeflow serve --role prefill``): a request that asks for a remote
+decode (``Request.kv_handoff``, the router's ``do_remote_decode``) runs with ``max_tokens=1``; when
+its first token is sampled its blocks stay leased, the members copy them into the staging arena,
+the blocks are freed, and the request finishes with a ``KvHandle`` to the staged range, which the
+KV link (``comm/kv_server.py``) offers to decode servers until one releases it or the lease runs
+out. A first token that ends the request (EOS, a stop token) needs no decode: no handle.
+
+Per handoff request: prefilling (the inner engine's) -> staging (blocks leased; waiting for arena
+room, then copying out) -> offered (the answer went out; the range waits for a decode server).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+from moeflow.comm.kv_arena import WRITE
+from moeflow.comm.kv_link import host_id
+from moeflow.comm.kv_server import KvServer, Offers
+from moeflow.config import KvTransferConfig
+from moeflow.core import Request, RequestError
+from moeflow.engine.base import Engine, StepResult, clock
+from moeflow.engine.kv_handoff import DONE, FAILED
+from moeflow.engine.role import RoleEngine
+from moeflow.kv_handle import KvHandle
+from moeflow.messages import KvSend, KvStage
+from moeflow.settings import pd_fail_prob
+
+_IDLE_WAIT_S = 1e-3
+
+
+@dataclass
+class Staging:
+    request: Request
+    group: int  # the inner engine's group holding its leased blocks
+    blocks: tuple[int, ...]
+    since_s: float  # first token sampled (the lease started)
+    stage: KvStage | None = None  # arena room found, copy out sent
+
+
+class PrefillRole(RoleEngine):
+    def __init__(self, inner: Engine, kv: KvTransferConfig):
+        super().__init__(inner, kv)
+        self.offers = Offers(kv.lease_s, clock)
+        try:
+            self.server = KvServer(self.kv.arena, self.offers, kv.host, kv.port)
+        except BaseException:
+            super().shutdown()
+            raise
+        self.server_id, self.host_id = uuid.uuid4().hex, host_id()
+        self.staging: dict[str, Staging] = {}
+        self.offered: dict[int, KvStage] = {}  # transfer id -> its stage, until reaped
+        self._logprobs: dict[str, tuple] = {}  # handoff request -> (first token's, prompt's so far)
+        self._fail_prob, self._rng = pd_fail_prob(), random.Random(self.config.seed)
+
+    def add_request(self, request: Request) -> None:
+        if request.kv_handoff and request.params.max_tokens != 1:
+            raise RequestError(f"request {request.request_id}: a remote decode's prefill samples one token "
+                               f"(max_tokens=1), got max_tokens={request.params.max_tokens}")
+        self.inner.add_request(request)
+        if request.kv_handoff:
+            self._logprobs[request.request_id] = (None, [])
+
+    def abort(self, request_id: str) -> None:
+        s = self.staging.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+        if s is None:
+            self.inner.abort(request_id)
+        else:
+            self._drop(s)
+
+    def has_unfinished(self) -> bool:
+        return self.inner.has_unfinished() or bool(self.staging)
+
+    def step(self) -> StepResult:
+        res = self.inner.step()
+        for rid, o in res.outputs.items():
+            if rid in self._logprobs:
+                first, plp = self._logprobs[rid]
+                self._logprobs[rid] = (o.logprobs if o.token_id is not None else first, plp + list(o.prompt_logprobs))
+        out = StepResult(res.outputs, [], res.busy_s)
+        pool = self.inner.scheduler.pool
+        for r in res.finished:
+            gid = pool.leases.get(r.request_id)
+            if gid is not None and r.finish_reason == "length":
+                self.staging[r.request_id] = Staging(r, gid, pool.groups[gid].allocator.table(r.request_id), clock())
+            else:  # ended by its first token, or failed: nothing to hand over
+                pool.end_lease(r.request_id)
+                self._logprobs.pop(r.request_id, None)
+                out.finished.append(r)
+        for s in list(self.staging.values()):
+            self._advance(s, out)
+        self._reap()
+        if self.staging and not res.outputs and not self.inner.has_unfinished():
+            time.sleep(_IDLE_WAIT_S)  # only copies or arena room are awaited: nap, do not spin
+        return out
+
+    def check_workers(self) -> StepResult:
+        self._reap()  # an idle server steps no more, but released ranges are freed
+        return self.inner.check_workers()
+
+    def _reap(self) -> None:
+        for tid in self.offers.reap():
+            self.kv.close(self.offered.pop(tid))
+        self.kv.drain()
+
+    def _advance(self, s: Staging, out: StepResult) -> None:
+        r = s.request
+        if s.stage is None and clock() - s.since_s > self.kv_config.lease_s:
+            self.kv.stats.lease_expiries += 1
+            return self._fail(s, out, f"its KV lease expired after {self.kv_config.lease_s:g} s: the staging "
+                                      f"buffer had no room (kv_transfer_config.buffer_mib)")
+        if s.stage is None:
+            s.stage = self.kv.open(r.num_prompt_tokens)
+            if s.stage is not None:
+                stage = s.stage
+                if self._fail_prob and self._rng.random() < self._fail_prob:
+                    stage = dataclasses.replace(stage, fail=True)
+                self.inner.send_kv(s.group, KvSend(stage, s.blocks))
+            return
+        state = self.kv.status(s.stage, WRITE, self.inner.kv_members(s.group))
+        if state == FAILED:
+            self.kv.stats.failures += 1
+            self.kv.close(s.stage)
+            s.stage = None
+            return self._fail(s, out, "its KV copy out of the prefill instance failed")
+        if state == DONE:
+            del self.staging[r.request_id]
+            self.inner.scheduler.pool.end_lease(r.request_id)  # the stage holds a copy now
+            first_lp, plp = self._logprobs.pop(r.request_id, (None, []))
+            st, nbytes = s.stage, self.kv.bytes_for(s.stage.num_tokens)
+            self.offers.offer(st.transfer_id, st.slot, st.offset_bytes, nbytes)
+            self.offered[st.transfer_id] = st
+            r.kv_handle = KvHandle(self.server_id, self.server.host, self.server.port, self.host_id, st.arena,
+                                   st.slot, st.transfer_id, st.offset_bytes, nbytes, st.num_tokens, self.kv_layout,
+                                   r.output_token_ids[0], first_lp if r.params.logprobs is not None else None,
+                                   tuple(plp) if r.params.prompt_logprobs is not None else ())
+            self.kv.stats.transfers += 1
+            self.kv.stats.bytes_total += nbytes
+            self.kv.stats.seconds.append(clock() - s.since_s)
+            out.kv_transfers.append((clock() - s.since_s, nbytes))
+            out.finished.append(r)
+
+    def _fail(self, s: Staging, out: StepResult, why: str) -> None:
+        del self.staging[s.request.request_id]
+        self._drop(s)
+        r = s.request
+        r.finish_reason, r.error = "error", f"request {r.request_id}: {why}"
+        out.finished.append(r)
+
+    def _drop(self, s: Staging) -> None:
+        self.inner.scheduler.pool.end_lease(s.request.request_id)
+        self._logprobs.pop(s.request.request_id, None)
+        if s.stage is not None:
+            self.kv.abandon(s.stage, WRITE, self.inner.kv_members(s.group))
+
+    def load(self):
+        x = self.inner.load()
+        st = self.kv.stats
+        return dataclasses.replace(x, running_per_role=(("prefill", x.num_running + len(self.staging)),),
+                                   num_handoffs=len(self.staging) + len(self.offers),
+                                   handoff_counts=(("failures", st.failures), ("lease_expiries",
+                                                                               st.lease_expiries + self.offers.expired)))
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+        super().shutdown()

@@ -1,0 +1,100 @@
+"""KvHandle: a prefilled request's KV, as a prefill server hands it to a decode server (through the
+router) in ``kv_transfer_params``. Torch-free: the HTTP server parses it.
+
+The shape follows vLLM's NIXL connector: the prefill server's answer carries
+``{"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port", ...}`` and the
+router passes it, unchanged, to the decode server with the original request. moeflow's handle
+also names the staged range, the KV layout (a decode server whose model or dtype differs refuses
+it, naming both) and the first token (sampled on the prefill side, streamed by the decode side).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+RawLogprobs = dict[int, tuple[float, int]]  # token id -> (logprob, rank)
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """What the staged bytes are: one [L, num_tokens, *shape] block per entry, in ``dtype``."""
+
+    architecture: str
+    num_layers: int
+    dtype: str
+    entries: tuple[tuple[str, tuple[int, ...]], ...]  # entry name -> whole per-token shape
+
+    def describe(self) -> str:
+        shapes = ", ".join(f"{n}{list(s)}" for n, s in self.entries)
+        return f"{self.architecture} ({self.num_layers} layers, {self.dtype}, KV {shapes})"
+
+
+@dataclass(frozen=True)
+class KvHandle:
+    server_id: str  # the prefill server's KV link (a restarted server has a new one)
+    host: str  # the KV port's address and port (comm/kv_link.py)
+    port: int
+    host_id: str  # comm.kv_link.host_id(): equal on both sides means one host's shared memory
+    arena: str  # the staging arena's shared-memory path
+    slot: int
+    transfer_id: int
+    offset_bytes: int
+    nbytes: int
+    num_tokens: int  # prompt positions staged
+    layout: KvLayout
+    first_token_id: int  # sampled by the prefill server
+    first_logprobs: RawLogprobs | None = None  # the first token's logprobs, when the request asked
+    prompt_logprobs: tuple[RawLogprobs, ...] = ()  # prompt positions 1.., when the request asked
+
+    def to_params(self) -> dict[str, Any]:
+        """``kv_transfer_params`` of the prefill server's answer (JSON)."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.server_id,
+                "remote_host": self.host, "remote_port": self.port, "remote_host_id": self.host_id,
+                "remote_arena": self.arena, "remote_slot": self.slot, "remote_transfer_id": self.transfer_id,
+                "remote_offset_bytes": self.offset_bytes, "remote_nbytes": self.nbytes,
+                "remote_num_tokens": self.num_tokens,
+                "kv_layout": {"architecture": self.layout.architecture, "num_layers": self.layout.num_layers,
+                              "dtype": self.layout.dtype, "entries": [[n, list(s)] for n, s in self.layout.entries]},
+                "first_token_id": self.first_token_id,
+                "first_logprobs": None if self.first_logprobs is None else _lp_out(self.first_logprobs),
+                "prompt_logprobs": [_lp_out(x) for x in self.prompt_logprobs]}
+
+    @classmethod
+    def from_params(cls, p: dict[str, Any]) -> "KvHandle":
+        """The handle in a decode server's ``kv_transfer_params``; ValueError naming the bad field."""
+        def get(name: str, kind: type | tuple[type, ...]):
+            v = p.get(name)
+            if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+                raise ValueError(f"kv_transfer_params.{name}: expected {_kind_name(kind)}, got {v!r}")
+            return v
+
+        lay = get("kv_layout", dict)
+        try:
+            layout = KvLayout(str(lay["architecture"]), int(lay["num_layers"]), str(lay["dtype"]),
+                              tuple((str(n), tuple(int(d) for d in s)) for n, s in lay["entries"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"kv_transfer_params.kv_layout: not a KV layout ({type(e).__name__}: {e})") from None
+        first_lp = p.get("first_logprobs")
+        try:
+            return cls(get("remote_engine_id", str), get("remote_host", str), get("remote_port", int),
+                       get("remote_host_id", str), get("remote_arena", str), get("remote_slot", int),
+                       get("remote_transfer_id", int), get("remote_offset_bytes", int), get("remote_nbytes", int),
+                       get("remote_num_tokens", int), layout, get("first_token_id", int),
+                       None if first_lp is None else _lp_in(first_lp, "first_logprobs"),
+                       tuple(_lp_in(x, "prompt_logprobs") for x in p.get("prompt_logprobs") or ()))
+        except (TypeError, IndexError) as e:
+            raise ValueError(f"kv_transfer_params: malformed logprobs ({e})") from None
+
+
+def _kind_name(kind) -> str:
+    return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+
+
+def _lp_out(lp: RawLogprobs) -> list[list]:
+    return [[t, v, r] for t, (v, r) in lp.items()]
+
+
+def _lp_in(rows, where: str) -> RawLogprobs:
+    if not isinstance(rows, list):
+        raise ValueError(f"kv_transfer_params.{where}: expected a list of [token id, logprob, rank], got {rows!r}")
+    return {int(t): (float(v), int(r)) for t, v, r in rows}
