@@ -71,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from moeflow.predict import cli as predict_cli
     from moeflow.engine import worker_node
+    from moeflow.server import router
     from moeflow.server import serve as server
     from moeflow.sim import cli as sim_cli
 
     server.add_parser(sub)
+    router.add_parser(sub)
     worker_node.add_parser(sub)
     sim_cli.add_parser(sub)
     predict_cli.add_parser(sub)

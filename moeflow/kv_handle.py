@@ -28,6 +28,18 @@ class KvLayout:
         shapes = ", ".join(f"{n}{list(s)}" for n, s in self.entries)
         return f"{self.architecture} ({self.num_layers} layers, {self.dtype}, KV {shapes})"
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, "num_layers": self.num_layers, "dtype": self.dtype,
+                "entries": [[n, list(s)] for n, s in self.entries]}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "kv_layout") -> "KvLayout":
+        try:
+            return cls(str(d["architecture"]), int(d["num_layers"]), str(d["dtype"]),
+                       tuple((str(n), tuple(int(x) for x in s)) for n, s in d["entries"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: not a KV layout ({type(e).__name__}: {e})") from None
+
 
 @dataclass(frozen=True)
 class KvHandle:
@@ -53,8 +65,7 @@ class KvHandle:
                 "remote_arena": self.arena, "remote_slot": self.slot, "remote_transfer_id": self.transfer_id,
                 "remote_offset_bytes": self.offset_bytes, "remote_nbytes": self.nbytes,
                 "remote_num_tokens": self.num_tokens,
-                "kv_layout": {"architecture": self.layout.architecture, "num_layers": self.layout.num_layers,
-                              "dtype": self.layout.dtype, "entries": [[n, list(s)] for n, s in self.layout.entries]},
+                "kv_layout": self.layout.to_dict(),
                 "first_token_id": self.first_token_id,
                 "first_logprobs": None if self.first_logprobs is None else _lp_out(self.first_logprobs),
                 "prompt_logprobs": [_lp_out(x) for x in self.prompt_logprobs]}
@@ -68,12 +79,7 @@ class KvHandle:
                 raise ValueError(f"kv_transfer_params.{name}: expected {_kind_name(kind)}, got {v!r}")
             return v
 
-        lay = get("kv_layout", dict)
-        try:
-            layout = KvLayout(str(lay["architecture"]), int(lay["num_layers"]), str(lay["dtype"]),
-                              tuple((str(n), tuple(int(d) for d in s)) for n, s in lay["entries"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"kv_transfer_params.kv_layout: not a KV layout ({type(e).__name__}: {e})") from None
+        layout = KvLayout.from_dict(get("kv_layout", dict), "kv_transfer_params.kv_layout")
         first_lp = p.get("first_logprobs")
         try:
             return cls(get("remote_engine_id", str), get("remote_host", str), get("remote_port", int),

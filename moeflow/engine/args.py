@@ -15,6 +15,9 @@ from moeflow.layout import LAYOUTS, nested, parse_parts
 from moeflow.settings import launcher_env
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}
+# pd's flags that also set a role server's KvTransferConfig (its field names)
+_ROLE_FLAGS = {"kv_lease_s": "lease_s", "kv_load_failure_policy": "failure_policy",
+               "max_pending_handoffs": "max_pending", "kv_buffer_mib": "buffer_mib"}
 
 
 def _flag(f: dataclasses.Field, default) -> str:
@@ -130,6 +133,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     given = layout_kwargs(args)
+    if getattr(args, "role", None) is not None:  # serve --role: pd's handoff flags set this server's side
+        kv = {"role": args.role, "host": args.kv_host, "port": args.kv_port}
+        for flag, key in _ROLE_FLAGS.items():
+            if flag in given:
+                kv[key] = given.pop(flag)
+        kw["kv_transfer_config"] = kv
     for side in ("prefill", "decode"):
         if getattr(args, side, None) is not None:
             if args.mode != "pd":

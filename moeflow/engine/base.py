@@ -136,6 +136,10 @@ class Engine(abc.ABC):
         stores its flag in the staging arena when its copy is done."""
         raise ConfigError(f"mode {self.mode_name!r} cannot hand KV blocks over")
 
+    def release_kv(self, handle) -> None:
+        """Free the staged KV that ``handle`` (``kv_handle.KvHandle``) names, or tell its prefill server
+        to: a handoff refused or abandoned before its decode side took the KV. Roles only."""
+
     def collect_spans(self) -> list:
         """Trace spans recorded by the deployment's workers (modes with worker processes)."""
         raise ConfigError(f"mode {self.mode_name!r} records no trace spans; use a mode with worker processes")

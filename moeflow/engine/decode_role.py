@@ -78,8 +78,7 @@ class DecodeRole(RoleEngine):
         if len(self.incoming) >= self.kv_config.max_pending:
             raise EngineBusy(f"{len(self.incoming)} requests wait for blocks or for their KV "
                              f"(kv_transfer_config.max_pending); retry later")
-        self.incoming[rid] = Incoming(request, h, RemoteRange(h.server_id, h.host, h.port, h.transfer_id, h.slot,
-                                                              h.offset_bytes, h.nbytes), clock())
+        self.incoming[rid] = Incoming(request, h, _remote(h), clock())
 
     def abort(self, request_id: str) -> None:
         inc = self.incoming.pop(request_id, None)
@@ -91,6 +90,9 @@ class DecodeRole(RoleEngine):
 
     def has_unfinished(self) -> bool:
         return self.inner.has_unfinished() or bool(self.incoming)
+
+    def release_kv(self, handle: KvHandle) -> None:
+        self.client.release(_remote(handle))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -267,3 +269,7 @@ class DecodeRole(RoleEngine):
         for a in self._arenas.values():
             a.close()
         super().shutdown()
+
+
+def _remote(h: KvHandle) -> RemoteRange:
+    return RemoteRange(h.server_id, h.host, h.port, h.transfer_id, h.slot, h.offset_bytes, h.nbytes)

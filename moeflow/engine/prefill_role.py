@@ -49,7 +49,7 @@ class PrefillRole(RoleEngine):
         except BaseException:
             super().shutdown()
             raise
-        self.server_id, self.host_id = uuid.uuid4().hex, host_id()
+        self.server_id, self.host_id, self.kv_port = uuid.uuid4().hex, host_id(), self.server.port
         self.staging: dict[str, Staging] = {}
         self.offered: dict[int, KvStage] = {}  # transfer id -> its stage, until reaped
         self._logprobs: dict[str, tuple] = {}  # handoff request -> (first token's, prompt's so far)
@@ -73,6 +73,10 @@ class PrefillRole(RoleEngine):
 
     def has_unfinished(self) -> bool:
         return self.inner.has_unfinished() or bool(self.staging)
+
+    def release_kv(self, handle: KvHandle) -> None:
+        if handle.server_id == self.server_id:  # the router found no decode server to take it
+            self.offers.release(handle.transfer_id)
 
     def step(self) -> StepResult:
         res = self.inner.step()

@@ -22,6 +22,7 @@ from moeflow.model.attention import attention_for
 
 class RoleEngine(Engine):
     multinode = False
+    kv_port: int | None = None  # a prefill server's KV link's port
 
     def __init__(self, inner: Engine, kv: KvTransferConfig):
         self.inner, self.kv_config = inner, kv

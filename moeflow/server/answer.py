@@ -31,6 +31,7 @@ class Choice:
         self.prompt_logprobs: list[RawLogprobs] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.kv_transfer_params: dict | None = None
 
     def add(self, d: Delta, streaming: bool) -> tuple[str, dict | None]:
         """Record one delta; returns its text (streaming only) and its logprobs in the answer's shape."""
@@ -41,6 +42,7 @@ class Choice:
             self.text = (self.text or "") + d.text
         if final:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+            self.kv_transfer_params = d.kv_transfer_params
         new = ""
         if streaming:
             new = d.text if d.text is not None else self._detok.add(list(d.token_ids), final=final)
@@ -82,6 +84,9 @@ class Answer:
     def body(self) -> dict:
         choices = [self._whole_choice(c) for c in self.choices]
         out = {**self.head, "choices": choices, "usage": self.usage()}
+        kv = self.choices[0].kv_transfer_params
+        if kv is not None:  # a prefill server's handoff (one choice): what the decode server takes (vLLM's key)
+            out["kv_transfer_params"] = kv
         if self.chat and self.want_prompt_logprobs:  # vLLM: chat's are the answer's, completions' the choice's
             out["prompt_logprobs"] = prompt_logprobs(self.texts, self.choices[0].prompt_logprobs)
         return out

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from moeflow.kv_handle import KvHandle
 from moeflow.server.async_engine import AsyncEngine
 from moeflow.server.config import ServerConfig
 from moeflow.server.errors import ApiError
@@ -107,6 +108,29 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
     async def models():
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(START_S),
                                             "owned_by": "moeflow", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/v1/kv_transfer", responses=_ERRORS, summary="a prefill or decode server's role, KV layout and "
+             "free KV (moeflow router reads it to check a deployment and place requests)")
+    async def kv_transfer():
+        if config.role is None:
+            raise ApiError(404, "this server has no prefill/decode role (moeflow serve --role)", type="not_found_error")
+        s, e = engine.snapshot(), engine.llm.engine
+        return {"role": config.role, "kv_layout": e.kv_layout.to_dict(), "kv_port": e.kv_port,
+                "healthy": s.healthy, "num_free_kv_blocks": s.num_free_kv_blocks, "num_kv_blocks": s.num_kv_blocks,
+                "num_waiting": s.num_waiting, "num_running": s.num_running, "num_handoffs": s.num_handoffs}
+
+    @app.post("/v1/kv_transfer/release", responses=_ERRORS, summary="a prefill server's staged KV that no decode "
+              "server will take (the router's, when every decode server refused it): freed before its lease ends")
+    async def kv_release(raw: Request):
+        if config.role != "prefill":
+            raise ApiError(404, "only a prefill server (moeflow serve --role prefill) stages KV", type="not_found_error")
+        try:
+            handle = KvHandle.from_params(await raw.json())
+        except ValueError as e:  # invalid JSON too
+            raise ApiError(400, f"the body must be a prefill answer's kv_transfer_params: {e}",
+                           param="kv_transfer_params") from None
+        engine.release_kv(handle)
+        return {"released": handle.transfer_id}
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, raw: Request):

@@ -1,19 +1,18 @@
 """AsyncEngine: one background thread owns the Engine and runs its step loop for the HTTP server.
 
-The thread is the only one that touches the Engine: it builds it, steps it, aborts into it and
-shuts it down. Handlers reach it through one FIFO inbox (add, abort, stop) and read each
-request's progress from that request's asyncio queue, which the thread fills through
-``loop.call_soon_threadsafe``. Admission is bounded: past ``max_pending`` unfinished requests
-``submit`` refuses at once (the caller answers 429), so a flood costs one refusal per request,
-not queue memory.
+The thread is the only one that touches the Engine: it builds it, steps it, aborts into it and shuts
+it down. Handlers reach it through one FIFO inbox (add, abort, release, stop) and read each request's
+progress from that request's asyncio queue, which the thread fills through ``call_soon_threadsafe``.
+Admission is bounded: past ``max_pending`` unfinished requests ``submit`` refuses at once (the caller
+answers 429), so a flood costs one refusal per request, not queue memory.
 
 Invariant: every request ``submit`` accepted gets exactly one answer from the thread — a refusal
 (``RequestStream.accepted`` raises) or deltas ending in one with a ``finish_reason`` (completion,
 engine error, or shutdown) — unless its handler aborted it first. No handler waits forever.
 
 A failed deployment is rebuilt, a degraded one healed in place, and the server gives up when the
-restart policy says so (``health.Supervisor``); the thread checks its workers after every
-iteration, busy or idle, and the engine's stall watchdog fails work nobody answers.
+restart policy says so (``health.Supervisor``); the thread checks its workers after every iteration,
+busy or idle, and the engine's stall watchdog fails work nobody answers.
 """
 from __future__ import annotations
 
@@ -93,6 +92,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """The handler stopped listening (client gone): cancel the request and free its KV blocks."""
         self._inbox.put(("abort", request_id))
+
+    def release_kv(self, handle) -> None:
+        """A refused handoff (``kv_handle.KvHandle``): its prefill server may free the KV now."""
+        self._inbox.put(("release", handle))
 
     def snapshot(self) -> Snapshot:
         return self._snap
@@ -196,12 +199,12 @@ class AsyncEngine:
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":
             self._add(arg)
-        elif kind == "abort":
-            t = self._tracked.pop(arg, None)
-            if t is not None:
-                self.llm.engine.abort(arg)
-                self.metrics.finished.labels("abort").inc()
-                self._release()
+        elif kind == "release":
+            self.llm.engine.release_kv(arg)
+        elif kind == "abort" and self._tracked.pop(arg, None) is not None:
+            self.llm.engine.abort(arg)
+            self.metrics.finished.labels("abort").inc()
+            self._release()
 
     def _add(self, stream: RequestStream) -> None:
         r = stream.request
@@ -292,8 +295,5 @@ class AsyncEngine:
         if failure is not None:
             self._snap = Snapshot(False, failure, pending, restarting=restarting)
             return
-        load = self.llm.engine.load()
-        self._snap = Snapshot(True, None, pending, load.num_waiting, load.num_running, load.num_free_kv_blocks,
-                              load.num_kv_blocks, load.running_per_group, load.preemptions_per_group,
-                              degraded=self.supervisor.degraded, running_per_role=load.running_per_role,
-                              num_handoffs=load.num_handoffs, handoff_counts=load.handoff_counts)
+        load = self.llm.engine.load()  # EngineLoad's fields are the snapshot's
+        self._snap = Snapshot(True, None, pending, degraded=self.supervisor.degraded, **vars(load))

@@ -17,6 +17,7 @@ class ServerConfig:
     max_pending_requests: int = 256
     max_body_bytes: int = 4 << 20  # larger request bodies get 413 before any is parsed
     busy_window_s: float = 10.0  # per-worker busy fraction: compute seconds over this trailing window
+    role: str | None = None  # "prefill" | "decode" behind moeflow router (kv_transfer_params honoured); None: whole requests
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -29,5 +30,7 @@ class ServerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"ServerConfig.{name} must be a positive int, got {v!r}")
+        if self.role not in (None, "prefill", "decode"):
+            raise ConfigError(f"ServerConfig.role must be prefill, decode or None, got {self.role!r}")
         if not self.busy_window_s > 0:
             raise ConfigError(f"busy_window_s must be > 0, got {self.busy_window_s!r}")

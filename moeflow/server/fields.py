@@ -73,7 +73,8 @@ REFUSED: dict[str, Refused] = {
     "mm_processor_kwargs": Refused("the models served here take text only"),
     "priority": Refused("the scheduler has no priorities (priority must be 0)", _equals(0)),
     "logits_processors": Refused("custom logits processors are not loaded"),
-    "kv_transfer_params": Refused("KV transfer between servers is the router's, not a request's"),
+    "kv_transfer_params": Refused("this server has no prefill/decode role (moeflow serve --role prefill or decode, "
+                                  "behind moeflow router)"),
     "vllm_xargs": Refused("no extension reads extra arguments"),
     "prompt_embeds": Refused("prompts are text or token ids, not embeddings"),
     "include_reasoning": Refused("no reasoning parser splits the output", _equals(True)),

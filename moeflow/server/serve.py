@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from moeflow import lifecycle, settings
-from moeflow.config import ConfigError
+from moeflow.config import KV_ROLES, ConfigError
 from moeflow.engine.args import add_engine_args, cluster_config, engine_kwargs
 from moeflow.engine.worker_node import run_node
 from moeflow.server.config import ServerConfig
@@ -37,6 +37,15 @@ def add_parser(sub) -> None:
                    help=f"once the deployment stays failed, keep answering 503 instead of exiting with status "
                         f"{GAVE_UP_EXIT} (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r = p.add_argument_group("prefill/decode roles (behind moeflow router; docs/pd.md)")
+    r.add_argument("--role", "--disaggregation-mode", dest="role", default=None, choices=KV_ROLES,
+                   help="prefill: answer a request with kv_transfer_params {do_remote_decode: true} with its first "
+                        "token and a handle to its KV; decode: take such a handle's KV instead of computing the "
+                        "prompt. --kv-lease-s, --kv-load-failure-policy, --max-pending-handoffs and --kv-buffer-mib "
+                        "apply (default: whole requests)")
+    r.add_argument("--kv-host", default="127.0.0.1", help="prefill: the KV port's address, advertised to decode "
+                   "servers (this host's address on the network they share)")
+    r.add_argument("--kv-port", type=int, default=0, help="prefill: the KV port (0: any free one)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -56,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("moeflow serve records no trace (--trace); use moeflow bench serve --trace")
     config = ServerConfig(model_name=args.served_model_name or args.model, host=args.host, port=args.port,
                           api_key=args.api_key or settings.api_key(), max_pending_requests=args.max_pending_requests,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, role=args.role)
     kwargs = {**engine_kwargs(args), "max_restarts": args.max_restarts, "restart_backoff_s": args.restart_backoff_s}
     metrics = ServerMetrics(config.busy_window_s, clock)
     http: list[uvicorn.Server] = []  # set below; the engine thread stops it when it gives up
@@ -78,7 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.start()  # loads the model (and starts the workers) on the engine thread
         metrics.watch(engine.snapshot, engine.oldest_work_age_s)
         app = build_app(engine, config, metrics)
-        print(f"moeflow: serving {config.model_name!r} (mode {args.mode}, context {engine.max_model_len}) "
+        role = "" if args.role is None else f", {args.role} role, KV port {engine.llm.engine.kv_port}"
+        print(f"moeflow: serving {config.model_name!r} (mode {args.mode}, context {engine.max_model_len}{role}) "
               f"on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
         http.append(uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
                                                   lifespan="off", timeout_graceful_shutdown=5)))

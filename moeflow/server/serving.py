@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from moeflow.core import RequestError
+from moeflow.kv_handle import KvHandle
 from moeflow.server import errors
 from moeflow.server.answer import Answer, sse
 from moeflow.server.async_engine import AsyncEngine
@@ -27,6 +29,14 @@ from moeflow.server.protocol import ChatCompletionRequest, CompletionRequest, _S
 from moeflow.server.stream import RequestStream, merged
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A request's part in a prefill/decode split across servers (from ``kv_transfer_params``)."""
+
+    remote_decode: bool = False  # a prefill server's: stage the KV for a decode server, answer with its handle
+    source: KvHandle | None = None  # a decode server's: the prefill server's handle to the prompt's KV
 
 
 async def _disconnected(raw: HttpRequest) -> None:
@@ -43,14 +53,16 @@ class OpenAIServing:
     # -- the two endpoints --------------------------------------------------------------------
 
     async def completion(self, body: CompletionRequest, raw: HttpRequest):
+        kv = self._kv_transfer(body)
         self._check(body)
         tokenizer = self.engine.llm.tokenizer
         ids = await self._encode(lambda: body.prompt_ids(tokenizer), "prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else _DEFAULT_COMPLETION_MAX_TOKENS
         return await self._run("text_completion", f"cmpl-{body.request_id or uuid.uuid4().hex}", ids, "prompt",
-                               max_tokens, body, raw)
+                               max_tokens, body, raw, kv)
 
     async def chat(self, body: ChatCompletionRequest, raw: HttpRequest):
+        kv = self._kv_transfer(body)
         self._check(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         tokenizer = self.engine.llm.tokenizer
@@ -66,7 +78,7 @@ class OpenAIServing:
         if max_tokens is None:  # the rest of the context (at least 1, so an overlong prompt is named as such)
             max_tokens = max(1, self.engine.max_model_len - len(ids))
         return await self._run("chat.completion", f"chatcmpl-{body.request_id or uuid.uuid4().hex}", ids,
-                               "messages", max_tokens, body, raw)
+                               "messages", max_tokens, body, raw, kv)
 
     # -- shared steps -------------------------------------------------------------------------
 
@@ -75,6 +87,31 @@ class OpenAIServing:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.config.model_name!r}", param="model", code="model_not_found")
         body.check_supported()
+
+    def _kv_transfer(self, body: _Sampling) -> Handoff:
+        """What ``kv_transfer_params`` asks of this server's role, taken off the body (it is no sampling
+        field); on a server without a role it stays, and ``_check`` refuses it."""
+        p, role = body.kv_transfer_params, self.config.role
+        if p is None or role is None:
+            return Handoff()
+        body.kv_transfer_params = None
+        if body.n != 1:
+            raise errors.bad_request(f"n={body.n}: a prefill/decode handoff carries one sample", param="n")
+        if role == "prefill":
+            if p.get("do_remote_decode") is not True:
+                raise errors.bad_request("kv_transfer_params: a prefill server takes {\"do_remote_decode\": true}",
+                                         param="kv_transfer_params")
+            if body.stream:
+                raise errors.bad_request("a prefill server answers a remote decode's prefill as one JSON body "
+                                         "(stream=false)", param="stream")
+            return Handoff(remote_decode=True)
+        if p.get("do_remote_prefill") is not True:
+            raise errors.bad_request("kv_transfer_params: a decode server takes the prefill server's answer's "
+                                     "kv_transfer_params (do_remote_prefill: true, ...)", param="kv_transfer_params")
+        try:
+            return Handoff(source=KvHandle.from_params(p))
+        except ValueError as e:
+            raise errors.bad_request(str(e), param="kv_transfer_params") from None
 
     @staticmethod
     async def _encode(fn, param: str) -> list[int]:
@@ -86,7 +123,7 @@ class OpenAIServing:
             raise errors.bad_request(f"{param} cannot be tokenized: {e}", param=param) from e
 
     async def _run(self, kind: str, rid: str, ids: list[int], prompt_param: str, max_tokens: int,
-                   body: _Sampling, raw: HttpRequest):
+                   body: _Sampling, raw: HttpRequest, kv: Handoff):
         def invalid(e: RequestError) -> ApiError:
             err = errors.from_request_error(e, prompt_param, len(ids), self.engine.max_model_len)
             if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
@@ -98,7 +135,10 @@ class OpenAIServing:
             # off the loop: it checks and copies every id (4 M of them held the loop for 0.7 s)
             requests = await asyncio.to_thread(self.engine.llm.make_requests, {"prompt_token_ids": ids}, params, rid)
         except RequestError as e:
+            self._release(kv)
             raise invalid(e) from e
+        for r in requests:
+            r.kv_handoff, r.kv_source = kv.remote_decode, kv.source
         streams: list[RequestStream] = []
         try:
             for r in requests:
@@ -107,6 +147,7 @@ class OpenAIServing:
                 await s.accepted()
         except BaseException as e:  # refused, or cancelled while queued: nobody will read the answer
             self._abort(streams)
+            self._release(kv)
             if isinstance(e, Overloaded):
                 raise errors.overloaded(self.engine.max_pending) from None
             if isinstance(e, EngineUnavailable):
@@ -120,6 +161,11 @@ class OpenAIServing:
             return StreamingResponse(self._stream(answer, streams), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await self._answer(answer, streams, raw)
+
+    def _release(self, kv: Handoff) -> None:
+        """A refused handoff: its prefill server need not keep the KV until the lease runs out."""
+        if kv.source is not None:
+            self.engine.release_kv(kv.source)
 
     def _abort(self, streams: list[RequestStream]) -> None:
         for s in streams:

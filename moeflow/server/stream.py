@@ -30,6 +30,8 @@ class Delta:
     logprobs: tuple[RawLogprobs, ...] = ()  # one per token of token_ids, when params.logprobs is set
     prompt_logprobs: tuple[RawLogprobs, ...] = ()  # the next prompt positions' (from 1), when asked
     stop_reason: int | str | None = None  # on the last delta: the stop token id or stop string, if one ended it
+    # on the last delta of a prefill server's handoff: the staged KV's handle (the answer's kv_transfer_params)
+    kv_transfer_params: dict | None = None
 
 
 def step_delta(request: Request, out, finished: bool) -> Delta | None:
@@ -43,7 +45,8 @@ def step_delta(request: Request, out, finished: bool) -> Delta | None:
     plp = tuple(out.prompt_logprobs) if out is not None and p.prompt_logprobs is not None else ()
     text = request.stop_strings.take() if request.stop_strings is not None else None
     if finished:
-        return Delta(tokens, request.finish_reason, request.error, text, logprobs, plp, request.stop_reason)
+        kv = request.kv_handle.to_params() if request.kv_handle is not None else None
+        return Delta(tokens, request.finish_reason, request.error, text, logprobs, plp, request.stop_reason, kv)
     if not tokens and not plp:
         return None
     return Delta(tokens, text=text, logprobs=logprobs, prompt_logprobs=plp)

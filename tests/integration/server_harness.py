@@ -21,14 +21,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, *args: str, log_path: str, start_timeout_s: float = 60.0,
+    """``model``: a checkpoint for ``moeflow serve``; None: ``moeflow router`` (``args`` name its servers)."""
+
+    def __init__(self, model: str | None, *args: str, log_path: str, start_timeout_s: float = 60.0,
                  env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        cmd = [sys.executable, "-m", "moeflow", "serve", "--model", model, "--port", str(self.port),
-               "--log-level", "warning", *args]
+        command = ["serve", "--model", model] if model is not None else ["router"]
+        cmd = [sys.executable, "-m", "moeflow", *command, "--port", str(self.port), "--log-level", "warning", *args]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:

@@ -1,0 +1,221 @@
+"""``moeflow router``: an OpenAI-compatible front over prefill and decode servers (vLLM's proxy, SGLang's
+router in PD mode).
+
+Per request: the body goes to a prefill server with ``max_tokens=1``, ``stream=false`` and
+``kv_transfer_params: {do_remote_decode: true}``; its answer's ``kv_transfer_params`` (the staged
+KV's handle and the first token) go to a decode server with the original body, and that server's
+answer, streamed or whole, is the client's. So the first token reaches the client from the decode
+server, after the handoff (SGLang's way): TTFT as the client measures it includes the transfer,
+and each server's ``/metrics`` says what its side took. A decode server that refuses (429, 503) or
+cannot be reached is skipped for the next; when none takes it, the prefill server is told to free
+the KV at once. A client that leaves closes the decode server's stream, which aborts the request
+there and releases the KV.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from moeflow import lifecycle, settings
+from moeflow.server.backends import Backend, Backends
+from moeflow.server.errors import ApiError
+from moeflow.server.middleware import ApiKeyAuth
+
+logger = logging.getLogger("moeflow.router")
+
+_RETRY = (429, 503)  # a decode server that answers these did not take the request: try the next
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("router", help="an OpenAI-compatible front over prefill and decode servers "
+                                      "(moeflow serve --role prefill|decode)")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' base URLs")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' base URLs")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients (default: "
+                   "$MOEFLOW_API_KEY, else $VLLM_API_KEY); the same header goes on to the servers")
+    p.add_argument("--wait-s", type=float, default=120.0, help="how long to wait at start for servers still loading")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="one request's longest time at a server")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_router)
+
+
+def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="moeflow router", version="0.1.0")
+    client = backends.client
+    counts = {"ok": 0, "prefill_failed": 0, "no_decode": 0, "finished_on_prefill": 0}
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.get("/health")
+    async def health():
+        ok, why = backends.healthy
+        return {"status": "ok"} if ok else JSONResponse({"status": "unhealthy", "reason": why}, status_code=503)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics():
+        lines = ["# TYPE moeflow_router_requests_total counter"]
+        lines += [f'moeflow_router_requests_total{{outcome="{k}"}} {v}' for k, v in counts.items()]
+        lines.append("# TYPE moeflow_router_in_flight gauge")
+        lines += [f'moeflow_router_in_flight{{role="{b.role}",server="{b.url}"}} {b.in_flight}'
+                  for b in backends.prefill + backends.decode]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": backends.model_name, "object": "model", "owned_by": "moeflow",
+                                            "max_model_len": backends.max_model_len}]}
+
+    async def route(path: str, raw: Request):
+        try:
+            body = json.loads(await raw.body())
+        except ValueError as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request needs a JSON object body", code="invalid_type")
+        if body.get("n", 1) != 1:
+            raise ApiError(400, f"n={body.get('n')}: behind the router a request carries one sample (send n requests)",
+                           param="n", code="unsupported")
+        headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+        p = backends.pick_prefill()
+        handoff, first = await _prefill(p, path, body, headers)
+        if isinstance(first, Response):  # the prefill server's error, as it gave it
+            counts["prefill_failed"] += 1
+            return first
+        if handoff is None:  # its first token ended the request: the prefill answer is the answer
+            counts["finished_on_prefill"] += 1
+            return _as_stream(first) if body.get("stream") else JSONResponse(first)
+        answer = await _decode(path, {**body, "kv_transfer_params": handoff}, headers,
+                               int(handoff.get("remote_num_tokens") or 0))
+        if answer is None:
+            counts["no_decode"] += 1
+            await _release(p, handoff, headers)
+            raise ApiError(503, "no decode server took the request (all refused or were unreachable); retry later",
+                           type="server_error", code="no_decode_server", headers={"Retry-After": "1"})
+        counts["ok"] += 1
+        return answer
+
+    async def _prefill(p: Backend, path: str, body: dict, headers: dict):
+        pbody = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True},
+                 "min_tokens": min(body.get("min_tokens") or 0, 1)}
+        if "max_completion_tokens" in body:
+            pbody["max_completion_tokens"] = 1
+        pbody.pop("stream_options", None)
+        p.in_flight += 1
+        try:
+            r = await client.post(f"{p.url}{path}", json=pbody, headers=headers, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise ApiError(502, f"the prefill server {p.url} failed: {type(e).__name__}: {e}", type="server_error",
+                           code="prefill_unreachable") from None
+        finally:
+            p.in_flight -= 1
+        if r.status_code != 200:
+            return None, Response(r.content, status_code=r.status_code, media_type="application/json",
+                                  headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
+        answer = r.json()
+        return answer.get("kv_transfer_params"), answer
+
+    async def _decode(path: str, body: dict, headers: dict, prompt_tokens: int) -> Response | None:
+        for d in backends.decode_order(prompt_tokens):
+            d.in_flight += 1
+            try:
+                req = client.build_request("POST", f"{d.url}{path}", json=body, headers=headers, timeout=timeout_s)
+                r = await client.send(req, stream=True)
+            except httpx.HTTPError as e:
+                d.in_flight -= 1
+                logger.warning("decode server %s unreachable: %s", d.url, e)
+                continue
+            if r.status_code in _RETRY:
+                await r.aclose()
+                d.in_flight -= 1
+                continue
+            return _relay(r, d)
+        return None
+
+    def _relay(r: httpx.Response, d: Backend) -> Response:
+        async def chunks():
+            try:
+                async for c in r.aiter_raw():
+                    yield c
+            finally:  # the client left, or the answer ended: the decode server sees the stream close
+                await r.aclose()
+                d.in_flight -= 1
+
+        return StreamingResponse(chunks(), status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    async def _release(p: Backend, handoff: dict, headers: dict) -> None:
+        try:
+            await client.post(f"{p.url}/v1/kv_transfer/release", json=handoff, headers=headers, timeout=5.0)
+        except httpx.HTTPError:  # its lease frees it anyway
+            pass
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await route("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await route("/v1/chat/completions", raw)
+
+    app.add_middleware(ApiKeyAuth, api_key=api_key)
+    return app
+
+
+def _as_stream(answer: dict) -> StreamingResponse:
+    """A whole answer as the SSE a streaming client expects: one chunk per choice, then [DONE]."""
+    chat = answer.get("object") == "chat.completion"
+    head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    events = []
+    for c in answer.get("choices", []):
+        piece = {"index": c["index"], "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason"),
+                 "stop_reason": c.get("stop_reason")}
+        if chat:
+            piece["delta"] = {"role": "assistant", "content": c["message"]["content"]}
+        else:
+            piece["text"] = c.get("text", "")
+        events.append(f"data: {json.dumps({**head, 'choices': [piece]})}\n\n")
+    events.append("data: [DONE]\n\n")
+    return StreamingResponse(iter(events), media_type="text/event-stream")
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    api_key = args.api_key or settings.api_key()
+    lifecycle.handle_signals()
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
+            backends = Backends(args.prefill, args.decode, client)
+            t0 = time.monotonic()
+            await backends.check(args.wait_s)
+            backends.start()
+            app = build_router(backends, args.timeout_s, api_key)
+            print(f"moeflow: routing {backends.model_name!r} over {len(backends.prefill)} prefill and "
+                  f"{len(backends.decode)} decode servers (checked in {time.monotonic() - t0:.1f} s) on "
+                  f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+            server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                                   lifespan="off", timeout_graceful_shutdown=5))
+            try:
+                await server.serve()
+            finally:
+                await backends.stop()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        return 130
+    return 0

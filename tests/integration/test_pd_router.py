@@ -1,0 +1,91 @@
+"""Prefill and decode as separate servers behind ``moeflow router``, driven by the official openai
+client: an asap prefill server hands each request's KV to an afd decode server; completions (whole
+and streamed) and chat equal a colocated run's greedy text and logprobs; both servers' /metrics
+count the handoffs; every block and staged range returns on both sides; a router over servers of
+two different models refuses to start, naming both."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from moeflow import LLM, SamplingParams
+
+from server_harness import ServerProcess
+
+PREFILL = ["--role", "prefill", "--mode", "asap", "--attn-dp", "1", "--moe-workers", "1", "--min-batch-tokens", "8",
+           "--max-batch-wait-s", "0.005"]
+DECODE = ["--role", "decode", "--mode", "afd", "--attn-workers", "1", "--ffn-workers", "1"]
+COMMON = ["--dtype", "float32", "--served-model-name", "m", "--max-model-len", "256"]
+PROMPTS = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(40, 70)), list(range(3, 60))]
+
+
+@pytest.fixture(scope="module")
+def split(checkpoints, tmp_path_factory):
+    path = checkpoints("qwen3").path
+    logs = tmp_path_factory.mktemp("pd-router")
+    servers = []
+    try:
+        servers.append(ServerProcess(path, *PREFILL, *COMMON, log_path=str(logs / "prefill.log")))
+        servers.append(ServerProcess(path, *DECODE, *COMMON, log_path=str(logs / "decode.log")))
+        servers.append(ServerProcess(None, "--prefill", servers[0].url, "--decode", servers[1].url,
+                                     log_path=str(logs / "router.log")))
+        yield path, *servers
+    finally:
+        for s in reversed(servers):
+            s.stop()
+
+
+def wait_clean(*servers) -> list[dict]:
+    """Every server's KV back to full, nothing staged or pending (released ranges are reaped async)."""
+    deadline = time.monotonic() + 10
+    while True:
+        infos = [httpx.get(s.url + "/v1/kv_transfer", timeout=5).json() for s in servers]
+        if all(i["num_free_kv_blocks"] == i["num_kv_blocks"] and i["num_handoffs"] == 0 for i in infos):
+            return infos
+        assert time.monotonic() < deadline, infos
+        time.sleep(0.1)
+
+
+def test_router_matches_colocated(split):
+    path, prefill, decode, router = split
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    with LLM(path, dtype="float32") as ref:
+        expected = ref.generate(PROMPTS, sp)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none")
+    for ids, e in zip(PROMPTS, expected):
+        r = client.completions.create(model="m", prompt=ids, max_tokens=8, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+        want = e.outputs[0]
+        assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+        got_lp = r.choices[0].logprobs.token_logprobs
+        assert max(abs(a - b[t].logprob) for a, t, b in zip(got_lp, want.token_ids, want.logprobs)) < 1e-3
+        assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == len(ids)
+        chunks = list(client.completions.create(model="m", prompt=ids, max_tokens=8, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+                                          temperature=0)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 5
+    handed = 2 * len(PROMPTS) + 1
+    pm, dm = prefill.metrics(), decode.metrics()
+    assert dm["moeflow_kv_transfer_seconds_count"] == handed == pm["moeflow_kv_transfer_seconds_count"]
+    assert dm["moeflow_kv_transfer_bytes_total"] == pm["moeflow_kv_transfer_bytes_total"] > 0
+    wait_clean(prefill, decode)
+
+
+def test_router_refuses_servers_of_two_models(checkpoints, split, tmp_path):
+    _, prefill, _, _ = split
+    other = ServerProcess(checkpoints("deepseek_v3").path, "--role", "decode", *COMMON,
+                          log_path=str(tmp_path / "other.log"))
+    try:
+        p = subprocess.run([sys.executable, "-m", "moeflow", "router", "--prefill", prefill.url, "--decode",
+                            other.url, "--wait-s", "10"], capture_output=True, text=True, timeout=60)
+    finally:
+        other.stop()
+    assert p.returncode == 2
+    assert f"{other.url} runs DeepseekV3ForCausalLM" in p.stderr and f"but {prefill.url} runs Qwen3Moe" in p.stderr
