@@ -22,9 +22,20 @@ class StepResult:
     finished: list[Request]  # requests that finished (or failed) in this step
     # worker name -> seconds of compute its work items reported in this step (a server's busy fraction)
     busy_s: dict[str, float] = field(default_factory=dict)
-    # pd: the KV handoffs completed in this step, (seconds, bytes) each, and the pre-allocation waits
-    kv_transfers: list[tuple[float, int]] = field(default_factory=list)
+    # pd: the KV handoffs completed in this step and the pre-allocation waits
+    kv_transfers: list["KvTransfer"] = field(default_factory=list)
     prealloc_waits_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    """One KV handoff's copy, as /metrics counts it."""
+
+    seconds: float
+    nbytes: int
+    # "shm": into the decode side's blocks through one host's shared memory; "gloo": pulled from
+    # another host, then copied in; "stage": a prefill server's copy out into its staging arena
+    path: str
 
 
 @dataclass(frozen=True)

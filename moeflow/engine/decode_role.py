@@ -21,7 +21,7 @@ from moeflow.comm.kv_client import KvClient, RemoteRange
 from moeflow.comm.kv_link import host_id
 from moeflow.config import KvTransferConfig
 from moeflow.core import EngineBusy, Request, RequestError
-from moeflow.engine.base import Engine, StepResult, clock, validate_request
+from moeflow.engine.base import Engine, KvTransfer, StepResult, clock, validate_request
 from moeflow.engine.kv_handoff import BUSY, DONE, FAILED, flags_state
 from moeflow.engine.role import RoleEngine
 from moeflow.kv_handle import KvHandle
@@ -181,7 +181,7 @@ class DecodeRole(RoleEngine):
         s = self.kv.stats
         s.transfers, s.bytes_total = s.transfers + 1, s.bytes_total + h.nbytes
         s.seconds.append(secs)
-        out.kv_transfers.append((secs, h.nbytes))
+        out.kv_transfers.append(KvTransfer(secs, h.nbytes, "shm" if inc.local is None else "gloo"))
         out.prealloc_waits_s.append(inc.started_s - inc.since_s)
         out.outputs[r.request_id] = SeqOutput(h.first_token_id, h.first_logprobs, list(h.prompt_logprobs))
         if r.append_token(h.first_token_id):  # its first token ended it: nothing to decode

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from moeflow.comm.kv_arena import READ, WRITE
 from moeflow.core import Request
-from moeflow.engine.base import StepResult, clock
+from moeflow.engine.base import KvTransfer, StepResult, clock
 from moeflow.engine.kv_handoff import DONE, FAILED
 from moeflow.messages import KvRecv, KvSend, KvStage
 
@@ -109,7 +109,7 @@ class Handoffs:
             s.transfers += 1
             s.bytes_total += self.kv.bytes_for(h.stage.num_tokens)
             s.seconds.append(clock() - h.started_s)
-            out.kv_transfers.append((s.seconds[-1], self.kv.bytes_for(h.stage.num_tokens)))
+            out.kv_transfers.append(KvTransfer(s.seconds[-1], self.kv.bytes_for(h.stage.num_tokens), "shm"))
             self.handoff_s[h.request.request_id] = s.seconds[-1]  # goes out with its first decode output
             self.kv.close(h.stage)
             del self.handoffs[h.request.request_id]

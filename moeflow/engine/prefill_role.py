@@ -21,7 +21,7 @@ from moeflow.comm.kv_link import host_id
 from moeflow.comm.kv_server import KvServer, Offers
 from moeflow.config import KvTransferConfig
 from moeflow.core import Request, RequestError
-from moeflow.engine.base import Engine, StepResult, clock
+from moeflow.engine.base import Engine, KvTransfer, StepResult, clock
 from moeflow.engine.kv_handoff import DONE, FAILED
 from moeflow.engine.role import RoleEngine
 from moeflow.kv_handle import KvHandle
@@ -144,7 +144,7 @@ class PrefillRole(RoleEngine):
             self.kv.stats.transfers += 1
             self.kv.stats.bytes_total += nbytes
             self.kv.stats.seconds.append(clock() - s.since_s)
-            out.kv_transfers.append((clock() - s.since_s, nbytes))
+            out.kv_transfers.append(KvTransfer(clock() - s.since_s, nbytes, "stage"))
             out.finished.append(r)
 
     def _fail(self, s: Staging, out: StepResult, why: str) -> None:

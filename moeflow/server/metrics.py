@@ -42,9 +42,11 @@ class ServerMetrics:
         self.stalls = Counter("moeflow_engine_stalls", "Work items that went unanswered past --stall-timeout-s "
                               "(each failed the deployment, or a dwdp rank, as a dead worker would)", registry=r)
         self.kv_transfer = Histogram("moeflow_kv_transfer_seconds", "pd: one request's KV handoff, decode room "
-                                     "found to KV in place on the decode side", buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.kv_bytes = Counter("moeflow_kv_transfer_bytes", "pd: KV bytes handed from prefill to decode instances",
-                                registry=r)
+                                     "found to KV in place on the decode side, by path (shm: one host's shared "
+                                     "memory; gloo: pulled from another host; stage: a prefill server's copy out)",
+                                     ["path"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.kv_bytes = Counter("moeflow_kv_transfer_bytes", "pd: KV bytes handed from prefill to decode instances, "
+                                "by path", ["path"], registry=r)
         self.kv_prealloc = Histogram("moeflow_kv_prealloc_wait_seconds", "pd: first token sampled to decode blocks "
                                      "pre-allocated (waiting for decode room)", buckets=_LATENCY_BUCKETS_S, registry=r)
         self._busy_window_s = busy_window_s
@@ -67,11 +69,11 @@ class ServerMetrics:
             while self._busy and self._busy[0][0] < now - self._busy_window_s:
                 self._busy.popleft()
 
-    def observe_handoffs(self, transfers: list[tuple[float, int]], prealloc_waits_s: list[float]) -> None:
-        """Engine thread: the KV handoffs a pd deployment completed in one step."""
-        for secs, nbytes in transfers:
-            self.kv_transfer.observe(secs)
-            self.kv_bytes.inc(nbytes)
+    def observe_handoffs(self, transfers: list, prealloc_waits_s: list[float]) -> None:
+        """Engine thread: the KV handoffs (``engine.base.KvTransfer``) a pd deployment completed in one step."""
+        for t in transfers:
+            self.kv_transfer.labels(t.path).observe(t.seconds)
+            self.kv_bytes.labels(t.path).inc(t.nbytes)
         for secs in prealloc_waits_s:
             self.kv_prealloc.observe(secs)
 

@@ -21,16 +21,21 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``model``: a checkpoint for ``moeflow serve``; None: ``moeflow router`` (``args`` name its servers)."""
+    """``model``: a checkpoint for ``moeflow serve``; None: ``moeflow router`` (``args`` name its servers).
+    ``host``: the network namespace's ``netns.Host`` to run it in (None: here, on loopback)."""
 
     def __init__(self, model: str | None, *args: str, log_path: str, start_timeout_s: float = 60.0,
-                 env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+                 env: dict[str, str] | None = None, host=None):
+        self.port = free_port()  # a namespace of its own has every port free
+        addr = "127.0.0.1" if host is None else host.addr
+        self.url = f"http://{addr}:{self.port}"
         self.log_path = log_path
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         command = ["serve", "--model", model] if model is not None else ["router"]
-        cmd = [sys.executable, "-m", "moeflow", *command, "--port", str(self.port), "--log-level", "warning", *args]
+        cmd = [sys.executable, "-m", "moeflow", *command, "--host", addr, "--port", str(self.port),
+               "--log-level", "warning", *args]
+        if host is not None:
+            cmd = host.command(*cmd)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:

@@ -73,8 +73,9 @@ def test_router_matches_colocated(split):
     assert chat.choices[0].message.content and chat.usage.completion_tokens <= 5
     handed = 2 * len(PROMPTS) + 1
     pm, dm = prefill.metrics(), decode.metrics()
-    assert dm["moeflow_kv_transfer_seconds_count"] == handed == pm["moeflow_kv_transfer_seconds_count"]
-    assert dm["moeflow_kv_transfer_bytes_total"] == pm["moeflow_kv_transfer_bytes_total"] > 0
+    assert dm['moeflow_kv_transfer_seconds_count{path="shm"}'] == handed  # one host: read from shared memory
+    assert pm['moeflow_kv_transfer_seconds_count{path="stage"}'] == handed
+    assert dm['moeflow_kv_transfer_bytes_total{path="shm"}'] == pm['moeflow_kv_transfer_bytes_total{path="stage"}'] > 0
     wait_clean(prefill, decode)
 
 
