@@ -57,6 +57,9 @@ class KvHandle:
     first_token_id: int  # sampled by the prefill server
     first_logprobs: RawLogprobs | None = None  # the first token's logprobs, when the request asked
     prompt_logprobs: tuple[RawLogprobs, ...] = ()  # prompt positions 1.., when the request asked
+    # False: the prefill server's copy out failed and its policy is recompute: no range is offered,
+    # the decode server recomputes the prompt (or fails the request, by its own policy)
+    staged: bool = True
 
     def to_params(self) -> dict[str, Any]:
         """``kv_transfer_params`` of the prefill server's answer (JSON)."""
@@ -68,7 +71,7 @@ class KvHandle:
                 "kv_layout": self.layout.to_dict(),
                 "first_token_id": self.first_token_id,
                 "first_logprobs": None if self.first_logprobs is None else _lp_out(self.first_logprobs),
-                "prompt_logprobs": [_lp_out(x) for x in self.prompt_logprobs]}
+                "prompt_logprobs": [_lp_out(x) for x in self.prompt_logprobs], "remote_staged": self.staged}
 
     @classmethod
     def from_params(cls, p: dict[str, Any]) -> "KvHandle":
@@ -87,7 +90,8 @@ class KvHandle:
                        get("remote_transfer_id", int), get("remote_offset_bytes", int), get("remote_nbytes", int),
                        get("remote_num_tokens", int), layout, get("first_token_id", int),
                        None if first_lp is None else _lp_in(first_lp, "first_logprobs"),
-                       tuple(_lp_in(x, "prompt_logprobs") for x in p.get("prompt_logprobs") or ()))
+                       tuple(_lp_in(x, "prompt_logprobs") for x in p.get("prompt_logprobs") or ()),
+                       p.get("remote_staged", True) is not False)
         except (TypeError, IndexError) as e:
             raise ValueError(f"kv_transfer_params: malformed logprobs ({e})") from None
 

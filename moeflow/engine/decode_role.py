@@ -68,7 +68,7 @@ class DecodeRole(RoleEngine):
             raise RequestError(f"request {rid}: its KV was prefilled by {h.layout.describe()}, but this decode "
                                f"server runs {self.kv_layout.describe()}: a KV cache passes only between the "
                                f"same model and dtype")
-        if h.num_tokens != request.num_prompt_tokens or h.nbytes != self.kv.bytes_for(h.num_tokens):
+        if h.num_tokens != request.num_prompt_tokens or (h.staged and h.nbytes != self.kv.bytes_for(h.num_tokens)):
             raise RequestError(f"request {rid}: its KV handle stages {h.num_tokens} positions ({h.nbytes} bytes) "
                                f"but the prompt has {request.num_prompt_tokens} tokens")
         validate_request(request, self.model_config)
@@ -82,6 +82,8 @@ class DecodeRole(RoleEngine):
 
     def abort(self, request_id: str) -> None:
         inc = self.incoming.pop(request_id, None)
+        if inc is not None and not inc.handle.staged:
+            return
         if inc is None:
             self.first_out.discard(request_id)
             self._handoff_s.pop(request_id, None)
@@ -136,7 +138,9 @@ class DecodeRole(RoleEngine):
         self._unread = [x for x in self._unread if not self._read_over(x)]
 
     def _advance(self, inc: Incoming, out: StepResult) -> None:
-        if inc.state == "waiting":
+        if inc.state == "waiting" and not inc.handle.staged:
+            self._give_up(inc, "the prefill server staged no KV (its copy out failed)", out)
+        elif inc.state == "waiting":
             self._start(inc)
         elif inc.state == "reading":
             arena = self.kv.arena if inc.local is not None else self._arena(inc.handle.arena)

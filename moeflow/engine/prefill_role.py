@@ -129,23 +129,34 @@ class PrefillRole(RoleEngine):
             self.kv.stats.failures += 1
             self.kv.close(s.stage)
             s.stage = None
-            return self._fail(s, out, "its KV copy out of the prefill instance failed")
+            if self.kv_config.failure_policy == "fail":
+                return self._fail(s, out, "its KV copy out of the prefill instance failed")
+            self.kv.stats.recomputes += 1
+            return self._hand_over(s, out, staged=False)  # the decode server computes the prompt itself
         if state == DONE:
-            del self.staging[r.request_id]
-            self.inner.scheduler.pool.end_lease(r.request_id)  # the stage holds a copy now
-            first_lp, plp = self._logprobs.pop(r.request_id, (None, []))
             st, nbytes = s.stage, self.kv.bytes_for(s.stage.num_tokens)
             self.offers.offer(st.transfer_id, st.slot, st.offset_bytes, nbytes)
             self.offered[st.transfer_id] = st
-            r.kv_handle = KvHandle(self.server_id, self.server.host, self.server.port, self.host_id, st.arena,
-                                   st.slot, st.transfer_id, st.offset_bytes, nbytes, st.num_tokens, self.kv_layout,
-                                   r.output_token_ids[0], first_lp if r.params.logprobs is not None else None,
-                                   tuple(plp) if r.params.prompt_logprobs is not None else ())
+            self._hand_over(s, out)
             self.kv.stats.transfers += 1
             self.kv.stats.bytes_total += nbytes
             self.kv.stats.seconds.append(clock() - s.since_s)
             out.kv_transfers.append(KvTransfer(clock() - s.since_s, nbytes, "stage"))
-            out.finished.append(r)
+
+    def _hand_over(self, s: Staging, out: StepResult, staged: bool = True) -> None:
+        """The request finishes here with its handle: the staged range (the blocks are free now), or
+        none when its copy failed."""
+        r, st = s.request, s.stage
+        del self.staging[r.request_id]
+        self.inner.scheduler.pool.end_lease(r.request_id)
+        first_lp, plp = self._logprobs.pop(r.request_id, (None, []))
+        where = (st.arena, st.slot, st.transfer_id, st.offset_bytes, self.kv.bytes_for(st.num_tokens)) if staged \
+            else ("", 0, 0, 0, 0)
+        r.kv_handle = KvHandle(self.server_id, self.server.host, self.server.port, self.host_id, *where,
+                               r.num_prompt_tokens, self.kv_layout, r.output_token_ids[0],
+                               first_lp if r.params.logprobs is not None else None,
+                               tuple(plp) if r.params.prompt_logprobs is not None else (), staged)
+        out.finished.append(r)
 
     def _fail(self, s: Staging, out: StepResult, why: str) -> None:
         del self.staging[s.request.request_id]
@@ -165,8 +176,8 @@ class PrefillRole(RoleEngine):
         st = self.kv.stats
         return dataclasses.replace(x, running_per_role=(("prefill", x.num_running + len(self.staging)),),
                                    num_handoffs=len(self.staging) + len(self.offers),
-                                   handoff_counts=(("failures", st.failures), ("lease_expiries",
-                                                                               st.lease_expiries + self.offers.expired)))
+                                   handoff_counts=(("failures", st.failures), ("recomputes", st.recomputes),
+                                                   ("lease_expiries", st.lease_expiries + self.offers.expired)))
 
     def shutdown(self) -> None:
         self.server.shutdown()
