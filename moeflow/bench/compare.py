@@ -105,7 +105,8 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
             runs[n]["dtype"] = llms[n].config.dtype
             print(f"{n}: {spec.layout.describe()} up ({llms[n].config.dtype})", flush=True)
         probers = {n: [Prober(llms[n], lambda rate, k=k: exp.point_workload(rate, seed0 + k, args.num_requests),
-                              seed0 + k, progress=not args.no_progress) for k in range(repeats)] for n in names}
+                              seed0 + k, progress=not args.no_progress, slo=exp.goodput_slo)
+                       for k in range(repeats)] for n in names}
         for n in names:
             probers[n][0].warm_up()
         _drop_spans(llms)
@@ -205,7 +206,8 @@ def _assemble(exp, names, runs, repeats, metric, profile_path, config_path) -> d
                    if a in systems and b in systems]
     return {"title": exp.title, "experiment": os.path.relpath(config_path), "dtype": runs[names[0]]["dtype"],
             "repeats": repeats, "seeds": [exp.workload.seed + k for k in range(repeats)],
-            "slo_ttft_s": exp.slo_ttft_s, "slo_metric": metric.name, "capacity": capacity,
+            "slo_ttft_s": exp.slo_ttft_s, "slo_tpot_s": exp.slo_tpot_s, "slo_metric": metric.name,
+            "capacity": capacity,
             "systems": systems, "comparisons": comparisons, "provenance": provenance()}
 
 

@@ -17,9 +17,11 @@ from moeflow.measure.workload import WorkloadConfig, WorkloadRequest, generate_r
 
 
 class Prober:
-    def __init__(self, llm, workload: Callable[[float | None], WorkloadConfig], seed: int, progress: bool = True):
-        """``workload(rate)``: the workload of a probe at ``rate`` (None: a trace as recorded)."""
-        self.llm, self.workload, self.seed, self.progress = llm, workload, seed, progress
+    def __init__(self, llm, workload: Callable[[float | None], WorkloadConfig], seed: int, progress: bool = True,
+                 slo: tuple[float, float] | None = None):
+        """``workload(rate)``: the workload of a probe at ``rate`` (None: a trace as recorded); ``slo``:
+        (TTFT s, TPOT s) for each point's goodput."""
+        self.llm, self.workload, self.seed, self.progress, self.slo = llm, workload, seed, progress, slo
         self.vocab = llm.engine.model_config.vocab_size
         self.points: dict[float, dict] = {}
 
@@ -40,7 +42,7 @@ class Prober:
         preempted = sum(engine.load().preemptions_per_group)
         res = replay(self.llm, reqs, prompts, label=label or f"{rps:g}rps", stop=stop, progress=self.progress)
         p = summarize(rps, res.records, res.start_s, cfg.length_scale, res.num_rejected, res.num_failed,
-                      res.num_aborted)
+                      res.num_aborted, self.slo)
         p["preemptions"] = sum(engine.load().preemptions_per_group) - preempted  # KV ran out: requests recomputed
         # decode-side measures: requests admitted at once (time-weighted over the point) and output tokens/s
         p["resident_mean"] = res.resident_s / p["duration_s"] if p["duration_s"] > 0 else 0.0

@@ -98,12 +98,29 @@ def stage_out(cache: Entries, slots: torch.Tensor, staged: Entries, member: int)
 
 
 def stage_in(staged: Entries, cache: Entries, slots: torch.Tensor, member: int) -> None:
-    """Copy ``staged`` (this member's heads of it) into positions ``slots`` [n] of every layer of ``cache``."""
+    """Copy ``staged`` (this member's heads of it) into positions ``slots`` [n] of every layer of ``cache``.
+
+    NOTE: a slice copy per run of consecutive slots (a block, or blocks allocated in a row), not
+    ``index_copy_``: measured here on 16 MiB of bf16 GQA rows, index_copy_ took 3.8-4.4 ms, the runs
+    1.9 ms, a plain memcpy 1.3 ms."""
+    runs = slot_runs(slots)
     for name, dst in cache.items():
         src = staged[name]
         heads = head_range(src.shape[2:], dst.shape[2:], member)
         part = src if heads is None else src[:, :, heads[0]:heads[1]]
-        dst.index_copy_(1, slots.to(dst.device), part.to(dst.device, dst.dtype))
+        for at, first, n in runs:
+            dst[:, first:first + n].copy_(part[:, at:at + n])
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``slots`` [n] as runs of consecutive slots: (position in ``slots``, first slot, length)."""
+    s = slots.tolist()
+    runs, at = [], 0
+    for i in range(1, len(s) + 1):
+        if i == len(s) or s[i] != s[i - 1] + 1:
+            runs.append((at, s[at], i - at))
+            at = i
+    return runs
 
 
 def stage_out_reference(cache: Entries, slots: list[int], staged: Entries, member: int) -> None:

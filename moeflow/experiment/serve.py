@@ -38,6 +38,8 @@ class Experiment:
     dtype: str = "auto"
     rps: tuple[float, ...] = (1.0,)
     slo_ttft_s: float | None = None
+    # with slo_ttft_s: each point's goodput, the requests per second within both SLOs (DistServe's)
+    slo_tpot_s: float | None = None
     find_slo_rps: bool = False
     slo_probes: int = 6
     slo_rel_tol: float = 0.02
@@ -57,6 +59,11 @@ class Experiment:
     sweeps: tuple[tuple[str, tuple[float, ...], tuple[tuple[str, object], ...]], ...] = ()
     roofline_isl: tuple[int, ...] = ()  # dwdp systems: DWDP §3's per-layer roofline at these prompt lengths
 
+    @property
+    def goodput_slo(self) -> tuple[float, float] | None:
+        """(TTFT s, TPOT s) when the experiment sets both: each point's goodput is measured against it."""
+        return (self.slo_ttft_s, self.slo_tpot_s) if self.slo_tpot_s is not None else None
+
     def point_workload(self, rate: float, seed: int, num_requests: int | None = None) -> WorkloadConfig:
         """The workload of one point at ``rate`` with ``seed``, for the engine and the simulator alike:
         the configured window, grown to hold ``min_requests`` where the rate is too low for it."""
@@ -74,6 +81,8 @@ class Experiment:
         check_systems("experiment", self.dtype, self.systems, self.compare)
         need(all(r > 0 for r in self.rps), f"rps must all be > 0, got {list(self.rps)}")
         need(not self.find_slo_rps or (self.slo_ttft_s or 0) > 0, "find_slo_rps needs slo_ttft_s > 0")
+        need(self.slo_tpot_s is None or (self.slo_tpot_s > 0 and (self.slo_ttft_s or 0) > 0),
+             f"slo_tpot_s must be > 0 and comes with slo_ttft_s, got {self.slo_tpot_s!r}")
         from moeflow.measure.slo import SloMetric
 
         SloMetric.parse(self.slo_metric)

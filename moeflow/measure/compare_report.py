@@ -11,7 +11,10 @@ from moeflow.measure.slo import ALL_METRICS, format_slo, slo_over_repeats
 from moeflow.measure.stats import VERDICT_RULE, mean_ci, paired_ratio_ci, verdict
 
 POINT_FIELDS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "prefill_tok_s",
-                "output_tok_s", "resident_mean", "preemptions")  # the last three: not in results before issue 29
+                "output_tok_s", "resident_mean", "preemptions",  # the last three: not in results before issue 29
+                # decode and the whole system (issue 30): TPOT, TPS/user, output tok/s per process, goodput
+                "tpot_mean_s", "tpot_p90_s", "tps_user_mean", "output_tok_s_per_process", "goodput_rps",
+                "slo_attainment", "handoff_mean_s")
 
 
 def aggregate_points(repeats: list[dict]) -> list[dict]:
@@ -154,7 +157,13 @@ def markdown(result: dict) -> str:
     # a saturation-only experiment (no rates) has no TTFT tables and no SLO throughput
     tables = [("ttft_mean_s", "Mean TTFT (s)"), ("ttft_p90_s", "p90 TTFT (s)"),
               ("prefill_tok_s", "Prefill throughput (tok/s)"), ("output_tok_s", "Output throughput (tok/s)"),
-              ("resident_mean", "Requests admitted at once (time-weighted)"), ("preemptions", "Preemptions per point")]
+              ("resident_mean", "Requests admitted at once (time-weighted)"), ("preemptions", "Preemptions per point"),
+              ("tpot_mean_s", "Mean TPOT (s)"), ("tpot_p90_s", "p90 TPOT (s)"),
+              ("tps_user_mean", "TPS/user (mean of 1/TPOT over requests)"),
+              ("output_tok_s_per_process", "Output tok/s per process"),
+              ("goodput_rps", f"Goodput (rps within TTFT {result.get('slo_ttft_s')} s and TPOT "
+                              f"{result.get('slo_tpot_s')} s)"),
+              ("slo_attainment", "Share of requests within both SLOs"), ("handoff_mean_s", "Mean KV handoff (s)")]
     present = {f for s in systems.values() for p in s["points"] for f in POINT_FIELDS if p.get(f) is not None}
     for field, title in [(f, t) for f, t in tables if f in present] if rates else ():
         lines += [f"## {title}, mean ± half-width of the 95% interval", "",

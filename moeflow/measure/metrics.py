@@ -84,12 +84,15 @@ def buckets(records: list[RequestRecord], edges: list[int]) -> list[dict]:
 
 
 def summarize(rps: float, records: list[RequestRecord], start_s: float, length_scale: float = 1.0,
-              num_rejected: int = 0, num_failed: int = 0, num_aborted: int = 0) -> dict:
+              num_rejected: int = 0, num_failed: int = 0, num_aborted: int = 0,
+              slo: tuple[float, float] | None = None) -> dict:
     """One point of the TTFT-vs-rate curve (the ``points`` entries of ``bench serve``'s JSON).
 
     prefill_tok_s: prompt tokens of completed requests / time from the replay's start to the
     last completion. ``ttft_p*`` are interpolated percentiles over completed requests (vLLM's
     convention for reporting); the SLO metrics use nearest ranks over all requests (``measure.slo``).
+    ``slo`` = (TTFT s, TPOT s): adds goodput (DistServe's): the requests per second that met both,
+    and the share of all requests that did (one that failed or was refused met neither).
     """
     ttft = [r.ttft_s for r in records]
     pct = {q: float(np.percentile(ttft, q)) if ttft else None for q in (50, 90, 99)}
@@ -102,7 +105,16 @@ def summarize(rps: float, records: list[RequestRecord], start_s: float, length_s
             "prompt_tokens": tokens, "duration_s": wall, "buckets": buckets(records, bucket_edges(length_scale)),
             # every request's TTFT (a request that never got a first token counts in num_requests
             # only): the SLO metrics' quantiles and attainment come from these
-            "num_requests": num_requests, "ttfts_s": sorted(round(t, 6) for t in ttft), **decode_side(records)}
+            "num_requests": num_requests, "ttfts_s": sorted(round(t, 6) for t in ttft), **decode_side(records),
+            **(goodput(records, num_requests, wall, *slo) if slo is not None else {})}
+
+
+def goodput(records: list[RequestRecord], num_requests: int, wall_s: float, ttft_s: float, tpot_s: float) -> dict:
+    """Requests within both SLOs (a one-token answer has no TPOT: its TTFT decides) per second of the
+    point, and as a share of every request sent."""
+    good = sum(r.ttft_s <= ttft_s and (r.tpot_s is None or r.tpot_s <= tpot_s) for r in records)
+    return {"goodput_rps": good / wall_s if wall_s > 0 else 0.0,
+            "slo_attainment": good / num_requests if num_requests else 0.0}
 
 
 def decode_side(records: list[RequestRecord]) -> dict:

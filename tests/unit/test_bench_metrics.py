@@ -183,3 +183,17 @@ def test_trace_summary_adds_time_per_worker_and_stage():
     assert total[("attention0", "main", "attention")] == pytest.approx(1.5)
     assert total[("moe0", "main", "experts")] == pytest.approx(2.5)
     assert total[("moe0", "recv", "recv")] == pytest.approx(0.1)
+
+
+def test_goodput_counts_requests_within_both_slos():
+    """DistServe's goodput: TTFT and TPOT both within the SLO; a one-token answer is judged by its TTFT;
+    the share is over every request sent (a refused one met neither)."""
+    def rec(ttft: float, tpot: float | None, n_out: int) -> RequestRecord:
+        done = ttft + (tpot or 0.0) * (n_out - 1)
+        return RequestRecord(10, 0.0, 0.0, ttft, None, done, num_output=n_out)
+
+    recs = [rec(0.5, 0.05, 11), rec(0.5, 0.2, 11), rec(2.0, 0.05, 11), rec(0.5, None, 1)]
+    p = summarize(1.0, recs, start_s=0.0, num_rejected=1, slo=(1.0, 0.1))
+    wall = max(r.finished_s for r in recs)
+    assert p["goodput_rps"] == pytest.approx(2 / wall) and p["slo_attainment"] == pytest.approx(2 / 5)
+    assert "goodput_rps" not in summarize(1.0, recs, start_s=0.0)
