@@ -71,6 +71,7 @@ class WorkloadConfig:
     production_mean: str = "kept"  # production: which mean is 5k, "kept" (after the 32k cut) or "raw" (§2.3)
     trace_path: str | None = None
     output_len: int = 1  # trace lines may override it
+    output_len_max: int | None = None  # output lengths uniform in [output_len, output_len_max] (None: all output_len)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +90,8 @@ class WorkloadConfig:
              "give duration_s or num_requests")
         need(self.length_scale > 0, f"length_scale must be > 0, got {self.length_scale}")
         need(self.output_len >= 1, f"output_len must be >= 1, got {self.output_len}")
+        need(self.output_len_max is None or self.output_len_max >= self.output_len,
+             f"output_len_max must be >= output_len ({self.output_len}), got {self.output_len_max}")
         if self.kind == "uniform":
             need(self.isl is not None and self.isl >= 1, f"uniform needs isl >= 1, got {self.isl}")
             need(0 <= self.isl_ratio <= 1, f"isl_ratio must be in [0, 1], got {self.isl_ratio}")
@@ -115,7 +118,11 @@ def generate_requests(cfg: WorkloadConfig) -> list[WorkloadRequest]:
         arrival_rng, length_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(2))
         arrivals = _arrivals(arrival_rng, cfg)
         lens = _lengths(length_rng, cfg, len(arrivals))
-        reqs = [WorkloadRequest(float(a), int(n), cfg.output_len) for a, n in zip(arrivals, lens)]
+        outs = [cfg.output_len] * len(arrivals)
+        if cfg.output_len_max is not None:  # its own stream: the arrivals and prompts stay those of output_len alone
+            out_rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[2])
+            outs = out_rng.integers(cfg.output_len, cfg.output_len_max, len(arrivals), endpoint=True).tolist()
+        reqs = [WorkloadRequest(float(a), int(n), int(o)) for a, n, o in zip(arrivals, lens, outs)]
     return [WorkloadRequest(r.arrival_s, scale_len(r.prompt_len, cfg.length_scale), r.output_len) for r in reqs]
 
 

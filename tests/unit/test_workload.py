@@ -199,3 +199,17 @@ def test_request_rates_parse_as_bench_serve_reads_them():
     for bad in ("fast", "0", "-1", "inf", ","):
         with pytest.raises(ValueError, match="--request-rate"):
             wl.parse_rates(bad, "production")
+
+
+def test_output_lengths_in_a_range_leave_arrivals_and_prompts_alone():
+    from moeflow.measure.workload import WorkloadConfig, generate_requests
+
+    base = dict(rate_rps=2.0, duration_s=30, length_scale=0.1, seed=5)
+    fixed = generate_requests(WorkloadConfig(**base, output_len=32))
+    ranged = generate_requests(WorkloadConfig(**base, output_len=32, output_len_max=128))
+    assert [(r.arrival_s, r.prompt_len) for r in ranged] == [(r.arrival_s, r.prompt_len) for r in fixed]
+    outs = [r.output_len for r in ranged]
+    assert min(outs) >= 32 and max(outs) <= 128 and len(set(outs)) > 10
+    assert outs == [r.output_len for r in generate_requests(WorkloadConfig(**base, output_len=32, output_len_max=128))]
+    with pytest.raises(ValueError, match="output_len_max must be >= output_len"):
+        WorkloadConfig(**base, output_len=32, output_len_max=16)
