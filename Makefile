@@ -1,4 +1,4 @@
-# `make run`: set up and run the demo (asap vs dep over HTTP on the embedded model). `make test`: set up and pass the tests.
+# `make run`: set up and run the demo (pd: asap prefill -> afd decode, vs dep, over HTTP on the embedded model). `make test`: set up and pass the tests.
 # `make verify`: model-check the one-sided protocol (verify/protocol.pml) with spin; `make test` runs it too.
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# the demo: moeflow serve in asap mode, then the dep baseline, each driven over HTTP by
+# the demo: moeflow serve as pd (asap prefill -> afd decode), then the dep baseline, each driven over HTTP by
 # bench serve --base-url; prints both result tables side by side, writes demo-out/ttft_vs_rate.png
 run: $(STAMP)
 	$(VENV)/bin/moeflow demo --out-dir demo-out

@@ -78,9 +78,11 @@ def run(args: argparse.Namespace) -> int:
                                     f"or give --profile")
         load_profile(profile)
     t0 = time.monotonic()
+    # NOTE: read at launch: the code that runs is the tree as it is now, whatever is edited meanwhile
+    prov = provenance()
     runs = _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args)
     try:
-        result = _assemble(exp, names, runs, repeats, metric, profile, args.config)
+        result = _assemble(exp, names, runs, repeats, metric, profile, args.config, prov)
     except Exception:  # the measurements outlive a bug in the summary: kept next to the result
         if args.json:
             write_json(args.json + ".raw.json", {"runs": runs})
@@ -181,13 +183,13 @@ def _drop_spans(llms: dict) -> None:
         _spans(llm)
 
 
-def _assemble(exp, names, runs, repeats, metric, profile_path, config_path) -> dict:
+def _assemble(exp, names, runs, repeats, metric, profile_path, config_path, prov: dict) -> dict:
     from moeflow.measure.capacity import capacity_tok_s, load_profile
     from moeflow.experiment.system import system_to_dict
 
     capacity = None
     if profile_path:
-        capacity = capacity_tok_s(load_profile(profile_path), exp.workload, provenance()["cores"])
+        capacity = capacity_tok_s(load_profile(profile_path), exp.workload, prov["cores"])
         capacity["profile"] = profile_path
     systems = {}
     for n in names:
@@ -208,7 +210,7 @@ def _assemble(exp, names, runs, repeats, metric, profile_path, config_path) -> d
             "repeats": repeats, "seeds": [exp.workload.seed + k for k in range(repeats)],
             "slo_ttft_s": exp.slo_ttft_s, "slo_tpot_s": exp.slo_tpot_s, "slo_metric": metric.name,
             "capacity": capacity,
-            "systems": systems, "comparisons": comparisons, "provenance": provenance()}
+            "systems": systems, "comparisons": comparisons, "provenance": prov}
 
 
 def _write(result: dict, args) -> None:

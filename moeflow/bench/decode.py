@@ -26,7 +26,7 @@ from moeflow.experiment.decode import DecodeExperiment, load_decode_experiment, 
 from moeflow.experiment.system import SystemSpec, system_to_dict
 from moeflow.measure.capacity import COMPUTE, TRANSPORT, WAIT, time_split
 from moeflow.measure.decode_report import markdown, summarize
-from moeflow.measure.provenance import write_json
+from moeflow.measure.provenance import write_result
 from moeflow.scheduler.pool import resident_capacity
 
 # the decode step split of ``moeflow bench decode`` (trace span names: workers/stages.py, ffn.py, moe.py)
@@ -77,11 +77,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{r['tok_s_per_process']:.1f} tok/s/process", flush=True)
     result = summarize(bench, runs, {n: system_to_dict(s) for n, s in bench.systems.items()})
     print(markdown(result))
-    if args.json:
-        write_json(args.json, result)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(markdown(result))
+    write_result(result, args.json, args.md, markdown)
     return 0
 
 

@@ -1,11 +1,14 @@
-"""``moeflow demo`` (``make run``): asap vs the synchronous baseline, served over HTTP on ``tiny``.
+"""``moeflow demo`` (``make run``): the system the seeds describe against the aggregated baseline,
+served over HTTP on ``tiny``.
 
-For each system (asap D=1 E=1, then dep dp=2: two worker processes each) it starts ``moeflow
-serve`` on a free port (``server_process.py``), waits for /health, runs the benchmark of ``bench
-serve --base-url`` (``http_bench.bench_http``) at each rate (the same seeded workload every time),
-and stops the server. Then it prints the result tables side by side, writes every run's JSON and a
-TTFT-vs-rate plot to ``--out-dir``, and exits 0 only if every request of every run completed. The
-servers' logs and each run's own table land in ``--out-dir``.
+For each system — prefill/decode disaggregation with an asap prefill instance (D=1 E=1) handing
+each request's KV to an afd decode instance (M=1 N=1), then the synchronous baseline dep dp=4:
+four worker processes each — it starts ``moeflow serve`` on a free port (``server_process.py``),
+waits for /health, runs the benchmark of ``bench serve --base-url`` (``http_bench.bench_http``) at
+each rate (the same seeded workload every time), and stops the server. Then it prints the result
+tables side by side (TTFT, TPOT, TPS/user, output tokens/s per process), writes every run's JSON
+and a TTFT-vs-rate plot to ``--out-dir``, and exits 0 only if every request of every run
+completed. The servers' logs and each run's own table land in ``--out-dir``.
 """
 from __future__ import annotations
 
@@ -17,27 +20,30 @@ from moeflow.bench.http_metrics import parse_goodput, percentile_key
 from moeflow.bench.server_process import ServeProcess
 from moeflow.config import DTYPES
 
-# (name, serve flags, config for measure.plot's label)
-SYSTEMS = (("asap", ["--mode", "asap", "--attn-dp", "1", "--moe-workers", "1"],
-            {"attn_dp": 1, "attn_tp": 1, "moe_workers": 1}),
-           ("dep", ["--mode", "dep", "--dp", "2"], {"dp": 2}))
+# (name, serve flags, config for measure.plot's label, worker processes)
+SYSTEMS = (("pd", ["--mode", "pd", "--prefill", "mode=asap,attn_dp=1,moe_workers=1",
+                   "--decode", "mode=afd,attn_workers=1,ffn_workers=1,micro_batches=2"],
+            {"prefill": "asap D1E1", "decode": "afd M1N1"}, 4),
+           ("dep", ["--mode", "dep", "--dp", "4"], {"dp": 4}, 4))
 _ROWS = (("Successful requests", "completed", "d"), ("Benchmark duration (s)", "duration", ".2f"),
          ("Request throughput (req/s)", "request_throughput", ".2f"),
          ("Request goodput (req/s)", "request_goodput", ".2f"),
          ("Output token throughput (tok/s)", "output_throughput", ".2f"),
-         ("Total Token throughput (tok/s)", "total_token_throughput", ".2f"))
+         ("Output tok/s per process", "output_throughput_per_process", ".2f"),
+         ("Mean TPS/user (tok/s)", "mean_tps_user", ".2f"), ("P10 TPS/user (tok/s)", "p10_tps_user", ".2f"))
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="asap vs dep over HTTP on the embedded model: tables side by side, a plot")
+    p = sub.add_parser("demo", help="pd (asap prefill -> afd decode) vs dep over HTTP on the embedded model: "
+                                    "tables side by side, a plot")
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: what this machine computes natively")
-    p.add_argument("--rates", default="1,2,4", help="request rates (req/s), comma-separated")
+    p.add_argument("--rates", default="0.5,1,2", help="request rates (req/s), comma-separated")
     p.add_argument("--num-prompts", type=int, default=20, help="requests per rate")
     p.add_argument("--length-scale", type=float, default=0.03,
                    help="production workload scaled by this (0.03: mean ~150 prompt tokens)")
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--goodput", default="ttft:1000", help="NAME:MS SLO of request_goodput")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (decode matters)")
+    p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], help="NAME:MS SLOs of request_goodput")
     p.add_argument("--out-dir", default="demo-out")
     p.set_defaults(func=run)
 
@@ -52,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.max_tokens} output tokens, Poisson arrivals at {', '.join(f'{r:g}' for r in rates)} req/s; "
           f"model {args.model!r}", flush=True)
     results: dict[str, dict[float, dict]] = {}
-    for name, flags, _ in SYSTEMS:
+    for name, flags, _, _ in SYSTEMS:
         results[name] = {}
         with ServeProcess(args.model, ["--dtype", args.dtype, *flags], os.path.join(args.out_dir, f"server-{name}.log")) as url:
             print(f"[{time.monotonic() - t0:3.0f} s] {name}: moeflow serve {' '.join(flags)} is up at {url} "
@@ -63,11 +69,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{name} @ {rate:g} req/s: {m['completed']}/{m['num_prompts']} completed, "
                       f"mean TTFT {m['mean_ttft_ms']:.0f} ms", flush=True)
     print()
-    print(side_by_side([(f"{n} @{r:g}", results[n][r]) for r in rates for n, _, _ in SYSTEMS]))
+    for n, _, _, procs in SYSTEMS:
+        for m in results[n].values():
+            m["output_throughput_per_process"] = m["output_throughput"] / procs
+    print(side_by_side([(f"{n} @{r:g}", results[n][r]) for r in rates for n, _, _, _ in SYSTEMS]))
     plot = os.path.join(args.out_dir, "ttft_vs_rate.png")
     plot_results([{"mode": n, "config": cfg, "slo_ttft_s": None,
                    "points": [{"rps": r, "ttft_mean_s": results[n][r]["mean_ttft_ms"] / 1000} for r in rates]}
-                  for n, _, cfg in SYSTEMS], plot, title=f"{args.model}: mean TTFT vs request rate (HTTP)")
+                  for n, _, cfg, _ in SYSTEMS], plot, title=f"{args.model}: mean TTFT vs request rate (HTTP)")
     print(f"\nwrote {plot} and the runs' JSON to {args.out_dir}/ in {time.monotonic() - t0:.0f} s")
     ok = all(m["completed"] == m["num_prompts"] for per in results.values() for m in per.values())
     return 0 if ok else 1
@@ -92,7 +101,7 @@ def _bench(args: argparse.Namespace, name: str, url: str, rate: float) -> dict:
     workload = WorkloadConfig(kind="production", rate_rps=rate, num_requests=args.num_prompts,
                               length_scale=args.length_scale, output_len=args.max_tokens)
     b = HttpBench(HttpClientConfig(url), workload, rate, ("ttft", "tpot", "itl", "e2el"), (50.0, 99.0),
-                  parse_goodput([args.goodput]))
+                  parse_goodput(args.goodput))
     with open(stem + ".txt", "w") as out:
         result = bench_http(b, out)
     if not result["completed"]:

@@ -6,7 +6,8 @@ Per successful request (``RequestOutcome``, seconds on the client's clock):
 - E2EL = last streamed chunk - send time;
 - TPOT = (E2EL - TTFT) / (output_tokens - 1), only for requests with more than one output token
   (goodput counts TPOT as 0 for the others, as vLLM does);
-- ITL = every gap between consecutive streamed chunks (all requests' gaps pooled).
+- ITL = every gap between consecutive streamed chunks (all requests' gaps pooled);
+- TPS/user = 1 / TPOT per request (DWDP's per-user axis): mean, median and p10 (the slow users).
 
 Statistics are numpy's mean / median / std / linear percentiles, reported in milliseconds under
 ``{mean,median,std}_{metric}_ms`` and ``p{P}_{metric}_ms`` (P written as ``99`` or ``99.9``).
@@ -105,6 +106,10 @@ def compute_metrics(outcomes: list[RequestOutcome], duration_s: float,
                "total_token_throughput": per_s(num_in + num_out)}
     if goodput_ms:
         m["request_goodput"] = per_s(sum(_is_good(o, goodput_ms) for o in ok))
+    tps = [1.0 / t for t in samples["tpot"] if t > 0]
+    if tps:
+        m.update(mean_tps_user=float(np.mean(tps)), median_tps_user=float(np.median(tps)),
+                 p10_tps_user=float(np.percentile(tps, 10)))
     for name in percentile_metrics:
         xs = np.asarray(samples[name] or [0.0]) * 1000.0  # vLLM reports 0 for an empty sample
         m[f"mean_{name}_ms"] = float(np.mean(xs))
@@ -137,6 +142,8 @@ def format_table(m: dict, percentile_metrics: tuple[str, ...], percentiles: tupl
         lines.append(row("Request goodput (req/s):", m["request_goodput"]))
     lines += [row("Output token throughput (tok/s):", m["output_throughput"]),
               row("Total Token throughput (tok/s):", m["total_token_throughput"])]
+    if "mean_tps_user" in m:
+        lines += [row("Mean TPS/user (tok/s):", m["mean_tps_user"]), row("P10 TPS/user (tok/s):", m["p10_tps_user"])]
     for name in percentile_metrics:
         title, short = _TITLES[name]
         lines.append("{s:{c}^50}".format(s=title, c="-"))

@@ -215,7 +215,7 @@ def _prod(shape) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeflow.measure.provenance import provenance, write_json
+    from moeflow.measure.provenance import provenance, write_result
 
     sizes = [float(s) for s in args.sizes_mib.split(",") if s]
     rows = []
@@ -225,11 +225,7 @@ def run(args: argparse.Namespace) -> int:
         rows += measure_layout(name, sizes, args.repeats, args.dtype, args.layers, args.cache)
     result = {"provenance": provenance(), "dtype": args.dtype, "layers": args.layers, "repeats": args.repeats,
               "cache": args.cache, "rows": rows}
-    if args.json:
-        write_json(args.json, result)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(markdown(result))
+    write_result(result, args.json, args.md, markdown)
     return 0
 
 

@@ -75,17 +75,9 @@ class _Pair:
         except Exception as e:  # noqa: BLE001  (the prefill server is gone or unreachable)
             self.broken = True
             why = f"the KV link to {self.host}:{self.port} failed: {type(e).__name__}: {e}"
-            for j in [job, *self._drain()]:
+            for j in [job, *_drain(self.jobs)]:
                 if j is not None and j[0] != RELEASE:
                     self.answers.put(Answer(j[3], False, why))
-
-    def _drain(self) -> list:
-        out = []
-        while True:
-            try:
-                out.append(self.jobs.get_nowait())
-            except queue.Empty:
-                return out
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -122,20 +114,24 @@ class KvClient:
 
     def poll(self, wait_s: float = 0.0) -> list[Answer]:
         """The answers so far; with ``wait_s``, wait that long for the first one."""
-        out = []
         if wait_s > 0:
             try:
-                out.append(self.answers.get(timeout=wait_s))
+                return [self.answers.get(timeout=wait_s), *_drain(self.answers)]
             except queue.Empty:
-                return out
-        while True:
-            try:
-                out.append(self.answers.get_nowait())
-            except queue.Empty:
-                return out
+                return []
+        return _drain(self.answers)
 
     def shutdown(self) -> None:
         for p in self._pairs.values():
             p.close()
         self._pairs.clear()
 
+
+def _drain(q: queue.SimpleQueue) -> list:
+    """What ``q`` holds now, without waiting."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out

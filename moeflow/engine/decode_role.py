@@ -55,6 +55,7 @@ class DecodeRole(RoleEngine):
         self._arenas: dict[str, KvArena] = {}  # prefill servers' arenas on this host, by path
         self._orphans: dict[int, Incoming] = {}  # given up while a claim or pull was out: freed on its answer
         self._unread: list[Incoming] = []  # given up while the members copied: released once they answered
+        self._later: list = []  # live handoffs' answers seen between steps, for the next step
         self._fail_prob, self._rng = pd_fail_prob(), random.Random(self.config.seed)
 
     # -- intake -------------------------------------------------------------------------------
@@ -113,18 +114,23 @@ class DecodeRole(RoleEngine):
         return out
 
     def check_workers(self) -> StepResult:
-        out = self.inner.check_workers()
-        self._answers(out)
-        return out
+        """Also between steps (an idle server): what aborted handoffs held is freed; answers for live
+        ones wait for the next step (the server keeps only the finished requests of this result)."""
+        self._answers(None)
+        return self.inner.check_workers()
 
-    def _answers(self, out: StepResult, wait_s: float = 0.0) -> None:
-        for a in self.client.poll(wait_s):
+    def _answers(self, out: StepResult | None, wait_s: float = 0.0) -> None:
+        answers, self._later = self._later + self.client.poll(wait_s), []
+        for a in answers:
             inc = self._orphans.pop(a.cookie, None)
             if inc is not None:  # given up meanwhile: free what the job held
                 self._release(inc)
                 continue
             inc = next((x for x in self.incoming.values() if id(x) == a.cookie), None)
             if inc is None:
+                continue
+            if out is None:
+                self._later.append(a)
                 continue
             if not a.ok:
                 if inc.local is not None:

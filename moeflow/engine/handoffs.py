@@ -15,7 +15,7 @@ from moeflow.comm.kv_arena import READ, WRITE
 from moeflow.core import Request
 from moeflow.engine.base import KvTransfer, StepResult, clock
 from moeflow.engine.kv_handoff import DONE, FAILED
-from moeflow.messages import KvRecv, KvSend, KvStage
+from moeflow.messages import KvRecv, KvSend, KvStage, Span
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Handoff:
     decode_blocks: tuple[int, ...] = ()
     stage: KvStage | None = None
     started_s: float | None = None  # decode room found: blocks reserved, the copy out began
+    written_s: float | None = None  # the copy out done: the copy in began
 
 
 class Handoffs:
@@ -100,6 +101,7 @@ class Handoffs:
             self._give_up(h, "its KV copy " + ("out of the prefill instance" if side == WRITE else
                                                "into the decode instance") + " failed", out, closed=True)
         elif state == DONE and side == WRITE:
+            h.written_s = clock()
             self.prefill[h.prefill].scheduler.pool.end_lease(h.request.request_id)  # the stage holds a copy now
             self.kv.arena.flags[h.stage.slot, READ].zero_()
             h.state = "reading"
@@ -113,6 +115,8 @@ class Handoffs:
             self.handoff_s[h.request.request_id] = s.seconds[-1]  # goes out with its first decode output
             self.kv.close(h.stage)
             del self.handoffs[h.request.request_id]
+            if self.config.trace:
+                self.spans += handoff_spans(h, clock())
             self.decode[h.decode].admit_arrived(h.decode_request)
             self.where[h.request.request_id] = ("decode", h.decode)
 
@@ -146,3 +150,13 @@ class Handoffs:
                 e, g = (self.prefill[h.prefill], h.prefill_group) if h.state == "writing" else \
                     (self.decode[h.decode], h.decode_group)
                 self.kv.abandon(h.stage, WRITE if h.state == "writing" else READ, e.kv_members(g))
+
+
+def handoff_spans(h: Handoff, arrived_s: float) -> list[Span]:
+    """One handoff on the trace's "handoff" track, between the two sides' tracks: waiting for decode
+    room, the copy out of the prefill instance, the copy into the decode instance."""
+    track = f"handoff/prefill{h.prefill}->decode{h.decode}"
+    args = {"request": h.request.request_id, "tokens": h.stage.num_tokens}
+    return [Span("kv wait for decode room", track, h.prefilled_s, h.started_s, args),
+            Span("kv copy out", track, h.started_s, h.written_s, args),
+            Span("kv copy in", track, h.written_s, arrived_s, args)]

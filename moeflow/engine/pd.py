@@ -67,6 +67,7 @@ class PdEngine(Handoffs, Engine):
         self.where: dict[str, tuple[str, int]] = {}  # request id -> ("prefill" | "decode", instance)
         self.handoffs: dict[str, Handoff] = {}  # between the two sides, oldest first
         self.handoff_s: dict[str, float] = {}  # arrived on a decode instance, no output there yet: its handoff
+        self.spans: list = []  # the handoffs' trace spans since the last collect_spans (trace=True)
         self._fail_prob, self._rng = pd_fail_prob(), random.Random(config.seed)
 
     def _instance(self, layout) -> Engine:
@@ -229,6 +230,20 @@ class PdEngine(Handoffs, Engine):
     def drain(self, timeout_s: float = 120.0) -> None:
         for e in self.instances:
             e.drain(timeout_s)
+
+    def collect_spans(self) -> list:
+        """Every instance's worker spans, each track under its side ("prefill0:attention0/main"), and
+        the handoffs' own track between them."""
+        out = []
+        for side, engines in (("prefill", self.prefill), ("decode", self.decode)):
+            for i, e in enumerate(engines):
+                try:
+                    spans = e.collect_spans()
+                except ConfigError:  # an in-process instance (colocated) records none
+                    continue
+                out += [dataclasses.replace(s, track=f"{side}{i}:{s.track}") for s in spans]
+        out, self.spans = out + self.spans, []
+        return out
 
     def shutdown(self) -> None:
         for e in self.instances:

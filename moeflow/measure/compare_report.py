@@ -78,12 +78,15 @@ def comparison(name_a: str, a: dict, name_b: str, b: dict, metric: str) -> dict:
         ratio = paired_ratio_ci(vb, va)
         row = {"rps": pa["rps"], "ttft_ratio_b_over_a": ratio.to_dict() if ratio else None,
                "verdict": verdict(ia, ib, ratio)}
-        oa = [_field(r, pa["rps"], "output_tok_s") for r in a["repeats"]]
-        ob = [_field(r, pa["rps"], "output_tok_s") for r in b["repeats"]]
-        if all(oa) and all(ob):  # output tokens/s a / b, paired per repeat (> 1: a generates faster)
-            out_ratio = paired_ratio_ci(oa, ob)
-            row["output_ratio_a_over_b"] = out_ratio.to_dict() if out_ratio else None
-            row["output_verdict"] = verdict(mean_ci(oa), mean_ci(ob), out_ratio)
+        # a / b, paired per repeat: output tokens/s (> 1: a generates faster), TPS/user (> 1: a's users
+        # get their tokens faster)
+        for field, key in (("output_tok_s", "output"), ("tps_user_mean", "tps_user")):
+            xa = [_field(r, pa["rps"], field) for r in a["repeats"]]
+            xb = [_field(r, pa["rps"], field) for r in b["repeats"]]
+            if all(xa) and all(xb):
+                ratio_ab = paired_ratio_ci(xa, xb)
+                row[f"{key}_ratio_a_over_b"] = ratio_ab.to_dict() if ratio_ab else None
+                row[f"{key}_verdict"] = verdict(mean_ci(xa), mean_ci(xb), ratio_ab)
         rows.append(row)
     slo_ratio = slo_over_repeats([_slo_ratio(r.get("slo", {}).get(metric), q.get("slo", {}).get(metric))
                                   for r, q in zip(a["repeats"], b["repeats"])])
@@ -190,14 +193,15 @@ def markdown(result: dict) -> str:
             if slo is not None:
                 lines += [f"SLO throughput ratio {c['a']}/{c['b']} ({c['metric']}): "
                           f"{format_over_repeats(c['slo_ratio_a_over_b'])}", ""]
-            out = any("output_ratio_a_over_b" in row for row in c["per_rate"])
+            extra = [(k, t) for k, t in (("output", "output tok/s"), ("tps_user", "TPS/user"))
+                     if any(f"{k}_ratio_a_over_b" in row for row in c["per_rate"])]
             lines += [f"| rate | mean TTFT {c['b']} / {c['a']} (paired, 95% CI) | verdict |"
-                      + (f" output tok/s {c['a']} / {c['b']} (paired, 95% CI) | verdict |" if out else ""),
-                      "|---|---|---|" + ("---|---|" if out else "")]
+                      + "".join(f" {t} {c['a']} / {c['b']} (paired, 95% CI) | verdict |" for _, t in extra),
+                      "|---|---|---|" + "---|---|" * len(extra)]
             for row in c["per_rate"]:
                 lines.append(f"| {row['rps']:g} | {_ratio(row['ttft_ratio_b_over_a'])} | {row['verdict']} |"
-                             + (f" {_ratio(row.get('output_ratio_a_over_b'))} | {row.get('output_verdict', '-')} |"
-                                if out else ""))
+                             + "".join(f" {_ratio(row.get(f'{k}_ratio_a_over_b'))} | {row.get(f'{k}_verdict', '-')} |"
+                                       for k, _ in extra))
             lines.append("")
         sat = c.get("saturation_ratio_a_over_b")
         if sat:

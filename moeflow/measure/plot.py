@@ -23,6 +23,9 @@ def label(result: dict) -> str:
         parts.append(f"dp={c['dp']}")
     if c.get("chunked_prefill_size"):
         parts.append(f"chunk={c['chunked_prefill_size']}")
+    if "prefill" in c:  # pd: its two sides (a layout's dict in a result file, a short name in the demo)
+        side = (lambda x: x.get("mode", "?") if isinstance(x, dict) else x)
+        parts.append(f"{side(c['prefill'])} -> {side(c['decode'])}")
     for flag, name in (("dual_batch", "no-dual-batch"), ("length_aware", "no-length-aware"),
                        ("comm_threads", "no-comm-threads"), ("recv_thread", "no-comm-threads")):
         if c.get(flag) is False:
@@ -52,6 +55,38 @@ def plot_results(results: list[dict], out: str, title: str | None = None) -> Non
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("mean TTFT (s)")
     ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def plot_pareto(systems: dict[str, dict], out: str, title: str | None = None) -> None:
+    """DWDP's end-to-end axes: per system, output tokens/s per process against TPS/user (the mean
+    of 1/TPOT), one point per rate (labelled), with each point's 95% intervals over repeats."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, res in systems.items():
+        pts = sorted((p for p in res["points"] if p.get("tps_user_mean") is not None), key=lambda p: p["rps"])
+        if not pts:
+            continue
+        xs, ys = [p["tps_user_mean"] for p in pts], [p["output_tok_s_per_process"] for p in pts]
+        xerr = [[x - (p.get("tps_user_mean_ci") or [x, x])[0] for x, p in zip(xs, pts)],
+                [(p.get("tps_user_mean_ci") or [x, x])[1] - x for x, p in zip(xs, pts)]]
+        yerr = [[y - (p.get("output_tok_s_per_process_ci") or [y, y])[0] for y, p in zip(ys, pts)],
+                [(p.get("output_tok_s_per_process_ci") or [y, y])[1] - y for y, p in zip(ys, pts)]]
+        ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, marker="o", capsize=3, label=name)
+        for x, y, p in zip(xs, ys, pts):
+            ax.annotate(f"{p['rps']:g} rps", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("TPS/user (tokens/s per request: mean of 1/TPOT)")
+    ax.set_ylabel("output tokens/s per process")
     ax.grid(True, alpha=0.3)
     ax.legend()
     if title:

@@ -73,6 +73,15 @@ def write_json(path: str, result: dict, command: list[str] | None = None) -> Non
         json.dump(out, f, indent=2, default=_plain)
 
 
+def write_result(result: dict, json_path: str | None, md_path: str | None, markdown) -> None:
+    """A benchmark's outputs: the JSON (``write_json``) and ``markdown(result)``, each where asked."""
+    if json_path:
+        write_json(json_path, result)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(markdown(result))
+
+
 def _plain(o):
     # configs that ride along in a result (e.g. an engine's ClusterConfig) are frozen dataclasses
     if dataclasses.is_dataclass(o) and not isinstance(o, type):

@@ -86,3 +86,29 @@ def test_abort_at_every_stage(checkpoints):
             e.step()
         assert {"prefill", "decode"} <= seen
         assert_all_returned(e)
+
+
+def test_the_trace_shows_each_handoff_between_the_two_sides(checkpoints, tmp_path):
+    """trace=True: each instance's worker tracks under its side, and one handoff track between them
+    with each request's wait for decode room, copy out and copy in, in order."""
+    import json
+
+    from moeflow.engine.trace import write_chrome_trace
+
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="pd", trace=True,
+             prefill={"mode": "asap", "attn_dp": 1, "moe_workers": 1, "min_batch_tokens": 8},
+             decode={"mode": "afd", "attn_workers": 1, "ffn_workers": 1}) as llm:
+        llm.generate(_prompts(3), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        spans = llm.engine.collect_spans()
+    tracks = {s.track.partition("/")[0] for s in spans}
+    assert any(t.startswith("prefill0:") for t in tracks) and any(t.startswith("decode0:") for t in tracks)
+    hand = [s for s in spans if s.track == "handoff/prefill0->decode0"]
+    assert len(hand) == 9 and {s.args["request"] for s in hand} == {"0", "1", "2"}
+    for rid in ("0", "1", "2"):
+        wait, out, into = sorted((s for s in hand if s.args["request"] == rid), key=lambda s: s.start_s)
+        assert (wait.name, out.name, into.name) == ("kv wait for decode room", "kv copy out", "kv copy in")
+        assert wait.end_s == out.start_s <= out.end_s == into.start_s <= into.end_s
+    write_chrome_trace(spans, str(tmp_path / "t.json"))
+    names = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+             if e["name"] == "process_name"}
+    assert "handoff" in names

@@ -72,7 +72,8 @@ def assert_roles_clean(p: LLM, d: LLM) -> None:
 
 @pytest.mark.parametrize("name,prefill,decode", [
     ("qwen3", dict(ASAP, attn_tp=2), AFD),  # heads split on the prefill side, whole on the decode side
-    ("deepseek_v3", {"mode": "colocated"}, {"mode": "dep", "dp": 2}),  # MLA's latent rows
+    pytest.param("deepseek_v3", {"mode": "colocated"}, {"mode": "dep", "dp": 2},  # MLA's latent rows
+                 marks=pytest.mark.slow),
 ])
 def test_roles_match_colocated(checkpoints, name, prefill, decode):
     ref = colocated_outputs(checkpoints, (name,))[name]

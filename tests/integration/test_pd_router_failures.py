@@ -108,6 +108,7 @@ def test_refusal_disconnect_and_lease(path, tmp_path):
         split.stop()
 
 
+@pytest.mark.slow  # the lease's path is test_pd_lifecycle's too, in process
 def test_lease_runs_out_while_the_decode_server_is_full(path, tmp_path):
     """The prefill server's 0.3 s lease ends while handoffs wait for decode room: their claims find
     nothing, and the decode server recomputes them; all answers are the reference's."""

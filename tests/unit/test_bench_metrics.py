@@ -197,3 +197,19 @@ def test_goodput_counts_requests_within_both_slos():
     wall = max(r.finished_s for r in recs)
     assert p["goodput_rps"] == pytest.approx(2 / wall) and p["slo_attainment"] == pytest.approx(2 / 5)
     assert "goodput_rps" not in summarize(1.0, recs, start_s=0.0)
+
+
+def test_the_pareto_plot_draws_each_system_over_its_rates(tmp_path):
+    from moeflow.cli import main
+
+    def point(rps, tps, tok):
+        return {"rps": rps, "tps_user_mean": tps, "tps_user_mean_ci": [tps - 1, tps + 1],
+                "output_tok_s_per_process": tok, "output_tok_s_per_process_ci": [tok - 0.5, tok + 0.5]}
+
+    result = {"systems": {"dep4": {"mode": "dep", "points": [point(0.3, 7.0, 2.0), point(0.6, 5.0, 3.0)]},
+                          "pd": {"mode": "pd", "config": {"prefill": {"mode": "asap"}, "decode": {"mode": "afd"}},
+                                 "points": [point(0.3, 9.0, 2.1)]}}}
+    (tmp_path / "c.json").write_text(__import__("json").dumps(result))
+    assert main(["bench", "plot", "--pareto", str(tmp_path / "c.json"), "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert label(result["systems"]["pd"]) == "pd asap -> afd"
