@@ -154,9 +154,10 @@ class Handoffs:
 
 def handoff_spans(h: Handoff, arrived_s: float) -> list[Span]:
     """One handoff on the trace's "handoff" track, between the two sides' tracks: waiting for decode
-    room, the copy out of the prefill instance, the copy into the decode instance."""
+    room, the copy out of the prefill instance and the copy into the decode instance, each from the
+    message sent to every member's flag (the members' own "kv copy" spans say what the copy took)."""
     track = f"handoff/prefill{h.prefill}->decode{h.decode}"
     args = {"request": h.request.request_id, "tokens": h.stage.num_tokens}
-    return [Span("kv wait for decode room", track, h.prefilled_s, h.started_s, args),
-            Span("kv copy out", track, h.started_s, h.written_s, args),
-            Span("kv copy in", track, h.written_s, arrived_s, args)]
+    return [Span("handoff: wait for decode room", track, h.prefilled_s, h.started_s, args),
+            Span("handoff: out (sent to done)", track, h.started_s, h.written_s, args),
+            Span("handoff: in (sent to done)", track, h.written_s, arrived_s, args)]

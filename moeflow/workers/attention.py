@@ -30,8 +30,12 @@ class AttentionWorker:
                 if self.replies:
                     conn.send(done)
             elif isinstance(msg, (KvSend, KvRecv)):
+                t0 = time.monotonic()
                 with torch.inference_mode():
                     self.kv.handle(msg)
+                # the copy itself, beside the engine's handoff spans (which also hold the wait for this process)
+                self.stages.tracer.add("kv copy out" if isinstance(msg, KvSend) else "kv copy in", t0,
+                                       time.monotonic(), tokens=msg.stage.num_tokens)
 
         s = self.stages
         serve_control(conn, s.setup.role, s.setup.index, s.tracer, on_message)

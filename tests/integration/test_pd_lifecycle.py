@@ -106,8 +106,11 @@ def test_the_trace_shows_each_handoff_between_the_two_sides(checkpoints, tmp_pat
     assert len(hand) == 9 and {s.args["request"] for s in hand} == {"0", "1", "2"}
     for rid in ("0", "1", "2"):
         wait, out, into = sorted((s for s in hand if s.args["request"] == rid), key=lambda s: s.start_s)
-        assert (wait.name, out.name, into.name) == ("kv wait for decode room", "kv copy out", "kv copy in")
+        assert (wait.name, out.name, into.name) == ("handoff: wait for decode room", "handoff: out (sent to done)",
+                                                    "handoff: in (sent to done)")
         assert wait.end_s == out.start_s <= out.end_s == into.start_s <= into.end_s
+    copies = [s for s in spans if s.name in ("kv copy out", "kv copy in")]  # the members' own, inside those
+    assert len(copies) == 6 and all(0 < s.end_s - s.start_s for s in copies)
     write_chrome_trace(spans, str(tmp_path / "t.json"))
     names = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
              if e["name"] == "process_name"}
