@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -121,12 +122,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
 
     @app.post("/v1/kv_transfer/release", responses=_ERRORS, summary="a prefill server's staged KV that no decode "
               "server will take (the router's, when every decode server refused it): freed before its lease ends")
-    async def kv_release(raw: Request):
+    async def kv_release(body: dict[str, Any]):
         if config.role != "prefill":
             raise ApiError(404, "only a prefill server (moeflow serve --role prefill) stages KV", type="not_found_error")
         try:
-            handle = KvHandle.from_params(await raw.json())
-        except ValueError as e:  # invalid JSON too
+            handle = KvHandle.from_params(body)
+        except ValueError as e:
             raise ApiError(400, f"the body must be a prefill answer's kv_transfer_params: {e}",
                            param="kv_transfer_params") from None
         engine.release_kv(handle)
