@@ -88,21 +88,22 @@ def measure(spec: SystemSpec, context: int, bench: DecodeExperiment, repeat: int
     engine_cfg = dataclasses.replace(spec.engine, trace=True)
     with LLM(layout=spec.layout, **dataclasses.asdict(engine_cfg)) as llm:
         engine = llm.engine
-        pool = engine.scheduler.pool
-        a = pool.groups[0].allocator
+        pools = engine.decode_pools()  # a pd deployment decodes on its decode instances
+        groups = [g for p in pools for g in p.groups]
+        a = groups[0].allocator
         def capacity_at(gen: int) -> int:
-            return resident_capacity(a.num_blocks, a.block_size, context + gen, pool.max_num_seqs)
+            return resident_capacity(a.num_blocks, a.block_size, context + gen, pools[0].max_num_seqs)
         per_group, gen = resident(capacity_at, context, bench.warmup_steps, bench.steps,
                                   step_tokens(spec.layout, spec.engine),
-                                  None if bench.batch is None else -(-bench.batch // len(pool.groups)))
+                                  None if bench.batch is None else -(-bench.batch // len(groups)))
         if context + gen > engine.max_model_len:
             raise ConfigError(f"bench decode: context {context} + {gen} decode tokens exceed max_model_len "
                               f"{engine.max_model_len}")
-        capacity = per_group * len(pool.groups)
+        capacity = per_group * len(groups)
         b = bench.batch or capacity
         if b > capacity:
             raise ConfigError(f"bench decode: batch {b} exceeds what the KV caches hold at context {context} "
-                              f"({per_group} per group x {len(pool.groups)})")
+                              f"({per_group} per group x {len(groups)})")
         rng = random.Random(bench.seed * 1000 + repeat)
         vocab = engine.model_config.vocab_size
         reqs = [llm.make_request([rng.randrange(vocab) for _ in range(context)],
@@ -135,7 +136,7 @@ def measure(spec: SystemSpec, context: int, bench: DecodeExperiment, repeat: int
             engine.abort(r.request_id)
         wall = t1 - t0
         procs = spec.layout.num_processes
-        return {"dtype": llm.config.dtype, "batch": b, "capacity": capacity, "resident_per_group": b / len(pool.groups), "context": context,
+        return {"dtype": llm.config.dtype, "batch": b, "capacity": capacity, "resident_per_group": b / len(groups), "context": context,
                 "num_kv_blocks": a.num_blocks, "max_tokens": gen, "wall_s": wall, "tokens": tokens, "tpot_s": wall * b / tokens,
                 "tok_s_per_process": tokens / wall / procs, "prefill_s": prefill_s,
                 "memory": plan.to_dict() if plan else None,

@@ -113,6 +113,10 @@ class Engine(abc.ABC):
         deployment's ``memory.ProcessFootprint``s, so a plan can be made without starting anything."""
         raise ConfigError(f"mode {layout.mode!r} declares no memory footprint")
 
+    def decode_pools(self) -> list:
+        """The request pools of the groups that decode (a pd deployment: its decode instances')."""
+        return [self.scheduler.pool]
+
     def load(self) -> EngineLoad:
         pool = self.scheduler.pool
         waiting = len(pool.waiting) + sum(map(len, pool.held.values()))  # held: later samples of a prompt

@@ -231,6 +231,9 @@ class PdEngine(Handoffs, Engine):
         for e in self.instances:
             e.drain(timeout_s)
 
+    def decode_pools(self) -> list:
+        return [p for e in self.decode for p in e.decode_pools()]
+
     def collect_spans(self) -> list:
         """Every instance's worker spans, each track under its side ("prefill0:attention0/main"), and
         the handoffs' own track between them."""

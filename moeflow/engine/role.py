@@ -56,6 +56,9 @@ class RoleEngine(Engine):
     def load(self) -> EngineLoad:
         return self.inner.load()
 
+    def decode_pools(self) -> list:
+        return self.inner.decode_pools()
+
     def check_workers(self) -> StepResult:
         return self.inner.check_workers()
 

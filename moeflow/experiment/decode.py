@@ -91,6 +91,7 @@ def step_tokens(lay, engine) -> int:
     """The fewest prompt tokens any step of a system (layout ``lay``, EngineConfig ``engine``) may
     take: its smallest batch limit."""
     limits = [engine.max_num_batched_tokens]
+    lay = getattr(lay, "prefill", None) or lay  # pd: its prefill instances take the prompts
     for obj in (lay, getattr(lay, "scheduler", None)):
         limits += [v for k in ("chunked_prefill_size", "max_batch_tokens") if (v := getattr(obj, k, None))]
     return min(limits)

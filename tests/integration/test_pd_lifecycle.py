@@ -115,3 +115,18 @@ def test_the_trace_shows_each_handoff_between_the_two_sides(checkpoints, tmp_pat
     names = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
              if e["name"] == "process_name"}
     assert "handoff" in names
+
+
+def test_bench_decode_measures_the_decode_instances(checkpoints, tmp_path):
+    """bench decode of a pd deployment: its requests resident on the decode instances, the window
+    timed there (the pools it sizes the batch from are the decode side's)."""
+    import json
+
+    from moeflow.cli import main
+
+    out = tmp_path / "d.json"
+    assert main(["bench", "decode", "--model", checkpoints("qwen3").path, "--dtype", "float32", "--mode", "pd",
+                 "--prefill", "mode=colocated", "--decode", "mode=colocated", "--num-kv-blocks", "64",
+                 "--context", "64", "--batch", "2", "--steps", "3", "--repeats", "1", "--json", str(out)]) == 0
+    run = json.loads(out.read_text())["results"]["pd"]["64"]
+    assert run["batch"] == 2 and run["tok_s_per_process"]["mean"] > 0
