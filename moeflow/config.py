@@ -200,7 +200,8 @@ class EngineConfig:
         if isinstance(self.kv_transfer_config, dict):
             object.__setattr__(self, "kv_transfer_config", KvTransferConfig(**self.kv_transfer_config))
         _require(self.kv_transfer_config is None or isinstance(self.kv_transfer_config, KvTransferConfig),
-                 f"EngineConfig.kv_transfer_config must be a KvTransferConfig, got {type(self.kv_transfer_config).__name__}")
+                 f"EngineConfig.kv_transfer_config must be a KvTransferConfig, "
+                 f"got {type(self.kv_transfer_config).__name__}")
         if isinstance(self.cluster, dict):  # from a result file or dataclasses.asdict
             object.__setattr__(self, "cluster", ClusterConfig(**self.cluster))
         _require(isinstance(self.cluster, ClusterConfig), f"EngineConfig.cluster must be a ClusterConfig, "

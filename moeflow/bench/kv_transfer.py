@@ -242,7 +242,8 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         ratio = r["of_memcpy"]
         lines.append(f"| {r['layout']} | {r['size_mib']:.2f} | {r['tokens']} | {r['handoff_ms']:.2f} | "
-                     f"{r['copy_out_ms']:.2f} ({r['worker_out_ms']:.2f}) | {r['copy_in_ms']:.2f} ({r['worker_in_ms']:.2f}) "
+                     f"{r['copy_out_ms']:.2f} ({r['worker_out_ms']:.2f}) | "
+                     f"{r['copy_in_ms']:.2f} ({r['worker_in_ms']:.2f}) "
                      f"| {r['handoff_gbps']:.2f} | {r['memcpy_gbps']:.2f} | "
                      f"{100 * r['handoff_gbps'] / r['memcpy_gbps']:.1f}% | {100 * ratio['mean']:.1f} ± "
                      f"{50 * (ratio['ci95'][1] - ratio['ci95'][0]):.1f}% |")

@@ -55,13 +55,7 @@ def plot_results(results: list[dict], out: str, title: str | None = None) -> Non
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("mean TTFT (s)")
     ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    if title:
-        ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, out, title)
 
 
 def plot_pareto(systems: dict[str, dict], out: str, title: str | None = None) -> None:
@@ -87,6 +81,12 @@ def plot_pareto(systems: dict[str, dict], out: str, title: str | None = None) ->
             ax.annotate(f"{p['rps']:g} rps", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("TPS/user (tokens/s per request: mean of 1/TPOT)")
     ax.set_ylabel("output tokens/s per process")
+    _finish(fig, ax, out, title)
+
+
+def _finish(fig, ax, out: str, title: str | None) -> None:
+    import matplotlib.pyplot as plt
+
     ax.grid(True, alpha=0.3)
     ax.legend()
     if title:
