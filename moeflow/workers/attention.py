@@ -7,6 +7,7 @@ It owns ``AttentionStages`` (model, KV cache, request state, dispatch/combine en
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -24,21 +25,30 @@ class AttentionWorker:
         self.kv = KvTransfers(stages.runner.kv_cache, stages.member)  # the prefill/decode handoff
 
     def serve(self, conn) -> None:
+        pipe = EarlyKv(conn, self._copy)
+        # NOTE: a KV copy touches only blocks no batch holds (a finished request's leased blocks, or an
+        # arriving one's reserved blocks), so it runs between two layers of a work item instead of
+        # waiting for the item's end: measured here, a handoff waited ~85% of its time for the members
+        self.stages.between_layers = pipe.copy_waiting
+
         def on_message(msg) -> None:
             if isinstance(msg, RunWork):
                 done = self.run_work(msg)
                 if self.replies:
                     conn.send(done)
             elif isinstance(msg, (KvSend, KvRecv)):
-                t0 = time.monotonic()
-                with torch.inference_mode():
-                    self.kv.handle(msg)
-                # the copy itself, beside the engine's handoff spans (which also hold the wait for this process)
-                self.stages.tracer.add("kv copy out" if isinstance(msg, KvSend) else "kv copy in", t0,
-                                       time.monotonic(), tokens=msg.stage.num_tokens)
+                self._copy(msg)
 
         s = self.stages
-        serve_control(conn, s.setup.role, s.setup.index, s.tracer, on_message)
+        serve_control(pipe, s.setup.role, s.setup.index, s.tracer, on_message)
+
+    def _copy(self, msg: KvSend | KvRecv) -> None:
+        t0 = time.monotonic()
+        with torch.inference_mode():
+            self.kv.handle(msg)
+        # the copy itself, beside the engine's handoff spans (which also hold the wait for this process)
+        self.stages.tracer.add("kv copy out" if isinstance(msg, KvSend) else "kv copy in", t0, time.monotonic(),
+                               tokens=msg.stage.num_tokens)
 
     def memory(self) -> dict[str, int]:
         return {**self.stages.memory(), **self.schedule.memory()}
@@ -69,3 +79,30 @@ class AttentionWorker:
                 errors[f.batch.batch_id] = f.error
                 outputs[f.batch.batch_id] = {}
         return WorkDone(s.group, work.work_id, outputs, timings, errors)
+
+
+class EarlyKv:
+    """The worker's end of its control pipe, from which KV copy messages are taken early: between two
+    layers, every message already in the pipe is read; the KV ones are copied at once, the others
+    kept, in order, for the control loop (which reads through this object)."""
+
+    def __init__(self, conn, copy):
+        self.conn, self.copy = conn, copy
+        self.kept: deque = deque()
+
+    def copy_waiting(self) -> None:
+        while self.conn.poll():
+            msg = self.conn.recv()
+            if isinstance(msg, (KvSend, KvRecv)) and not self.kept:  # behind a kept message: keep the order
+                self.copy(msg)
+            else:
+                self.kept.append(msg)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return bool(self.kept) or self.conn.poll(timeout)
+
+    def recv(self):
+        return self.kept.popleft() if self.kept else self.conn.recv()
+
+    def send(self, obj) -> None:
+        self.conn.send(obj)

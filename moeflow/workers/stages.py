@@ -151,9 +151,13 @@ class AttentionStages:
                        lambda: (torch.zeros(x.shape[0], k, dtype=torch.int64, device=x.device),
                                 torch.zeros(x.shape[0], k, device=x.device)))
 
+    between_layers = None  # the worker's: called before each layer's attention (takes KV copies early)
+
     def attend(self, layer: int, f: InFlight) -> bool:
         """The layer's attention, and its dense MLP where it has no routed experts (then the layer is
         done); guarded and timed. True: the experts come next, on ``f.attn.moe_input``."""
+        if self.between_layers is not None:
+            self.between_layers()
         c0 = time.monotonic()
         m = self.model
         n = f.hidden.shape[0]
