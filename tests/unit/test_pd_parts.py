@@ -112,3 +112,33 @@ def test_pool_leases_blocks_of_a_finished_handoff():
     assert pool.leases == {"a": 0} and pool.groups[0].allocator.num_free == 2
     pool.end_lease("a")
     assert not pool.leases and pool.groups[0].allocator.num_free == 4
+
+
+def test_kv_copies_are_taken_early_but_never_past_a_kept_message():
+    """Between layers a worker copies the KV messages already in its pipe; anything else is kept for
+    its control loop, and a KV message behind a kept one waits its turn (the pipe's order holds)."""
+    from collections import deque
+
+    from moeflow.messages import DumpSpans, KvRecv, KvSend, KvStage
+    from moeflow.workers.attention import EarlyKv
+
+    class Pipe:
+        def __init__(self, msgs):
+            self.msgs = deque(msgs)
+
+        def poll(self, timeout=0.0):
+            return bool(self.msgs)
+
+        def recv(self):
+            return self.msgs.popleft()
+
+    st = KvStage("/dev/shm/x", 0, 1, 0, 4, 2, "float32", (("k", (2, 8)),))
+    a, b, c = KvSend(st, (1,)), KvRecv(st, (2,)), KvSend(st, (3,))
+    copied = []
+    pipe = EarlyKv(Pipe([a, b, "run-work", c]), copied.append)
+    pipe.copy_waiting()
+    assert copied == [a, b] and [pipe.recv(), pipe.recv()] == ["run-work", c] and not pipe.poll()
+    spans = DumpSpans()
+    pipe = EarlyKv(Pipe([spans, a]), copied.append)
+    pipe.copy_waiting()
+    assert copied == [a, b] and pipe.poll() and [pipe.recv(), pipe.recv()] == [spans, a]
