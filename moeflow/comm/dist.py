@@ -75,10 +75,14 @@ class Completer:
             if self.bell is not None:
                 self.bell.ring()
 
-    def close(self) -> None:
-        # NOTE: a thread stuck on a receive that will never come stays behind (daemon); gloo has
-        # no way to cancel a posted receive from Python.
+    def close(self, join_s: float = 5.0) -> None:
+        # Joined: a thread still inside gloo when the process group is destroyed and the interpreter
+        # finalizes aborted the process ("terminate called without an active exception").
+        # NOTE: a thread stuck on a receive that will never come stays behind (daemon) after join_s;
+        # gloo has no way to cancel a posted receive from Python.
         self._q.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(join_s)
 
 
 def _header_bytes(header_words: int) -> int:

@@ -44,7 +44,9 @@ def test_a_dead_decode_instance_is_rebuilt_alone(checkpoints, tmp_path):
 
         results, ended_s, seen, whole_s = asyncio.run(load_then_kill())
         errors = [r for r in results if r["error"] is not None]
-        assert errors and all("decode instance 0 failed" in r["error"]["message"] or "died" in r["error"]["message"]
+        # each names the dead instance or worker (a request mid-handoff: its recompute found the worker gone)
+        assert errors and all(any(m in r["error"]["message"] for m in ("decode instance 0 failed", "died",
+                                                                       "exited unexpectedly"))
                               for r in errors), results
         assert ended_s < 5, results
         print(f"pd: requests ended {ended_s:.2f} s after the kill; whole again after {whole_s} s; /health said "
