@@ -13,6 +13,7 @@ from moeflow.layout import Layout, layout_from_dict, layout_to_dict
 ENGINE_KEYS_ELSEWHERE = ("model", "dtype")  # set once for the whole experiment
 EXPERT_PLACEMENTS = ("contiguous", "eplb")
 DSA_ATTENTION = ("mqa", "mha_short_batch", "mha_short_seqs")
+ATTENTION_PARALLEL = ("tensor", "sequence")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class SimOptions:
     # layer, expert popularity ~ Dirichlet with this coefficient of variation across experts, each
     # batch's pairs ~ Multinomial over the devices; every all-to-all and MoE step is priced by its
     # most loaded receiver.
-    expert_load_cv: float = 0.0
+    expert_load_cv: float | None = None  # None: the model's router_load_cv (sim/model_spec.py, cited there)
     expert_placement: str = "contiguous"  # or "eplb": DeepSeek-V3 §3.4, one redundant expert per device
     expert_seed: int = 0  # popularity and per-batch draws (the same popularity for every system)
     # DSA's core attention (sim/attention_cost.py): "mqa" absorbed MLA over the selected keys at every
@@ -39,6 +40,12 @@ class SimOptions:
     # under attention TP the MLA down-projections and the DSA indexer run on every TP rank (vLLM,
     # SGLang, vllm-ascend shard DeepSeek so); False: everything split T ways
     tp_replicates: bool = True
+    # how an attention group's T devices share a batch (sim/attention_cost.py): "tensor" splits the
+    # heads (an all-reduce per layer); "sequence" gives each device S/T of the batch's tokens (ASAP §4.2)
+    attention_parallel: str = "tensor"
+    # per device and layer, the coefficient of variation of its compute time at equal work (sim/jitter.py);
+    # a barrier waits for the slowest device. None: the hardware's (its source in sim/hardware.py)
+    compute_jitter_cv: float | None = None
     a2a_bw_GBps: float | None = None  # the baselines' all-to-all (None: the hardware preset's a2a_bw_Bps)
     seed: int = 0  # the simulator's own random draws (dwdp: contention levels of naive pulls)
     # dep: the all-to-all sends a token once per remote device holding any of its experts (DeepEP's
@@ -55,14 +62,22 @@ class SimOptions:
 
         for f in ("super_kernel", "comm_overlap", "tp_replicates", "dedup_dispatch", "core_sharing"):
             need(isinstance(getattr(self, f), bool), f"{f} must be true or false, got {getattr(self, f)!r}")
-        need(isinstance(self.expert_load_cv, (int, float)) and 0 <= self.expert_load_cv < 8,
-             f"expert_load_cv must be in [0, 8), got {self.expert_load_cv!r}")
+        need(self.expert_load_cv is None or (isinstance(self.expert_load_cv, (int, float))
+                                             and not isinstance(self.expert_load_cv, bool)
+                                             and 0 <= self.expert_load_cv < 8),
+             f"expert_load_cv must be in [0, 8) or null (the model's), got {self.expert_load_cv!r}")
         need(self.expert_placement in EXPERT_PLACEMENTS,
              f"expert_placement must be one of {EXPERT_PLACEMENTS}, got {self.expert_placement!r}")
         for f in ("expert_seed", "seed"):
             need(isinstance(getattr(self, f), int), f"{f} must be an integer, got {getattr(self, f)!r}")
         need(self.dsa_attention in DSA_ATTENTION,
              f"dsa_attention must be one of {DSA_ATTENTION}, got {self.dsa_attention!r}")
+        need(self.attention_parallel in ATTENTION_PARALLEL,
+             f"attention_parallel must be one of {ATTENTION_PARALLEL}, got {self.attention_parallel!r}")
+        need(self.compute_jitter_cv is None or (isinstance(self.compute_jitter_cv, (int, float))
+                                                and not isinstance(self.compute_jitter_cv, bool)
+                                                and 0 <= self.compute_jitter_cv < 1),
+             f"compute_jitter_cv must be in [0, 1) or null (the hardware's), got {self.compute_jitter_cv!r}")
         need(self.a2a_bw_GBps is None or (isinstance(self.a2a_bw_GBps, (int, float)) and self.a2a_bw_GBps > 0),
              f"a2a_bw_GBps must be a number > 0, got {self.a2a_bw_GBps!r}")
 

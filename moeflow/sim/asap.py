@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moeflow.core import Batch, Request, Work
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import System
@@ -27,6 +29,7 @@ class _Flight:
     # per MoE layer (one row for all layers when expert loads are balanced), per MoE worker:
     pairs: list[list[float]]  # (token, expert) pairs sent to the worker (its dispatch and combine size)
     experts_s: list[list[float]]  # the layer's experts on the worker
+    attn_f: list[float] | None = None  # per layer, the group's jitter factor (its slowest device's); None: 1
     layer: int = 0
 
 
@@ -88,8 +91,13 @@ class AsapSystem(System):
             else:
                 loads = self.loads.draw(t * m.top_k)  # [L, E] pairs per worker
                 rows = (loads.tolist(), (c.experts_s_many(loads, self.local_experts) + host).tolist())
+            j = self.jitter
+            if j.on:  # every worker's time of every layer drawn apart; the layer waits for the last combine
+                n = m.num_moe_layers
+                rows = ([rows[0][0]] * n if len(rows[0]) == 1 else rows[0],
+                        (np.broadcast_to(np.array(rows[1]), (n, e)) * j.factors(n, e)).tolist())
             f = _Flight(work.group, b, c.attention_s(shape, cfg.attn_tp, False), c.attention_s(shape, cfg.attn_tp, True),
-                        *rows)
+                        *rows, j.factors(m.num_layers, cfg.attn_tp).max(axis=1).tolist() if j.on else None)
             self.started([s.request_id for s in b.seqs], m.num_dense_layers * f.attn_dense_s
                           + m.num_moe_layers * f.attn_s, now)
             g.ready.append(f)
@@ -103,7 +111,7 @@ class AsapSystem(System):
         g.busy = True
         now = self.loop.now
         dense = f.layer < self.model.num_dense_layers
-        dur = f.attn_dense_s if dense else f.attn_s
+        dur = (f.attn_dense_s if dense else f.attn_s) * (f.attn_f[f.layer] if f.attn_f else 1.0)
         self.busy_s["attention"] += dur
         end = self.finish_at(now, dur, self.layout.attn_tp)
         if now < self.trace_until_s:

@@ -48,8 +48,10 @@ class CostModel(abc.ABC):
     def for_system(self, sim) -> "CostModel":
         """This cost model as one system's ``SimOptions`` (``sim``) refine it; the same one when no
         option concerns it."""
-        if sim.a2a_bw_GBps is not None:
-            raise ValueError(f"sim: a2a_bw_GBps applies to the analytic cost only, not {type(self).__name__}")
+        for f, default in (("a2a_bw_GBps", None), ("attention_parallel", "tensor")):
+            if getattr(sim, f) != default:
+                raise ValueError(f"sim: {f} applies to the analytic cost only, not {type(self).__name__} "
+                                 f"(it prices what the engine runs)")
         return self
 
     @abc.abstractmethod
@@ -86,6 +88,11 @@ class CostModel(abc.ABC):
     @property
     def host_step_s(self) -> float:
         """The host's work between two steps (schedule, prepare inputs) when it is not overlapped."""
+        return 0.0
+
+    @property
+    def compute_jitter_cv(self) -> float:
+        """Per device and layer, the CV of compute time at equal work (sim/jitter.py; 0: none)."""
         return 0.0
 
     def dispatch_bytes(self, num_tokens: int) -> float:
@@ -139,7 +146,7 @@ class AnalyticCost(CostModel):
 
     def for_system(self, sim):
         hw = self.hw if sim.a2a_bw_GBps is None else self.hw.with_overrides(a2a_bw_Bps=sim.a2a_bw_GBps * 1e9)
-        options = AttentionOptions(sim.dsa_attention, sim.tp_replicates)
+        options = AttentionOptions(sim.dsa_attention, sim.tp_replicates, sim.attention_parallel)
         return self if (hw, options) == (self.hw, self.options) else AnalyticCost(self.model, hw, options)
 
     def _gemm_s(self, tokens: float, params: float, tp: int) -> float:
@@ -204,3 +211,7 @@ class AnalyticCost(CostModel):
     @property
     def host_step_s(self):
         return self.hw.host_step_s
+
+    @property
+    def compute_jitter_cv(self):
+        return self.hw.compute_jitter_cv

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import StepSystem
 
@@ -51,9 +53,12 @@ class DepSystem(StepSystem):
         attn_dense = [c.attention_s(s, tp, True) for s in shapes]
         head = [c.head_s(s, tp) for s in shapes]
         dispatch, experts, combine, experts_mean, per_device = self._moe_layers(tokens)
-        dense_layer = max(attn_dense)
+        j = self.jitter
+        # per layer, the slowest rank's attention (each rank's TP group waits for its slowest member)
+        attn_moe = j.slowest(m.num_moe_layers, np.array(attn), tp)
+        attn_dense_l = j.slowest(m.num_dense_layers, np.array(attn_dense), tp)
         if self.cores is None:
-            step = (max(head) + m.num_dense_layers * dense_layer + m.num_moe_layers * max(attn)
+            step = (max(head) + float(attn_dense_l.sum()) + float(attn_moe.sum())
                     + sum(dispatch) + sum(experts) + sum(combine))
         else:
             step = self._step_on_shared_cores(now, attn, attn_dense, head, dispatch, per_device, combine) - now
@@ -69,7 +74,7 @@ class DepSystem(StepSystem):
             self.started([s.request_id for s in b.seqs], own, now)
         if now < self.trace_until_s:
             if self.cores is None:
-                self._trace(now, attn, attn_dense, head, dispatch, experts, combine)
+                self._trace(now, attn, attn_dense, attn_moe, attn_dense_l, head, dispatch, experts, combine)
             else:  # the layers' times interleave with the core calendar: the step as a whole
                 for rank in range(len(batches)):
                     self.span(f"rank{rank}/main", f"step ({self.cores.cores} shared cores)", now, now + step)
@@ -81,13 +86,15 @@ class DepSystem(StepSystem):
         of a layer (attention, the experts) waits for its last rank or device, and each one's
         compute waits for a core. Returns the end time."""
         m, ranks, tp, t = self.model, range(len(attn)), self.layout.tp, now
+        f_attn = self.jitter.factors(m.num_layers, len(attn), tp).max(axis=2)  # a TP group: its slowest member
+        f_experts = self.jitter.factors(m.num_moe_layers, len(per_device[0]))
         for layer in range(m.num_layers):
             a = attn_dense if layer < m.num_dense_layers else attn
-            t = max(self.finish_at(t, a[r], tp) for r in ranks)
+            t = max(self.finish_at(t, a[r] * f_attn[layer, r], tp) for r in ranks)
             if layer < m.num_dense_layers:
                 continue
             i = layer - m.num_dense_layers
-            t = max(self.finish_at(t + dispatch[i], x) for x in per_device[i]) + combine[i]
+            t = max(self.finish_at(t + dispatch[i], x * f) for x, f in zip(per_device[i], f_experts[i])) + combine[i]
         return max(self.finish_at(t, head[r], tp) for r in ranks)
 
     def _moe_layers(self, tokens: list[int]):
@@ -104,15 +111,17 @@ class DepSystem(StepSystem):
         pairs = sum(tokens) * m.top_k
         if self.loads.balanced:  # every expert device its exact share; receivers no busier than senders
             experts = c.experts_s(round(pairs / ep), local) + host
-            return ([c.all_to_all_s(send)] * n, [experts] * n, [c.all_to_all_s(send_back)] * n, n * experts,
+            slowest = (self.jitter.slowest(n, np.full(ep, experts)).tolist() if self.jitter.on and pairs
+                       else [experts] * n)
+            return ([c.all_to_all_s(send)] * n, slowest, [c.all_to_all_s(send_back)] * n, n * experts,
                     [[experts] * ep] * n)
         loads = self.loads.draw(pairs)  # [L, ep]
         peak = loads.max(axis=1)  # the most loaded receiver of each layer
         per_pair_in, per_pair_out = c.dispatch_bytes(1) / m.top_k, c.combine_bytes(1) / m.top_k
         dispatch = [c.all_to_all_s(max(send, p * per_pair_in * share)) for p in peak.tolist()]
         combine = [c.all_to_all_s(max(send_back, p * per_pair_out * share)) for p in peak.tolist()]
-        experts = (c.experts_s_many(peak, local) + host).tolist()
         per_device = c.experts_s_many(loads, local) + host
+        experts = self.jitter.slowest(n, per_device).tolist()  # the slowest device: load and jitter
         experts_mean = float(per_device.mean(axis=1).sum())
         return dispatch, experts, combine, experts_mean, per_device  # [L, ep], read only on shared cores
 
@@ -125,16 +134,17 @@ class DepSystem(StepSystem):
             self.sampled(b, finished, now)
         self._step()
 
-    def _trace(self, t, attn, attn_dense, head, dispatch, experts, combine) -> None:
+    def _trace(self, t, attn, attn_dense, attn_moe, attn_dense_l, head, dispatch, experts, combine) -> None:
         m = self.model
         for layer in range(m.num_layers):
             dense = layer < m.num_dense_layers
             a = attn_dense if dense else attn
+            slowest = float(attn_dense_l[layer] if dense else attn_moe[layer - m.num_dense_layers])
             for rank, x in enumerate(a):
                 self.span(f"rank{rank}/main", "attention", t, t + x)
-                if x < max(a):
-                    self.span(f"rank{rank}/main", "wait-sync", t + x, t + max(a))
-            t += max(a)
+                if x < slowest:
+                    self.span(f"rank{rank}/main", "wait-sync", t + x, t + slowest)
+            t += slowest
             if dense:
                 continue
             i = layer - m.num_dense_layers

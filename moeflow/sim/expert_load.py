@@ -90,7 +90,7 @@ class ExpertLoads:
         if placement not in PLACEMENTS:
             raise ValueError(f"expert_placement must be one of {PLACEMENTS}, got {placement!r}")
         self.num_devices = num_devices
-        self.balanced = cv == 0
+        self.balanced = cv == 0 or num_devices == 1  # one device takes every pair, however skewed
         if not self.balanced:
             self.shares = _shares(num_experts, num_layers, num_devices, float(cv), placement, seed)  # [L, N]
             self._rng = np.random.default_rng([seed, 1])

@@ -35,6 +35,8 @@ class Hardware:
     # clocks, shared HBM); 1: not modelled
     copy_slowdown: float = 1.0
     host_step_s: float = 0.0  # host work between steps that overlap scheduling hides (0: not modelled)
+    # per device and layer, the coefficient of variation of compute time at equal work (sim/jitter.py)
+    compute_jitter_cv: float = 0.0
 
     def __post_init__(self) -> None:
         for f in self.__dataclass_fields__:
@@ -46,6 +48,8 @@ class Hardware:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
         if self.copy_slowdown < 1:
             raise ValueError(f"Hardware {self.name!r}: copy_slowdown must be >= 1, got {self.copy_slowdown}")
+        if not 0 <= self.compute_jitter_cv < 1:
+            raise ValueError(f"Hardware {self.name!r}: compute_jitter_cv must be in [0, 1), got {self.compute_jitter_cv}")
         for f in ("gemm_eff", "attn_eff", "mem_eff", "link_eff"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be in (0, 1], got {getattr(self, f)}")
@@ -68,13 +72,22 @@ _LAUNCH_S = 5e-6  # msmodeling STATIC_COST.mma_op_cost_s
 _HOST_DISPATCH_S = 220e-6  # ASAP §5.5.3, measured on CloudMatrix384 per MoE layer
 _LINK_EFF = 0.7  # msmodeling comm_efficiency
 _MEM_EFF = 0.6  # msmodeling memory efficiency
+# Compute jitter at equal work, per device and layer (sim/jitter.py). The one equal-work measurement
+# found for accelerators: vLLM issue #52911 (TP8 decode step, MI350-class GPUs, every rank the same
+# sharded work): per-rank fused-GEMM times 106.6, 108.2, 92.4, 86.3, 112.3, 104.4, 104.6, 105.0 us,
+# CV 7.9%. One step of one kernel on one node: applied per layer to every preset, an upper end.
+_JITTER_CV = 0.079
+# This machine's engine: dep with 2 ranks at equal work waits 13-15% of a step at its barriers
+# (docs/results/sim/jitter_cpu_here.json, measured by the script beside it); the CV whose
+# E[max of 2 factors] - 1 gives that wait. Profiled costs use it unless the profile has its own.
+CPU_HERE_JITTER_CV = 0.27
 
 PRESETS: dict[str, Hardware] = {
     # One Ascend 910C die (a 910C chip has two) as in CloudMatrix384 (ASAP §4.1).
     "ascend-910c-die": Hardware(
         "ascend-910c-die",
-        flops=353.9e12,  # msmodeling profile ATLAS_800_A3_752T_128G_DIE, torch.bfloat16
-        flops_int8=752e12,  # same profile, torch.int8 (CM384 paper: 6,688 tok/s / 4.45 tok/s/TFLOPS = 1,503 per chip)
+        flops=376e12,  # CM384 paper: 752 TFLOPS dense bf16 per 910C chip, two dies
+        flops_int8=752e12,  # CM384 paper: 6,688 tok/s / 4.45 tok/s/TFLOPS = 1,503 int8 TOPS per chip
         mem_bw_Bps=1.6e12,  # 3.2 TB/s per chip (CM384 paper) / 2 dies
         link_bw_Bps=196e9,  # UB, 7 x 224 Gb/s per die, one direction (CM384 paper; msmodeling A3_INTERCONNECT)
         link_latency_s=0.5e-6,  # msmodeling A3_INTERCONNECT, one-level CLOS
@@ -85,11 +98,13 @@ PRESETS: dict[str, Hardware] = {
         # DeepEP-Ascend (sgl-project/sgl-kernel-npu README) normal mode on the A3 384 SuperPOD, EP32,
         # 4,096 tokens: dispatch 102 GB/s, combine 95 GB/s; comm op cost 10 us (msmodeling)
         a2a_bw_Bps=98.5e9, a2a_latency_s=10e-6,
+        compute_jitter_cv=_JITTER_CV,
         vector_flops=22e12),  # msmodeling ATLAS_800_A3_752T_128G_DIE gp_ops, fp16/bf16 (48 vector cores)
     # NVIDIA H200 SXM: 989.5 TFLOPS dense bf16, 1,979 dense fp8 (datasheet figures halved: they
     # are quoted with sparsity), 4.8 TB/s HBM3e, NVLink 4 900 GB/s both ways.
     "h200": Hardware(
         "h200", flops=989.5e12, flops_int8=1979e12, mem_bw_Bps=4.8e12, link_bw_Bps=450e9, hbm_bytes=141e9,
+        compute_jitter_cv=_JITTER_CV,
         link_latency_s=2e-6,  # no NVIDIA figure; the ~1-2 us commonly quoted for NVLink, upper end
         launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S,
         gemm_eff=0.7,  # msmodeling's compute efficiency
@@ -106,6 +121,7 @@ PRESETS: dict[str, Hardware] = {
         copy_slowdown=1.226,
         # FastAFD §5 (Qwen3-235B, 8K prompts): overlap scheduling takes 9.8 ms off every decode step
         host_step_s=9.8e-3,
+        compute_jitter_cv=_JITTER_CV,
         launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S, gemm_eff=0.7, attn_eff=0.667,
         mem_eff=_MEM_EFF, link_eff=_LINK_EFF),
 }
@@ -133,7 +149,8 @@ def cpu_hardware(report: dict, dtype: str | None = None) -> Hardware:
     copy_bps = float(report["memcpy_gbps"]) * 1e9
     return Hardware(MEASURED, flops=flops, flops_int8=flops, mem_bw_Bps=copy_bps, link_bw_Bps=copy_bps,
                     link_latency_s=float(report["shm_flag_round_trip_us"]) * 1e-6, launch_s=20e-6,
-                    host_dispatch_s=0.0, gemm_eff=0.6, attn_eff=0.5, mem_eff=0.8, link_eff=1.0)
+                    host_dispatch_s=0.0, gemm_eff=0.6, attn_eff=0.5, mem_eff=0.8, link_eff=1.0,
+                    compute_jitter_cv=CPU_HERE_JITTER_CV)
 
 
 def hardware_preset(name: str, report: dict | None = None, dtype: str | None = None) -> Hardware:

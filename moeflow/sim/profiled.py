@@ -23,6 +23,7 @@ import statistics
 import numpy as np
 
 from moeflow.sim.cost import CostModel
+from moeflow.sim.hardware import CPU_HERE_JITTER_CV
 from moeflow.sim.model_spec import ModelSpec
 from moeflow.sim.shape import AttnShape
 
@@ -75,11 +76,16 @@ class ProfiledCost(CostModel):
              f"provenance cores must be an int >= 1, got {self.shared_cores!r}")
         self.decode = (profile.get("decode") or {}).get("fit")  # None: decode rows priced as prompt rows
         self.head = profile["head"]["fit"]
+        self._jitter_cv = float(profile.get("compute_jitter_cv", CPU_HERE_JITTER_CV))
         self.experts_table = {int(k): sorted((float(n), float(s)) for n, s in v) for k, v in profile["experts"].items()}
         self.transport = {name: self._transport(e["samples"], name, e["layout"], e.get("decode_samples", []))
                           for name, e in profile.get("engine", {}).items()}
         need("asap" in self.transport and "dep" in self.transport,
              "no engine samples (was it written with --quick?): transport costs are unknown")
+
+    @property
+    def compute_jitter_cv(self) -> float:
+        return self._jitter_cv
 
     @classmethod
     def load(cls, model: ModelSpec, path: str) -> "ProfiledCost":

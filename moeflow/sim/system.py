@@ -20,6 +20,7 @@ from moeflow.sim.cores import CorePool
 from moeflow.sim.cost import CostModel
 from moeflow.sim.events import EventLoop
 from moeflow.sim.expert_load import ExpertLoads
+from moeflow.sim.jitter import Jitter
 
 
 @dataclass
@@ -57,6 +58,8 @@ class System(abc.ABC):
         cost = cost.for_system(spec.sim)
         self.spec, self.layout, self.cost, self.model = spec, spec.layout, cost, cost.model
         self.loads: ExpertLoads | None = None  # set by systems with expert devices
+        cv = spec.sim.compute_jitter_cv
+        self.jitter = Jitter(cost.compute_jitter_cv if cv is None else cv, spec.sim.seed)
         self.loop = EventLoop()
         self.trace_until_s = trace_until_s  # record spans that start before this time (0: none)
         self.spans: list[Span] = []
@@ -114,8 +117,8 @@ class System(abc.ABC):
     def expert_loads(self, num_devices: int) -> ExpertLoads:
         """The expert-load model of this system's ``num_devices`` expert devices (SimOptions)."""
         sim, m = self.spec.sim, self.model
-        return ExpertLoads(m.num_experts, m.num_moe_layers, num_devices, sim.expert_load_cv,
-                           sim.expert_placement, sim.expert_seed)
+        cv = m.router_load_cv if sim.expert_load_cv is None else sim.expert_load_cv
+        return ExpertLoads(m.num_experts, m.num_moe_layers, num_devices, cv, sim.expert_placement, sim.expert_seed)
 
     def _progress(self) -> tuple[list[float], list[float]]:
         """TTFTs so far, and the arrival times of requests still waiting for a first token."""

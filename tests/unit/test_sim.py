@@ -89,7 +89,8 @@ def test_a_lone_request_takes_the_closed_form_time():
     cost = build_cost(cfg)
     m, n = cost.model, 3000
     shape = AttnShape.of([(0, n, True)])
-    dep_cfg = system_from_dict("d", {"mode": "dep", "dp": 4, "max_batch_tokens": 8192, "engine": LIMITS})
+    dep_cfg = system_from_dict("d", {"mode": "dep", "dp": 4, "max_batch_tokens": 8192, "engine": LIMITS,
+                                     "sim": {"compute_jitter_cv": 0.0}})  # jitter off: the closed form
     rec = DepSystem(dep_cfg, cost).run([WorkloadRequest(0.0, n, 1)]).records[0]
     moved = 3 / 4
     layer = (cost.attention_s(shape, 1, False) + cost.all_to_all_s(cost.dispatch_bytes(n) * moved)
@@ -98,7 +99,7 @@ def test_a_lone_request_takes_the_closed_form_time():
     assert rec.ttft_s == pytest.approx(cost.head_s(shape, 1) + m.num_layers * layer)
     sched = dict(SCHED, max_batch_wait_s=0.0, split_lone_batch=False)
     asap_cfg = system_from_dict("a", {"mode": "asap", "attn_dp": 1, "moe_workers": 2, "scheduler": sched,
-                                      "engine": LIMITS})
+                                      "engine": LIMITS, "sim": {"compute_jitter_cv": 0.0}})
     sim = AsapSystem(asap_cfg, cost)
     rec = sim.run([WorkloadRequest(0.0, n, 1)]).records[0]
     bw = cost.link_bw_Bps

@@ -92,7 +92,7 @@ def _cm384(**sim):
 
 
 def test_dep_prices_each_moe_layer_by_its_most_loaded_receiver():
-    cfg, cost = _cm384(expert_load_cv=1.0)
+    cfg, cost = _cm384(expert_load_cv=1.0, compute_jitter_cv=0)  # jitter off: the closed form
     spec = cfg.systems["dep"]
     from moeflow.sim.dep import DepSystem
 
@@ -112,14 +112,14 @@ def test_dep_prices_each_moe_layer_by_its_most_loaded_receiver():
     assert rec.ttft_s == pytest.approx(total, rel=1e-9)
     # a lone 6k prompt's layers are bound by its rank's sends and the experts' weight reads, which
     # skew does not change; a 30k prompt's expert compute is past the inflection, where it does
-    base_cfg = load_experiment("configs/asap-cm384.yaml")
+    base_cfg, _ = _cm384(compute_jitter_cv=0, expert_load_cv=0)
     one = [WorkloadRequest(0.0, 30000, 1)]
     skewed = DepSystem(spec, cost).run(one).records[0].ttft_s
     assert skewed > DepSystem(base_cfg.systems["dep"], build_cost(base_cfg)).run(one).records[0].ttft_s
 
 
 def test_asap_workers_take_their_own_loads():
-    cfg, cost = _cm384(expert_load_cv=1.0)
+    cfg, cost = _cm384(expert_load_cv=1.0, compute_jitter_cv=0)  # jitter off: the closed form
     from moeflow.sim.asap import AsapSystem
 
     n = 6000

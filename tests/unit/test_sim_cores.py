@@ -63,23 +63,24 @@ def test_random_bookings_never_run_more_stages_than_cores():
 
 
 def _four_processes(core_sharing: bool):
+    # jitter and skew off (but in dep4_skew): their barrier waits would hide the oversubscription this measures
     return parse_experiment({
         "model": "tiny", "dtype": "float32", "hardware": "cpu-here", "cost": "profiled", "profile": PROFILE,
         "rps": [1.6], "slo_ttft_s": 4,
         "workload": {"kind": "production", "length_scale": 0.1, "duration_s": 40, "seed": 0},
         "systems": {
             "dep4": {"mode": "dep", "dp": 4, "max_batch_tokens": 4096, "engine": {"num_kv_blocks": 1024},
-                     "sim": {"core_sharing": core_sharing}},
+                     "sim": {"compute_jitter_cv": 0.0, "expert_load_cv": 0.0, "core_sharing": core_sharing}},
             "asap_d2e2": {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "max_batch_tokens": 4096,
-                          "engine": {"num_kv_blocks": 1024}, "sim": {"comm_overlap": False, "core_sharing": core_sharing}},
+                          "engine": {"num_kv_blocks": 1024}, "sim": {"compute_jitter_cv": 0.0, "expert_load_cv": 0.0, "comm_overlap": False, "core_sharing": core_sharing}},
             "dep4_skew": {"mode": "dep", "dp": 4, "max_batch_tokens": 4096, "engine": {"num_kv_blocks": 1024},
-                          "sim": {"core_sharing": core_sharing, "expert_load_cv": 1.0}},
+                          "sim": {"compute_jitter_cv": 0.0, "core_sharing": core_sharing, "expert_load_cv": 1.0}},
             "asap_d2e2_overlap": {"mode": "asap", "attn_dp": 2, "moe_workers": 2, "max_batch_tokens": 4096,
-                                  "engine": {"num_kv_blocks": 1024}, "sim": {"core_sharing": core_sharing}},
+                                  "engine": {"num_kv_blocks": 1024}, "sim": {"compute_jitter_cv": 0.0, "expert_load_cv": 0.0, "core_sharing": core_sharing}},
             "dwdp4": {"mode": "dwdp", "dp": 4, "max_batch_tokens": 4096, "engine": {"num_kv_blocks": 1024},
-                      "sim": {"core_sharing": core_sharing}},
+                      "sim": {"compute_jitter_cv": 0.0, "expert_load_cv": 0.0, "core_sharing": core_sharing}},
             "afd2a2f": {"mode": "afd", "attn_workers": 2, "ffn_workers": 2, "micro_batches": 2,
-                        "max_batch_tokens": 4096, "engine": {"num_kv_blocks": 1024}, "sim": {"core_sharing": core_sharing}},
+                        "max_batch_tokens": 4096, "engine": {"num_kv_blocks": 1024}, "sim": {"compute_jitter_cv": 0.0, "expert_load_cv": 0.0, "core_sharing": core_sharing}},
         }})
 
 

@@ -149,8 +149,13 @@ def test_roofline_crossover_at_batch_1():
                                              + cost.experts_s(1024 * m.top_k, m.num_experts))
 
 
-def _sweep(field: str) -> list[dict]:
-    cfg = load_experiment("configs/dwdp-gb200.yaml")
+# DEP4's compute jitter and expert skew off: the paper's tables are checked against the model without
+# them (with them DEP4 loses more: test_barrier_losses_widen_dwdps_lead)
+NO_BARRIER_NOISE = ("sim.compute_jitter_cv=0", "sim.expert_load_cv=0")
+
+
+def _sweep(field: str, sets: tuple[str, ...] = NO_BARRIER_NOISE) -> list[dict]:
+    cfg = load_experiment("configs/dwdp-gb200.yaml", sets)
     cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, num_requests=768),
                               sweeps=tuple((f, v[1::2] if f == "isl" else v[::4], w) for f, v, w in cfg.sweeps if f == field),
                               compare=(("dwdp4", "dep4_dedup"), ("dwdp4", "dep4")))
@@ -164,6 +169,14 @@ def test_table3a_speedup_over_isl_within_20pct():
         assert 0.8 * 1.09 <= r["ratios"]["dwdp4/dep4_dedup"] <= 1.2 * 1.11, r
         # against moeflow's own dep (a row per (token, expert) pair) the gain is larger
         assert r["ratios"]["dwdp4/dep4"] > r["ratios"]["dwdp4/dep4_dedup"]
+
+
+def test_barrier_losses_widen_dwdps_lead():
+    """DWDP has no barrier; DEP4 waits at every layer for its slowest rank (jitter) and its most
+    loaded expert device (skew): with the cited defaults its gain at ISL 2K is larger."""
+    quiet = _sweep("isl")[0]["ratios"]["dwdp4/dep4_dedup"]
+    noisy = _sweep("isl", ())[0]["ratios"]["dwdp4/dep4_dedup"]
+    assert noisy > quiet * 1.05, (quiet, noisy)
 
 
 def test_table3c_speedup_rises_with_the_length_spread():

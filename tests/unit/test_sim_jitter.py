@@ -1,0 +1,79 @@
+"""Round three of the simulator: compute jitter at barriers, skew on by default, sequence-split attention."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeflow.experiment.serve import load_experiment
+from moeflow.experiment.system import SimOptions
+from moeflow.measure.workload import WorkloadRequest
+from moeflow.sim.attention_cost import AttentionOptions, attention_parts
+from moeflow.sim.cost import AnalyticCost
+from moeflow.sim.dep import DepSystem
+from moeflow.sim.hardware import PRESETS
+from moeflow.sim.jitter import Jitter
+from moeflow.sim.model_spec import PRESETS as MODELS
+from moeflow.sim.run import build_cost
+from moeflow.sim.shape import AttnShape
+
+
+def test_factors_have_mean_one_and_the_stated_cv():
+    f = Jitter(0.1, 0).factors(200_000)
+    assert f.mean() == pytest.approx(1.0, abs=0.002) and f.std() / f.mean() == pytest.approx(0.1, rel=0.02)
+    assert (Jitter(0.0, 0).factors(3, 4) == 1).all()
+
+
+def test_the_slowest_of_n_grows_with_n_and_off_is_the_plain_max():
+    j = Jitter(0.1, 0)
+    assert 1 < j.expected_max(2) < j.expected_max(8) < j.expected_max(32)
+    times = np.array([1.0, 2.0, 0.0])
+    assert (Jitter(0.0, 0).slowest(5, times) == 2.0).all()
+    slow = j.slowest(10_000, times, group=4)
+    assert slow.mean() > 2.0  # a rank's TP group waits for its slowest member
+    assert (j.slowest(10, np.zeros(3)) == 0).all()  # no work: nobody waits
+
+
+def _dep_ttft(cv: float, n_requests: int) -> float:
+    cfg = load_experiment("configs/asap-cm384.yaml", (f"sim.compute_jitter_cv={cv}", "sim.expert_load_cv=0"))
+    sim = DepSystem(cfg.systems["dep"], build_cost(cfg))
+    recs = sim.run([WorkloadRequest(0.0, 4096, 1) for _ in range(n_requests)]).records
+    return max(r.ttft_s for r in recs)
+
+
+def test_the_barrier_loss_grows_with_the_busy_ranks():
+    """One busy rank waits only for its own TP group and the expert devices; eight busy ranks
+    wait for the slowest of all 32 dies at every layer."""
+    lone = _dep_ttft(0.079, 1) / _dep_ttft(0.0, 1)
+    full = _dep_ttft(0.079, 8) / _dep_ttft(0.0, 8)
+    assert 1.0 < lone < full, (lone, full)
+
+
+def test_the_defaults_come_from_the_hardware_and_the_model():
+    assert PRESETS["ascend-910c-die"].compute_jitter_cv == pytest.approx(0.079)
+    assert PRESETS["ascend-910c-die"].flops == pytest.approx(376e12)  # CM384 paper: 752 per chip, two dies
+    assert MODELS["deepseek-v3.2"].router_load_cv == pytest.approx(1.28)
+    cfg = load_experiment("configs/asap-cm384.yaml")
+    sim = DepSystem(cfg.systems["dep"], build_cost(cfg))
+    assert sim.jitter.cv == pytest.approx(0.079) and not sim.loads.balanced
+    with pytest.raises(Exception, match="compute_jitter_cv"):
+        SimOptions(compute_jitter_cv=1.5)
+
+
+def test_sequence_split_gathers_kv_and_has_no_all_reduce():
+    m, hw = MODELS["deepseek-v3.2"], PRESETS["ascend-910c-die"]
+    shape = AttnShape.of([(0, 8192, True)] * 4, m.index_topk)
+    seq = attention_parts(AnalyticCost(m, hw, AttentionOptions(parallel="sequence")), shape, 4, False)
+    ten = attention_parts(AnalyticCost(m, hw, AttentionOptions(parallel="tensor")), shape, 4, False)
+    assert "tp_allreduce" not in seq and seq["kv_allgather"] > 0 and ten["tp_allreduce"] > 0
+    # replicated down-projections and indexer: sequence splits the work the tensor split repeats
+    assert seq["indexer"] < ten["indexer"] / 3 and sum(seq.values()) < sum(ten.values())
+    one = attention_parts(AnalyticCost(m, hw, AttentionOptions(parallel="sequence")), shape, 1, False)
+    assert sum(v for k, v in seq.items() if k != "kv_allgather") < sum(one.values()) / 3
+    with pytest.raises(ValueError, match="attention_parallel"):
+        AttentionOptions(parallel="heads")
+
+
+def test_a_profiled_cost_refuses_a_modelled_attention_split():
+    cfg = load_experiment("configs/validate-cpu-here.yaml")
+    with pytest.raises(ValueError, match="attention_parallel applies to the analytic cost only"):
+        build_cost(cfg).for_system(SimOptions(attention_parallel="sequence"))
