@@ -77,9 +77,9 @@ _MEM_EFF = 0.6  # msmodeling memory efficiency
 # sharded work): per-rank fused-GEMM times 106.6, 108.2, 92.4, 86.3, 112.3, 104.4, 104.6, 105.0 us,
 # CV 7.9%. One step of one kernel on one node: applied per layer to every preset, an upper end.
 _JITTER_CV = 0.079
-# This machine's engine: dep with 2 ranks at equal work waits 13-15% of a step at its barriers
-# (docs/results/sim/jitter_cpu_here.json, measured by the script beside it); the CV whose
-# E[max of 2 factors] - 1 gives that wait. Profiled costs use it unless the profile has its own.
+# This machine's engine: dep with 2 ranks at equal work waits 14.5-16.2% of its compute at the
+# barriers (docs/results/sim/jitter_cpu_here.json, measured by the script beside it): CV 0.26-0.29,
+# the CV whose E[max of 2 factors] - 1 gives that wait. Profiled costs use it unless the profile has its own.
 CPU_HERE_JITTER_CV = 0.27
 
 PRESETS: dict[str, Hardware] = {
