@@ -1,8 +1,8 @@
 """DistTransport: the same primitives across hosts, over torch.distributed isend/irecv.
 
-The receiver plays the shared buffer's part with pre-posted receives: every lane has
-``num_slots`` private receive buffers with an ``irecv`` posted on each, so a sender's ``isend``
-lands without the receiver's involvement, and the send returns after staging its copy. A message
+The receiver plays the shared buffer's part with pre-posted receives: every lane has ``num_slots``
+private receive buffers with an ``irecv`` posted on each, so a sender's ``isend`` lands without the
+receiver's involvement, and the send returns after staging its copy. A message
 is one uint8 tensor: header [seq, *words] int64 (padded to 64 B), then the payload bytes; gloo
 accepts a receive buffer larger than the message, so slots are posted at full capacity.
 
@@ -76,13 +76,9 @@ class Completer:
                 self.bell.ring()
 
     def close(self, join_s: float = 5.0) -> None:
-        # Joined: a thread still inside gloo when the process group is destroyed and the interpreter
-        # finalizes aborted the process ("terminate called without an active exception").
-        # NOTE: a thread stuck on a receive that will never come stays behind (daemon) after join_s;
-        # gloo has no way to cancel a posted receive from Python.
+        # joined: a thread inside gloo at group destruction aborts the exit (a stuck receive stays: no cancel)
         self._q.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(join_s)
+        self._thread.join(join_s)
 
 
 def _header_bytes(header_words: int) -> int:
