@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow verify spin lint bench soak clean
+.PHONY: run test test-slow verify spin lint bench soak seed-tables clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,6 +45,17 @@ bench: $(STAMP)
 # (not part of make test): docs/results/soak.{json,png,md}
 soak: $(STAMP)
 	$(VENV)/bin/moeflow bench soak --duration-s 600 --out docs/results/soak
+
+# every seed result, paper against the simulator (~15 minutes): the three configs' simulations, then
+# the tables in docs/results/sim/seed_tables.md
+SIMULATE := $(VENV)/bin/moeflow simulate
+seed-tables: $(STAMP)
+	$(SIMULATE) --config configs/asap-cm384.yaml --find-slo-rps --slo-metric all --json docs/results/sim/asap_cm384.json \
+	    --plot docs/results/sim/asap_cm384.png --trace docs/results/sim/asap_cm384_trace.json --trace-rps 4 \
+	    --trace-window-s 1 > docs/results/sim/asap_cm384.txt
+	$(SIMULATE) --config configs/dwdp-gb200.yaml --json docs/results/sim/dwdp_gb200.json > docs/results/sim/dwdp_gb200.txt
+	$(SIMULATE) --config configs/afd-gb200.yaml --json docs/results/sim/afd_gb200.json > docs/results/sim/afd_gb200.txt
+	$(PY) docs/results/sim/seed_tables.py docs/results/sim/seed_tables.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -46,6 +46,9 @@ class SimOptions:
     # per device and layer, the coefficient of variation of its compute time at equal work (sim/jitter.py);
     # a barrier waits for the slowest device. None: the hardware's (its source in sim/hardware.py)
     compute_jitter_cv: float | None = None
+    # dwdp: "memory" holds as many experts per rank as the engine's memory budget allows beside one
+    # batch's KV (DWDP §2), fewer to pull; "layout": the layout's experts_per_rank
+    resident_experts: str = "layout"
     a2a_bw_GBps: float | None = None  # the baselines' all-to-all (None: the hardware preset's a2a_bw_Bps)
     seed: int = 0  # the simulator's own random draws (dwdp: contention levels of naive pulls)
     # dep: the all-to-all sends a token once per remote device holding any of its experts (DeepEP's
@@ -78,6 +81,8 @@ class SimOptions:
                                                 and not isinstance(self.compute_jitter_cv, bool)
                                                 and 0 <= self.compute_jitter_cv < 1),
              f"compute_jitter_cv must be in [0, 1) or null (the hardware's), got {self.compute_jitter_cv!r}")
+        need(self.resident_experts in ("layout", "memory"),
+             f"resident_experts must be 'layout' or 'memory', got {self.resident_experts!r}")
         need(self.a2a_bw_GBps is None or (isinstance(self.a2a_bw_GBps, (int, float)) and self.a2a_bw_GBps > 0),
              f"a2a_bw_GBps must be a number > 0, got {self.a2a_bw_GBps!r}")
 

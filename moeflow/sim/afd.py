@@ -41,6 +41,11 @@ class AfdSystem(StepSystem):
         self.local = [len(ids) for ids in lay.experts_held(m.num_experts)]
         self.num_entities = {"attention": lay.attn_workers, "ffn": lay.ffn_workers}
         self.busy_s = {"attention": 0.0, "ffn": 0.0}
+        # compute jitter (sim/jitter.py) as its expected cost, not drawn: a daemon takes (layer, u) once
+        # every instance sent it, an instance goes on once its daemons answered; drawn factors would
+        # walk every layer of every step (no periodic shortcut), too slow for serving runs
+        self.slow_attn = self.jitter.expected_max(lay.attn_workers)
+        self.slow_ffn = self.jitter.expected_max(lay.ffn_workers)
 
     def run_step(self, works, now: float) -> None:
         m, c = self.model, self.cost
@@ -55,6 +60,7 @@ class AfdSystem(StepSystem):
                 for u in range(nub)] for j, srv in enumerate(self.served)]
         move = [[c.transfer_s(self._sent_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]  # per micro-batch
         back = [[c.transfer_s(self._back_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]
+        sa, sf = self.slow_attn, self.slow_ffn  # (layer, u) waits for the slowest instance / daemon
         inst = [now] * len(ubs)  # when each instance is free
         ready = [[now] * nub for _ in ubs]  # when (layer, u)'s input is back on the instance
         daemon = [now] * len(ffn)
@@ -64,7 +70,7 @@ class AfdSystem(StepSystem):
             sent = [[0.0] * nub for _ in ubs]
             for u in range(nub):
                 for i in range(len(ubs)):
-                    inst[i] = self.finish_at(max(inst[i], ready[i][u]), dense[i][u] if is_dense else attn[i][u])
+                    inst[i] = self.finish_at(max(inst[i], ready[i][u]), (dense[i][u] if is_dense else attn[i][u]) * sa)
                     sent[i][u] = inst[i] + (0.0 if is_dense else move[i][u])
                     if is_dense:
                         ready[i][u] = inst[i]
@@ -72,7 +78,7 @@ class AfdSystem(StepSystem):
                 continue
             for u in range(nub):
                 for j, srv in enumerate(self.served):
-                    daemon[j] = self.finish_at(max([daemon[j]] + [sent[i][u] for i in srv]), ffn[j][u])
+                    daemon[j] = self.finish_at(max([daemon[j]] + [sent[i][u] for i in srv]), ffn[j][u] * sf)
                 for i in range(len(ubs)):
                     ready[i][u] = max(daemon[j] for j in self.ffns[i]) + back[i][u]
             state = [*inst, *(x for r in ready for x in r), *daemon]

@@ -15,14 +15,26 @@ event per batch (its layer timeline has a closed form).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from moeflow.core import Request
 from moeflow.scheduler.copy_plan import copy_plan
 from moeflow.sim.contention import ContentionDraws, expected_slowdown
+from moeflow.sim.memory import GIB, most_resident_experts
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import System
+
+
+def resident_by_memory(spec, cost) -> int:
+    """Experts per layer a rank of ``spec`` holds when it fills its memory budget (sim.resident_experts)."""
+    e = spec.engine
+    if e.memory_budget_gib is None:
+        raise ValueError(f"system {spec.name!r}: sim.resident_experts memory needs engine.memory_budget_gib")
+    hbm = getattr(getattr(cost, "hw", None), "hbm_bytes", 0.0)
+    return most_resident_experts(cost.model, spec.layout, e.memory_budget_gib * GIB, spec.layout.max_batch_tokens,
+                                 e.max_num_seqs, hbm)
 
 
 def unit_bytes(model) -> dict[str, int]:
@@ -32,6 +44,9 @@ def unit_bytes(model) -> dict[str, int]:
 
 class DwdpSystem(System):
     def __init__(self, spec, cost, trace_until_s=0.0):
+        if spec.sim.resident_experts == "memory":
+            spec = dataclasses.replace(spec, layout=dataclasses.replace(
+                spec.layout, experts_per_rank=resident_by_memory(spec, cost)))
         super().__init__(spec, cost, trace_until_s)
         layout, m = spec.layout, cost.model
         self.sched = self._scheduler()

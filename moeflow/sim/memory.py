@@ -141,3 +141,23 @@ def plan_kv(m: ModelSpec, layout, budget_bytes: float, max_batch_tokens: int, ma
                              f"reserve {reserve / GIB:.2f} GiB")
     tokens = min(int((budget_bytes - d.weights - d.buffers - reserve) // d.kv_per_token) for d in devs if d.kv_per_token)
     return KvPlan(budget_bytes, reserve, tokens, tuple(devs))
+
+
+def most_resident_experts(m: ModelSpec, layout, budget_bytes: float, kv_tokens: int, max_num_seqs: int,
+                          hbm_bytes: float = 0.0) -> int:
+    """The most experts per layer a dwdp rank can hold (DWDP §2: "when memory allows", more local
+    experts mean less to pull) while its budget still leaves ``kv_tokens`` of KV cache."""
+    def fits(per: int) -> bool:
+        try:
+            lay = dataclasses.replace(layout, experts_per_rank=per)
+            return plan_kv(m, lay, budget_bytes, layout.max_batch_tokens, max_num_seqs, None, hbm_bytes).kv_tokens >= kv_tokens
+        except ValueError:
+            return False
+    lo, hi = -(-m.num_experts // layout.dp), m.num_experts
+    if not fits(lo):
+        raise ValueError(f"memory budget {budget_bytes / GIB:.1f} GiB: a dwdp rank cannot hold even its "
+                         f"{lo} experts per layer and {kv_tokens} tokens of KV")
+    while lo < hi:  # the plan's KV shrinks as the resident experts grow: the last per that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo

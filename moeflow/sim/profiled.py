@@ -24,6 +24,8 @@ import numpy as np
 
 from moeflow.sim.cost import CostModel
 from moeflow.sim.hardware import CPU_HERE_JITTER_CV
+from moeflow.sim.expert_load import ExpertLoads
+from moeflow.sim.jitter import Jitter
 from moeflow.sim.model_spec import ModelSpec
 from moeflow.sim.shape import AttnShape
 
@@ -121,12 +123,14 @@ class ProfiledCost(CostModel):
 
     # -- transport ----------------------------------------------------------------------------
 
-    def _stages_s(self, start: int, n: int, local: int, tokens_share: float) -> float:
+    def _stages_s(self, start: int, n: int, local: int, tokens_share: float, slowest: float = 1.0) -> float:
         """The sum of the stages of a lone request's step computing ``n`` tokens after ``start`` cached
-        ones (the experts see ``tokens_share`` of them)."""
+        ones (the experts see ``tokens_share`` of them; the layer waits for the slowest of the expert
+        devices, ``slowest`` times their mean under the simulator's jitter)."""
         m = self.model
         shape = AttnShape.of([(start, n, True)])
-        layer = self.attention_s(shape, 1, False) + self.experts_s(max(1, round(n * m.top_k * tokens_share)), local)
+        experts = self.experts_s(max(1, round(n * m.top_k * tokens_share)), local)
+        layer = self.attention_s(shape, 1, False) + slowest * experts
         return self.head_s(shape, 1) + m.num_layers * layer
 
     def _transport(self, samples: list[dict], name: str, layout: dict,
@@ -145,12 +149,17 @@ class ProfiledCost(CostModel):
             return m.num_layers * (self.dispatch_bytes(n) + self.combine_bytes(n)) * moved
 
         messages = 2 * m.num_layers
-        extra = [(s["ttft_s"] - self._stages_s(0, s["prompt_len"], local, share), step_bytes(s["prompt_len"]))
+        # what the simulator adds at the expert devices' barrier is not transport: the most loaded
+        # device's share (sim/expert_load.py, the model's router skew) and the slowest one's jitter
+        n = round(1 / share)
+        skew = ExpertLoads(m.num_experts, m.num_moe_layers, n, m.router_load_cv).share_imbalance
+        slowest = skew * Jitter(self._jitter_cv, 0).expected_max(n)
+        extra = [(s["ttft_s"] - self._stages_s(0, s["prompt_len"], local, share, slowest), step_bytes(s["prompt_len"]))
                  for s in samples]
         if not decode_samples:
             latency, s_per_byte = fit_nonneg([[messages, b] for _, b in extra], [e for e, _ in extra])
             return latency, (1 / s_per_byte if s_per_byte > 0 else float("inf"))
-        decode = [d["tpot_s"] - self._stages_s(d["context"], 1, local, share) for d in decode_samples]
+        decode = [d["tpot_s"] - self._stages_s(d["context"], 1, local, share, slowest) for d in decode_samples]
         s_per_byte = 0.0
         for _ in range(4):  # a decode step's few bytes at the prompts' rate; converges at once
             latency = max(0.0, statistics.median((e - step_bytes(1) * s_per_byte) / messages for e in decode))

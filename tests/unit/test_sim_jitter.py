@@ -1,6 +1,8 @@
 """Round three of the simulator: compute jitter at barriers, skew on by default, sequence-split attention."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -77,3 +79,48 @@ def test_a_profiled_cost_refuses_a_modelled_attention_split():
     cfg = load_experiment("configs/validate-cpu-here.yaml")
     with pytest.raises(ValueError, match="attention_parallel applies to the analytic cost only"):
         build_cost(cfg).for_system(SimOptions(attention_parallel="sequence"))
+
+
+def test_the_profiled_transport_leaves_the_barrier_to_the_simulator():
+    """A lone request's dep step waits for the slowest expert device; that wait is the simulator's
+    (jitter, skew), so the transport fitted from the same samples is smaller with it than without."""
+    import json
+
+    from moeflow.sim.model_spec import model_preset
+    from moeflow.sim.profiled import ProfiledCost
+
+    cfg = load_experiment("configs/validate-cpu-here.yaml")
+    with open(cfg.target.profile) as f:
+        profile = json.load(f)
+    m = model_preset("tiny")
+    quiet = ProfiledCost(dataclasses.replace(m, router_load_cv=0.0), {**profile, "compute_jitter_cv": 0.0})
+    noisy = ProfiledCost(m, {**profile, "compute_jitter_cv": 0.27})
+    assert noisy.all_to_all_s(1e6) < quiet.all_to_all_s(1e6)
+
+
+def test_the_best_colocated_baseline_is_the_fastest_dep_of_the_run():
+    from types import SimpleNamespace
+
+    from moeflow.sim.decode import against_best
+
+    systems = {n: SimpleNamespace(layout=SimpleNamespace(mode=n[:3])) for n in ("dep4", "dep8", "afd_a")}
+    results = {"dep4": {8: {"tok_s_per_device": 100.0}}, "dep8": {8: {"tok_s_per_device": 120.0}},
+               "afd_a": {8: {"tok_s_per_device": 150.0}}}
+    assert against_best(results, systems, [8]) == {"afd_a": [{"context": 8, "best": "dep8", "tok_s_ratio": 1.25}]}
+
+
+def test_resident_experts_fill_the_budget_and_no_more():
+    from moeflow.layout import layout_from_dict
+    from moeflow.sim.memory import GIB, most_resident_experts, plan_kv
+
+    m = MODELS["deepseek-r1"]
+    lay = layout_from_dict({"mode": "dwdp", "dp": 4, "max_batch_tokens": 32768})
+    per = most_resident_experts(m, lay, 155.9 * GIB, 32768, 1024)
+    assert 64 < per < 256
+
+    def kv(k: int) -> int:
+        try:
+            return plan_kv(m, dataclasses.replace(lay, experts_per_rank=k), 155.9 * GIB, 32768, 1024).kv_tokens
+        except ValueError:  # the weights alone overflow the budget
+            return 0
+    assert kv(per) >= 32768 > kv(per + 1)

@@ -1,0 +1,146 @@
+"""One table per seed: every quantitative result the seed paper prints against what the simulator gives.
+
+``python docs/results/sim/seed_tables.py OUT.md`` reads the simulator's results for the three
+configs (``make seed-tables`` regenerates them first, then runs this) and the cost model for what
+needs no run (ASAP Fig. 5, the MoE inflection). The paper's numbers are typed in below with their
+section; a result the paper gives only as a range is checked against the range widened by the
+tolerance. Verdicts: "within" (inside the tolerance), "MISS", or "-" (no number to compare).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from moeflow.experiment.serve import load_experiment
+from moeflow.sim.attention_cost import batch_ratio
+from moeflow.sim.run import build_cost
+
+SIM = "docs/results/sim"
+
+
+def _load(name: str) -> dict:
+    with open(f"{SIM}/{name}.json") as f:
+        return json.load(f)
+
+
+def verdict(sim: float | None, lo: float, hi: float | None = None, tol: float = 0.15) -> str:
+    """``sim`` against the paper's value ``lo`` (or range [lo, hi]) widened by ``tol``."""
+    if sim is None:
+        return "-"
+    hi = lo if hi is None else hi
+    return "within" if lo * (1 - tol) <= sim <= hi * (1 + tol) else "MISS"
+
+
+def row(what: str, paper: str, sim: str, v: str) -> str:
+    return f"| {what} | {paper} | {sim} | {v} |"
+
+
+def asap_rows() -> list[str]:
+    d = _load("asap_cm384")["systems"]
+    slo = {n: s["slo_rps_by_metric"]["mean"]["median"] for n, s in d.items()}
+
+    def ttft(n: str, rps: float) -> float:
+        return next(p["ttft_mean_s"] for p in d[n]["points"] if p["rps"] == rps)
+
+    cfg = load_experiment("configs/asap-cm384.yaml")
+    cost = build_cost(cfg).for_system(cfg.systems["asap"].sim)
+    fig5 = batch_ratio(cost, 1)
+    dep4 = next(p for p in d["dep"]["points"] if p["rps"] == 4)["buckets"][0]
+    out = [row("Fig. 5: attention, 1x32k over 32x1k", "4.2x", f"{fig5:.2f}x", verdict(fig5, 4.2, tol=0.2))]
+    for n, paper in (("dep", 6.8), ("chunked", 10.5), ("asap", 20.0)):
+        out.append(row(f"Fig. 14: SLO rps (mean TTFT <= 5 s), {n}", f"{paper}", f"{slo[n]}", verdict(slo[n], paper)))
+    for a, b, paper in (("asap", "chunked", 1.90), ("asap", "dep", 2.94)):
+        r = slo[a] / slo[b]
+        out.append(row(f"Fig. 14: {a} / {b}", f"{paper}", f"{r:.2f}", verdict(r, paper)))
+    for n, paper in (("asap", 350), ("chunked", 388), ("dep", 533)):
+        ms = ttft(n, 1) * 1e3
+        out.append(row(f"§5.2: mean TTFT at 1 rps, {n}", f"{paper} ms", f"{ms:.0f} ms", verdict(ms, paper, tol=0.2)))
+    for rps, b, paper in ((4, "dep", 54.9), (4, "chunked", 41.8), (8, "chunked", 68.3)):
+        cut = (1 - ttft("asap", rps) / ttft(b, rps)) * 100
+        out.append(row(f"§5.2: TTFT cut vs {b} at {rps} rps", f"{paper}%", f"{cut:.1f}%", verdict(cut, paper)))
+    sync, queue = dep4["other_mean_s"] / dep4["ttft_mean_s"] * 100, dep4["queue_mean_s"] / dep4["ttft_mean_s"] * 100
+    out.append(row("Fig. 15: Default, prompts < 512, 4 rps: sync wait share", "55%", f"{sync:.0f}%", verdict(sync, 55)))
+    out.append(row("Fig. 15: the same, queueing share", "30%", f"{queue:.0f}%", verdict(queue, 30)))
+    for n, paper in (("asap-no-dual-batch", 14.3), ("asap-no-overlap", 12.4), ("asap-no-super-kernel", 6.0)):
+        if n in slo:
+            gain = (slo["asap"] / slo[n] - 1) * 100
+            out.append(row(f"§5.5: SLO throughput gain over {n}", f"+{paper}%", f"{gain:+.1f}%",
+                           verdict(gain, paper, tol=0.5)))
+    if "asap-no-super-kernel" in slo:
+        saved = (ttft("asap-no-super-kernel", 1) - ttft("asap", 1)) * 1e3
+        out.append(row("§5.5: super kernel, TTFT saved at 1 rps", "13 ms", f"{saved:.0f} ms", verdict(saved, 13, tol=0.5)))
+    return out
+
+
+def dwdp_rows() -> list[str]:
+    d = _load("dwdp_gb200")
+    pts = d["roofline"]["dwdp4"]["points"]
+    cross = next((a["isl"] * (b["isl"] / a["isl"]) ** ((1 - a["hidden"]) / (b["hidden"] - a["hidden"]))
+                  for a, b in zip(pts, pts[1:]) if a["hidden"] < 1 <= b["hidden"]), None)
+    out = [row("Fig. 3: compute hides the pull from ISL", "~16K", f"{cross / 1024:.1f}K" if cross else "none",
+               verdict(cross, 16384))]
+    for p in d["sweeps"]["isl"]:
+        r = p["dwdp4"]["tok_s_per_device"] / p["dep4_dedup"]["tok_s_per_device"]
+        out.append(row(f"Table 3a: DWDP4 / DEP4 TPS/GPU, ISL {p['value'] // 1024}K", "1.09-1.11", f"{r:.3f}",
+                       verdict(r, 1.09, 1.11)))
+        if p["value"] == 8192:
+            busy = p["dep4_dedup"]["sim_busy"]["rank"]
+            out.append(row("Table 1: DEP4 time not computing (sync + comm), ISL 8K", "21.86%", f"{(1 - busy) * 100:.1f}%",
+                           verdict(1 - busy, 0.2186)))
+            net = 1 - p["dep4_dedup"]["tok_s_per_device"] / p["dwdp4"]["tok_s_per_device"]
+            out.append(row("Table 1: net iteration reduction, ISL 8K", "11.69%", f"{net * 100:.1f}%", verdict(net, 0.1169)))
+            if "dwdp4_local" in p:
+                r = p["dwdp4_local"]["tok_s_per_device"] / p["dep4_dedup"]["tok_s_per_device"]
+                out.append(row("§2: more local experts when memory allows, ISL 8K", "-", f"{r:.3f}", "-"))
+    std = d["sweeps"].get("isl_std", [])
+    if std:
+        lo, hi = (p["dwdp4"]["tok_s_per_device"] / p["dep4_dedup"]["tok_s_per_device"] for p in (std[0], std[-1]))
+        out.append(row(f"Table 3c: DWDP4 / DEP4 at length std {std[0]['value']}", "1.08", f"{lo:.3f}", verdict(lo, 1.08)))
+        out.append(row(f"Table 3c: the same at std {std[-1]['value']}", "1.15", f"{hi:.3f}", verdict(hi, 1.15)))
+    out += [row("Fig. 1: sync overhead at 20% CV of per-rank length", "~12%", "not simulated yet", "-"),
+            row("Table 3b: DWDP4 / DEP4 over MNT, ISL 8K", "1.01-1.10", "not simulated yet", "-"),
+            row("Table 4: merge removal / contention mitigation", "no values in the text", "-", "-")]
+    return out
+
+
+def afd_rows() -> list[str]:
+    d = _load("afd_gb200")
+    out = []
+    for ctx in ("8192", "16384"):
+        pair = next(r for r in d["compare"]["afd_28a4f/dep4"] if str(r["context"]) == ctx)
+        r = pair["simulated"]["tok_s_ratio"]
+        out.append(row(f"§6: 28A4F over dep4, tokens/s per GPU, {int(ctx) // 1024}K", "1.35-1.45", f"{r:.2f}",
+                       verdict(r, 1.35, 1.45)))
+        best = next(b for b in d.get("against_best", {}).get("afd_28a4f", []) if str(b["context"]) == ctx)
+        out.append(row(f"§6: 28A4F over the best colocated ({best['best']}), {int(ctx) // 1024}K", "1.35-1.45",
+                       f"{best['tok_s_ratio']:.2f}", verdict(best["tok_s_ratio"], 1.35, 1.45)))
+    res = d["results"]
+    for name, paper in (("afd_12a4f", (38.2, 36.2, 30.8, 30.7)), ("afd_28a4f", (34.8, 33.9, 43.3, 42.2))):
+        for m, p in zip((1, 2, 3, 4), paper):
+            n = name if m == 2 else f"{name}_m{m}"
+            if n in res:
+                t = res[n]["8192"]["tpot_s"] * 1e3
+                node = "4-node" if name == "afd_12a4f" else "8-node"
+                out.append(row(f"§5 micro-batches, {node} ({name}), m = {m}: TPOT at 8K", f"{p} ms", f"{t:.1f} ms",
+                               verdict(t, p, tol=0.2)))
+    if "afd_28a4f_no_overlap_scheduling" in res:
+        gap = (res["afd_28a4f_no_overlap_scheduling"]["8192"]["tpot_s"] - res["afd_28a4f"]["8192"]["tpot_s"]) * 1e3
+        out.append(row("§5 overlap scheduling, TPOT saved (its 9.8 ms is our input)", "9.8 ms", f"{gap:.1f} ms", "-"))
+    return out
+
+
+def main(out: str) -> None:
+    head = ["| result | paper | simulated | ±15% (TTFTs, Fig. 5, TPOT ±20%; ablations ±50%) |", "|---|---|---|---|"]
+    text = ["# Every seed result, paper against the simulator", "",
+            "Written by `docs/results/sim/seed_tables.py` from the simulator's results (`make seed-tables`).", ""]
+    for title, rows in (("ASAP on CloudMatrix384 (configs/asap-cm384.yaml)", asap_rows()),
+                        ("DWDP on GB200 (configs/dwdp-gb200.yaml)", dwdp_rows()),
+                        ("FastAFD on GB200 (configs/afd-gb200.yaml)", afd_rows())):
+        text += [f"## {title}", "", *head, *rows, ""]
+    with open(out, "w") as f:
+        f.write("\n".join(text))
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
