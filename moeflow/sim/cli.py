@@ -14,6 +14,11 @@ import time
 from moeflow.measure.provenance import provenance, write_json
 
 
+# dep's step split (sim/dep.py) as the output names it: the barrier wait includes jitter and skew
+SPLIT_NAMES = {"attention": "compute (attention)", "ffn": "compute (experts)", "transport": "all-to-all",
+               "wait": "barrier wait"}
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="discrete-event simulation of a deployment (configs/*.yaml)")
     p.add_argument("--config", required=True, metavar="FILE.yaml")
@@ -94,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
                       + ", ".join(f"{role} {frac:.0%}" for role, frac in p["sim_busy"].items())
                       + (f"; expert load, most loaded device / mean: {p['sim_expert_imbalance']:.2f}"
                          if "sim_expert_imbalance" in p else ""))
+                if "sim_split" in p:
+                    print("  a rank's time: " + ", ".join(f"{SPLIT_NAMES.get(k, k)} {v:.0%}"
+                                                          for k, v in p["sim_split"].items()))
         print(f"simulated {res.num_events:,} events in {wall:.1f} s ({res.num_events / wall:,.0f} events/s)")
     if find_slo:
         print_slo_table(out, names, metrics, cfg.slo_ttft_s)

@@ -68,6 +68,8 @@ def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float,
     p["sim_events"] = res.num_events
     p["sim_busy"] = res.busy  # per role: fraction of the run its devices computed (not waited)
     p["preemptions"] = res.preemptions
+    if res.split:  # dep: a rank's steps as attention / experts / all-to-all / barrier wait
+        p["sim_split"] = res.split
     if res.expert_imbalance is not None:  # skewed expert loads: the most loaded device / the mean
         p["sim_expert_imbalance"] = res.expert_imbalance
     if res.stopped_early:

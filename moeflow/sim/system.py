@@ -35,6 +35,8 @@ class RunResult:
     num_pending: int = 0  # requests without a result when the run stopped early
     expert_imbalance: float | None = None  # skewed expert loads: mean (most loaded device / mean) per layer
     preemptions: int = 0  # requests the scheduler preempted by recompute (KV blocks on demand)
+    # step systems that keep one (dep): per kind, the mean fraction of the run an entity's steps spent
+    split: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,8 +113,10 @@ class System(abc.ABC):
         busy = {role: s / (self.num_entities[role] * end) if end > 0 else 0.0 for role, s in self.busy_s.items()}
         bound = mean_ttft_lower_bound(*self._progress(), n, end) if stopped else None
         imbalance = self.loads.mean_imbalance if self.loads is not None and not self.loads.balanced else None
+        entities = sum(self.num_entities.values())
+        split = {k: v / (entities * end) for k, v in getattr(self, "split_s", {}).items()} if end > 0 else {}
         return RunResult(self.records, self.loop.num_events, end, stopped, bound, self.spans, busy, self._pending,
-                         imbalance, self.sched.pool.num_preemptions)
+                         imbalance, self.sched.pool.num_preemptions, split)
 
     def expert_loads(self, num_devices: int) -> ExpertLoads:
         """The expert-load model of this system's ``num_devices`` expert devices (SimOptions)."""

@@ -124,3 +124,13 @@ def test_resident_experts_fill_the_budget_and_no_more():
         except ValueError:  # the weights alone overflow the budget
             return 0
     assert kv(per) >= 32768 > kv(per + 1)
+
+
+def test_a_dep_point_reports_its_step_split():
+    from moeflow.sim.run import run_point
+
+    cfg = load_experiment("configs/asap-cm384.yaml")
+    p, _ = run_point(cfg.systems["dep"], build_cost(cfg), cfg, 2.0, num_requests=60)
+    split = p["sim_split"]
+    assert set(split) == {"attention", "ffn", "transport", "wait"} and 0.5 < sum(split.values()) <= 1 + 1e-9
+    assert split["wait"] > 0  # jitter, skew and unequal batches: the ranks wait at the barriers
