@@ -14,6 +14,14 @@ import time
 from moeflow.measure.provenance import provenance, write_json
 
 
+def modelled(sim, cost) -> str:
+    """What a system's run models that the engine does not choose: the attention split, the jitter
+    and skew it draws (their values, resolved from the hardware and the model where not set)."""
+    jitter = cost.compute_jitter_cv if sim.compute_jitter_cv is None else sim.compute_jitter_cv
+    skew = cost.model.router_load_cv if sim.expert_load_cv is None else sim.expert_load_cv
+    return f"attention groups split {sim.attention_parallel}, compute jitter CV {jitter:g}, expert skew CV {skew:g}"
+
+
 # dep's step split (sim/dep.py) as the output names it: the barrier wait includes jitter and skew
 SPLIT_NAMES = {"attention": "compute (attention)", "ffn": "compute (experts)", "transport": "all-to-all",
                "wait": "barrier wait"}
@@ -90,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         out[name] = res.result
         spans += [type(s)(s.name, f"{name}:{s.track}", s.start_s, s.end_s) for s in res.spans]
         print(f"== {name} ({res.result['config']['devices']} devices, {cfg.model} on {cfg.target.hardware}, "
-              f"{cfg.target.cost} cost)")
+              f"{cfg.target.cost} cost; {modelled(cfg.systems[name].sim, cost)})")
         # with repeats, each seed's runs (the averaged points lack a run's counts and busy split)
         for rep in res.result.get("repeats") or [{"seed": None, "sweep": res.result["points"], "probes": []}]:
             for p in rep["sweep"] + rep["probes"]:
