@@ -173,8 +173,12 @@ def afd_rows() -> list[str]:
 
 def main(out: str) -> None:
     head = ["| result | paper | simulated | ±15% (TTFTs, Fig. 5, TPOT ±20%; ablations ±50%) |", "|---|---|---|---|"]
+    commits = sorted({(_load(n).get("provenance") or {}).get("commit", "?")[:7]
+                      for n in ("asap_cm384", "dwdp_gb200", "afd_gb200")})
     text = ["# Every seed result, paper against the simulator", "",
-            "Written by `docs/results/sim/seed_tables.py` from the simulator's results (`make seed-tables`).", ""]
+            "Written by `docs/results/sim/seed_tables.py` from the simulator's results (`make seed-tables`; "
+            f"simulated on commit {', '.join(commits)}; DWDP Fig. 1 and Table 3b and ASAP Fig. 5 are computed by "
+            "the script itself). Analytic costs: no machine enters these numbers.", ""]
     for title, rows in (("ASAP on CloudMatrix384 (configs/asap-cm384.yaml)", asap_rows()),
                         ("DWDP on GB200 (configs/dwdp-gb200.yaml)", dwdp_rows()),
                         ("FastAFD on GB200 (configs/afd-gb200.yaml)", afd_rows())):
