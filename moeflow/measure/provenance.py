@@ -69,8 +69,13 @@ def provenance(command: list[str] | None = None) -> dict:
 def write_json(path: str, result: dict, command: list[str] | None = None) -> None:
     """Write ``result`` with a ``provenance`` block first (a result already carrying one keeps it)."""
     out = {"provenance": result.get("provenance") or provenance(command), **result}
-    with open(path, "w") as f:
-        json.dump(out, f, indent=2, default=_plain)
+    # encoded whole before the file is touched: a value with no JSON form must not leave a
+    # truncated result behind (one was committed that way)
+    text = json.dumps(out, indent=2, default=_plain)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def write_result(result: dict, json_path: str | None, md_path: str | None, markdown) -> None:
@@ -86,4 +91,7 @@ def _plain(o):
     # configs that ride along in a result (e.g. an engine's ClusterConfig) are frozen dataclasses
     if dataclasses.is_dataclass(o) and not isinstance(o, type):
         return dataclasses.asdict(o)
+    # numpy scalars (a comparison of numpy floats is a numpy bool) carry their Python value
+    if getattr(o, "shape", None) == () and hasattr(o, "item"):
+        return o.item()
     raise TypeError(f"a result holds a {type(o).__name__}, which has no JSON form")

@@ -21,7 +21,7 @@ def compare(simulated: dict, measured: dict) -> dict:
                "error": s["ttft_mean_s"] / p["ttft_mean_s"] - 1}
         ci = p.get("ttft_mean_s_ci")
         if ci and ci[0] != ci[1]:
-            row.update(measured_ci=ci, within_ci=ci[0] <= s["ttft_mean_s"] <= ci[1],
+            row.update(measured_ci=ci, within_ci=bool(ci[0] <= s["ttft_mean_s"] <= ci[1]),
                        ci_half_width_rel=(ci[1] - ci[0]) / 2 / p["ttft_mean_s"])
         rows.append(row)
     (ms, ms_min), (ss, ss_min) = (_slo(r) for r in (measured, simulated))
@@ -60,7 +60,7 @@ def compare_saturation(simulated_tok_s: list[float], measured: dict) -> dict | N
     lo, hi = sat["tok_s"].get("ci95", (m, m))
     checked = {"saturated": sat["saturated"]} if "saturated" in sat else {}  # older results did not check
     return {"rps": sat["rps"], **checked, "measured_tok_s": m, "measured_ci": [lo, hi], "simulated_tok_s": sim,
-            "simulated_values": simulated_tok_s, "error": sim / m - 1, "within_ci": lo <= sim <= hi}
+            "simulated_values": simulated_tok_s, "error": sim / m - 1, "within_ci": bool(lo <= sim <= hi)}
 
 
 def format_saturation(name: str, c: dict) -> str:

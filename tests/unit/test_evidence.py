@@ -156,6 +156,21 @@ def test_results_carry_provenance(tmp_path):
                                                                              if k not in drop}
 
 
+def test_a_value_with_no_json_form_leaves_the_previous_result_whole(tmp_path):
+    import numpy as np
+
+    from moeflow.measure.provenance import write_json
+
+    path = tmp_path / "r.json"
+    # numpy scalars (a comparison of numpy floats is a numpy bool) are written as their values
+    write_json(str(path), {"provenance": {"command": "t"}, "inside": np.float64(1.0) < np.float64(2.0),
+                           "x": np.float32(0.5)})
+    assert json.loads(path.read_text())["inside"] is True and json.loads(path.read_text())["x"] == 0.5
+    with pytest.raises(TypeError, match="has no JSON form"):
+        write_json(str(path), {"provenance": {"command": "t"}, "bad": object()})
+    assert json.loads(path.read_text())["inside"] is True and os.listdir(tmp_path) == ["r.json"]
+
+
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "results")
 
 
