@@ -39,6 +39,9 @@ class BlockAllocator:
             del self._free[-need:]
         return tuple(table)
 
+    def num_held(self, request_id: str) -> int:
+        return len(self._tables.get(request_id, ()))
+
     def table(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._tables.get(request_id, ()))
 
@@ -53,7 +56,11 @@ class BlockAllocator:
         return tuple(blocks)
 
     def free(self, request_id: str) -> None:
-        for b in reversed(self._tables.pop(request_id, [])):
+        table = self._tables.pop(request_id, [])
+        if not self._extra_holders:  # nothing shared anywhere: every block goes back, in this order
+            self._free.extend(reversed(table))
+            return
+        for b in reversed(table):
             n = self._extra_holders.pop(b, 0)
             if n > 1:
                 self._extra_holders[b] = n - 1

@@ -143,12 +143,14 @@ class DepScheduler(Scheduler):
         for i, g in enumerate(pool.groups):
             if i not in ranks:
                 continue
+            taken: set[str] = set()  # already in this step: make_room must not preempt them
             for r in list(g.requests):  # oldest first; make_room may preempt the newest
-                if r not in g.requests:
+                if pool.group_of.get(r.request_id) != i:  # preempted by an older one's make_room
                     continue
                 n = min(self._step_tokens(r), self.max_batch_tokens - load[i])
-                if n > 0 and pool.make_room(r, self._start(r) + n, {q.request_id for q, _ in plan[i]}):
+                if n > 0 and pool.make_room(r, self._start(r) + n, taken):
                     plan[i].append((r, n))
+                    taken.add(r.request_id)
                     load[i] += n
         blocked: set[int] = set()  # ranks whose queue head did not fit (round robin)
         for r in list(pool.waiting):
@@ -156,14 +158,14 @@ class DepScheduler(Scheduler):
                 break
             n = self._step_tokens(r)
             candidates = self.placement.candidates(r)
-            fits = [i for i in candidates if i in ranks and i not in blocked
-                    and load[i] + n <= self.max_batch_tokens and pool.room_for(i, [r])]
-            if not fits:
+            # the least loaded rank that can take it (tried in that order: room_for is the dear test)
+            i = next((i for i in sorted(candidates, key=lambda j: (load[j], j)) if i in ranks and i not in blocked
+                      and load[i] + n <= self.max_batch_tokens and pool.room_for(i, [r])), None)
+            if i is None:
                 if self.placement.stops_at_blocked_head:
                     break
                 blocked.add(candidates[0])
                 continue
-            i = min(fits, key=lambda j: (load[j], j))
             pool.admit(i, r)
             self.placement.forget(r.request_id)
             plan[i].append((r, n))

@@ -121,7 +121,7 @@ class RequestPool:
         g = self.groups[gid]
         if any(self.pinned.get(r.request_id, gid) != gid for r in reqs):
             return False
-        need = sum(g.allocator.blocks_for(self._admit_tokens(r)) - len(g.allocator.table(r.request_id)) for r in reqs)
+        need = sum(g.allocator.blocks_for(self._admit_tokens(r)) - g.allocator.num_held(r.request_id) for r in reqs)
         return need <= g.allocator.num_free and len(g.requests) + len(reqs) <= self.max_num_seqs
 
     def admit(self, gid: int, r: Request) -> None:
@@ -141,7 +141,7 @@ class RequestPool:
         is preempted (unless on the workers) and False returned: it does not run this step."""
         g = self.groups[self.group_of[r.request_id]]
         a = g.allocator
-        while a.blocks_for(upto) - len(a.table(r.request_id)) > a.num_free:
+        while a.blocks_for(upto) - a.num_held(r.request_id) > a.num_free:
             victim = next((v for v in reversed(g.requests) if v is not r and v.request_id not in keep
                            and v.request_id not in self.in_flight), None)
             if victim is None:

@@ -26,9 +26,14 @@ class _Flight:
     batch: Batch
     attn_s: float  # one MoE layer's attention block on the group
     attn_dense_s: float
-    # per MoE layer (one row for all layers when expert loads are balanced), per MoE worker:
-    pairs: list[list[float]]  # (token, expert) pairs sent to the worker (its dispatch and combine size)
-    experts_s: list[list[float]]  # the layer's experts on the worker
+    # [MoE layer (one row for all layers when expert loads are balanced and undisturbed), MoE worker]:
+    pairs: np.ndarray  # (token, expert) pairs sent to the worker (its dispatch and combine size)
+    experts_s: np.ndarray  # the layer's experts on the worker
+    # derived once per batch, not per layer: the ports' seconds and each row's totals
+    in_add: np.ndarray  # pairs x seconds per pair on the receive link
+    out_add: np.ndarray
+    busy_s: list[float]  # per experts_s row: the workers' compute summed
+    gather_s: list[float]  # per pairs row: the combines taken in through the group's links
     attn_f: list[float] | None = None  # per layer, the group's jitter factor (its slowest device's); None: 1
     layer: int = 0
 
@@ -43,6 +48,8 @@ class _Group:
 
 
 class AsapSystem(System):
+    vectorised = True  # price all MoE workers of a layer with array operations (False: the loop, its oracle)
+
     def __init__(self, spec, cost, trace_until_s=0.0):
         super().__init__(spec, cost, trace_until_s)
         cfg = spec.layout
@@ -51,9 +58,9 @@ class AsapSystem(System):
         self.groups = [_Group() for _ in range(cfg.attn_dp)]
         e = cfg.moe_workers
         self.local_experts = max(1, self.model.num_experts // e)
-        self.moe_in_free = [0.0] * e  # receive port
-        self.moe_free = [0.0] * e  # compute stream
-        self.moe_out_free = [0.0] * e  # send port
+        self.moe_in_free = np.zeros(e)  # receive port
+        self.moe_free = np.zeros(e)  # compute stream
+        self.moe_out_free = np.zeros(e)  # send port
         self.loads = self.expert_loads(e)
         self.bw = self.cost.link_bw_Bps
         # seconds one (token, expert) pair takes on a link, sent to the experts and back
@@ -87,17 +94,18 @@ class AsapSystem(System):
             shape = AttnShape.of_batch(b, m.index_topk)
             t = shape.num_tokens
             if self.loads.balanced:  # every worker its exact share
-                rows = ([[t * m.top_k / e] * e], [[c.experts_s(round(t * m.top_k / e), self.local_experts) + host] * e])
+                pairs = np.full((1, e), t * m.top_k / e)
+                times = np.full((1, e), c.experts_s(round(t * m.top_k / e), self.local_experts) + host)
             else:
                 loads = self.loads.draw(t * m.top_k)  # [L, E] pairs per worker
-                rows = (loads.tolist(), (c.experts_s_many(loads, self.local_experts) + host).tolist())
+                pairs, times = loads.astype(float), c.experts_s_many(loads, self.local_experts) + host
             j = self.jitter
             if j.on:  # every worker's time of every layer drawn apart; the layer waits for the last combine
-                n = m.num_moe_layers
-                rows = ([rows[0][0]] * n if len(rows[0]) == 1 else rows[0],
-                        (np.broadcast_to(np.array(rows[1]), (n, e)) * j.factors(n, e)).tolist())
+                times = np.broadcast_to(times, (m.num_moe_layers, e)) * j.factors(m.num_moe_layers, e)
             f = _Flight(work.group, b, c.attention_s(shape, cfg.attn_tp, False), c.attention_s(shape, cfg.attn_tp, True),
-                        *rows, j.factors(m.num_layers, cfg.attn_tp).max(axis=1).tolist() if j.on else None)
+                        pairs, times, pairs * self.in_s, pairs * self.out_s, times.sum(axis=1).tolist(),
+                        (pairs.sum(axis=1) * self.out_s / cfg.attn_tp).tolist(),
+                        j.factors(m.num_layers, cfg.attn_tp).max(axis=1).tolist() if j.on else None)
             self.started([s.request_id for s in b.seqs], m.num_dense_layers * f.attn_dense_s
                           + m.num_moe_layers * f.attn_s, now)
             g.ready.append(f)
@@ -131,42 +139,66 @@ class AsapSystem(System):
     def _through_experts(self, f: _Flight, sent_s: float) -> float:
         """Price the dispatch, expert compute and combine of one layer on every MoE worker (FIFO
         ports and streams); returns when the last combine has reached the group."""
-        cfg, lat, in_s, out_s = self.layout, self.latency, self.in_s, self.out_s
-        i = f.layer - self.model.num_dense_layers if len(f.experts_s) > 1 else 0
-        pairs, times = f.pairs[i], f.experts_s[i]
-        back = 0.0
-        self.busy_s["moe"] += sum(times)
+        i = f.layer - self.model.num_dense_layers
+        t, p = i if len(f.busy_s) > 1 else 0, i if len(f.gather_s) > 1 else 0
+        self.busy_s["moe"] += f.busy_s[t]
+        if self.vectorised and self.cores is None and not sent_s < self.trace_until_s:
+            back = self._workers_at_once(f.in_add[p], f.experts_s[t], f.out_add[p], sent_s)
+        else:
+            back = self._worker_by_worker(f, f.pairs[p].tolist(), f.experts_s[t].tolist(), sent_s)
+        g = self.groups[f.group]
+        # the group's T devices take the combines in through its links, one message after another
+        arrive = max(back, g.in_port_free_s + f.gather_s[p])
+        g.in_port_free_s = arrive
+        return arrive
+
+    def _workers_at_once(self, in_add: np.ndarray, times: np.ndarray, out_add: np.ndarray, sent_s: float) -> float:
+        """The fast path: the workers' FIFO recurrences are independent, so one array operation
+        prices them all (``_worker_by_worker`` is its oracle, and the only path with shared cores
+        or a trace)."""
+        lat = self.latency
         in_free, free, out_free = self.moe_in_free, self.moe_free, self.moe_out_free
-        tracing = sent_s < self.trace_until_s
+        if self.overlap:
+            np.maximum(in_free, sent_s, out=in_free)
+            in_free += in_add
+            np.maximum(in_free + lat, free, out=free)
+            free += times
+            np.maximum(free, out_free, out=out_free)
+            out_free += out_add
+            return float(out_free.max()) + lat
+        np.maximum(free, sent_s + lat, out=free)  # one stream: receive, compute, send
+        free += in_add
+        free += times
+        free += out_add
+        return float(free.max()) + lat
+
+    def _worker_by_worker(self, f: _Flight, pairs: list[float], times: list[float], sent_s: float) -> float:
+        lat, in_s, out_s = self.latency, self.in_s, self.out_s
+        in_free, free, out_free = self.moe_in_free, self.moe_free, self.moe_out_free
         cores, now = self.cores, self.loop.now
-        # NOTE: the hottest loop of the simulator: conditional expressions instead of max() calls
-        for w in range(cfg.moe_workers):
+        back = 0.0
+        for w in range(self.layout.moe_workers):
             if self.overlap:
-                recv_end = (sent_s if sent_s > in_free[w] else in_free[w]) + pairs[w] * in_s
+                recv_end = max(sent_s, in_free[w]) + pairs[w] * in_s
                 in_free[w] = recv_end
-                start = recv_end + lat if recv_end + lat > free[w] else free[w]
+                start = max(recv_end + lat, free[w])
                 if cores is not None:
                     start = cores.reserve(start, times[w], now)
                 end = start + times[w]
                 free[w] = end
-                send_end = (end if end > out_free[w] else out_free[w]) + pairs[w] * out_s
+                send_end = max(end, out_free[w]) + pairs[w] * out_s
                 out_free[w] = send_end
             else:  # one stream: receive, compute and send one after another, all on the worker's core
-                start = sent_s + lat if sent_s + lat > free[w] else free[w]
+                start = max(sent_s + lat, free[w])
                 if cores is not None:
                     start = cores.reserve(start, pairs[w] * (in_s + out_s) + times[w], now)
                 end = start + pairs[w] * in_s + times[w]
                 send_end = end + pairs[w] * out_s
                 free[w] = send_end
-            if tracing and start < self.trace_until_s:
+            if start < self.trace_until_s:
                 self.span(f"moe{w}/main", f"experts L{f.layer} g{f.group}", start, end)
-            if send_end + lat > back:
-                back = send_end + lat
-        g = self.groups[f.group]
-        # the group's T devices take the combines in through its links, one message after another
-        arrive = max(back, g.in_port_free_s + sum(pairs) * out_s / cfg.attn_tp)
-        g.in_port_free_s = arrive
-        return arrive
+            back = max(back, send_end + lat)
+        return back
 
     def _combined(self, f: _Flight) -> None:
         self._next_layer(f)

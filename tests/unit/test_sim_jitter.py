@@ -134,3 +134,19 @@ def test_a_dep_point_reports_its_step_split():
     split = p["sim_split"]
     assert set(split) == {"attention", "ffn", "transport", "wait"} and 0.5 < sum(split.values()) <= 1 + 1e-9
     assert split["wait"] > 0  # jitter, skew and unequal batches: the ranks wait at the barriers
+
+
+@pytest.mark.parametrize("overrides", [(), ("systems.asap.comm_threads=false",),
+                                       ("sim.compute_jitter_cv=0", "sim.expert_load_cv=0")])
+def test_asap_prices_its_moe_workers_at_once_as_the_loop_does(monkeypatch, overrides):
+    """The array fast path of ``AsapSystem`` against the worker-by-worker loop: the same run."""
+    from moeflow.sim.asap import AsapSystem
+    from moeflow.sim.run import run_point
+
+    cfg = load_experiment("configs/asap-cm384.yaml", overrides)
+    cost = build_cost(cfg)
+    fast, _ = run_point(cfg.systems["asap"], cost, cfg, 8.0, num_requests=60)
+    monkeypatch.setattr(AsapSystem, "vectorised", False)
+    slow, _ = run_point(cfg.systems["asap"], cost, cfg, 8.0, num_requests=60)
+    assert fast["completed"] == slow["completed"] == 60
+    assert fast == slow
