@@ -75,6 +75,9 @@ class AsapSystem(System):
         self.sched.add(request)
         self._schedule()
 
+    def poke(self) -> None:
+        self._schedule()
+
     def _schedule(self) -> None:
         now = self.loop.now
         for work in self.sched.schedule(now):

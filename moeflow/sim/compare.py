@@ -8,6 +8,9 @@ import math
 from moeflow.measure.slo import as_bounded, format_slo, slo_over_repeats
 
 
+_DECODE_SIDE = ("tpot_mean_s", "output_tok_s", "handoff_mean_s")
+
+
 def compare(simulated: dict, measured: dict) -> dict:
     """Both in ``bench serve``'s schema. Rates are matched exactly; the measured runs' rates that
     the simulation did not run are skipped (run the simulation with ``--rps`` to cover them)."""
@@ -23,6 +26,11 @@ def compare(simulated: dict, measured: dict) -> dict:
         if ci and ci[0] != ci[1]:
             row.update(measured_ci=ci, within_ci=bool(ci[0] <= s["ttft_mean_s"] <= ci[1]),
                        ci_half_width_rel=(ci[1] - ci[0]) / 2 / p["ttft_mean_s"])
+        for key in _DECODE_SIDE:  # runs with output lengths: the decode side's means beside TTFT
+            if p.get(key) and s.get(key) is not None:
+                lo, hi = p.get(f"{key}_ci") or (p[key], p[key])
+                row[key] = {"measured": p[key], "simulated": s[key], "error": s[key] / p[key] - 1,
+                            **({"measured_ci": [lo, hi], "within_ci": bool(lo <= s[key] <= hi)} if lo != hi else {})}
         rows.append(row)
     (ms, ms_min), (ss, ss_min) = (_slo(r) for r in (measured, simulated))
     return {"points": rows, "measured_slo_rps": ms, "simulated_slo_rps": ss,
@@ -78,6 +86,12 @@ def format_comparison(name: str, c: dict, below_rps: float | None = None) -> str
               if "within_ci" in r else "")
         lines.append(f"{'':>{len(name) + 1}} {r['rps']:>7g} {r['measured_ttft_s']:>8.2f}s {r['simulated_ttft_s']:>8.2f}s "
                      f"{r['error'] * 100:>+6.1f}%{mark}{ci}")
+        for key in _DECODE_SIDE:
+            if key in r:
+                d = r[key]
+                where = f", {'inside' if d['within_ci'] else 'outside'} its interval" if "within_ci" in d else ""
+                lines.append(f"{'':>{len(name) + 9}} {key}: measured {d['measured']:.4g}, simulated "
+                             f"{d['simulated']:.4g} ({d['error'] * 100:+.1f}%{where})")
     if c["slo_error"] is not None:
         lines.append(f"{'':>{len(name) + 1}} SLO throughput: measured {c['measured_slo_rps']:g} rps, simulated "
                      f"{c['simulated_slo_rps']:g} rps ({c['slo_error'] * 100:+.1f}%)")

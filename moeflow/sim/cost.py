@@ -70,6 +70,12 @@ class CostModel(abc.ABC):
     def device_copy_s(self, nbytes: float) -> float:
         """A copy of ``nbytes`` from one buffer to another in the same device's memory."""
 
+    def kv_handoff_s(self, nbytes: float) -> tuple[float, float]:
+        """A pd handoff of ``nbytes`` of KV: (copy out of the prefill instance, copy into the decode
+        instance). By default one one-sided transfer over the link into the reserved blocks (an
+        RDMA write, NIXL's way): all of it is the copy out."""
+        return self.transfer_s(nbytes), 0.0
+
     @property
     @abc.abstractmethod
     def link_bw_Bps(self) -> float:

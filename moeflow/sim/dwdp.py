@@ -77,6 +77,9 @@ class DwdpSystem(System):
         self.sched.add(request)
         self._schedule()
 
+    def poke(self) -> None:
+        self._schedule()
+
     def _schedule(self) -> None:
         for work in self.sched.schedule(self.loop.now):
             self._run(work.group, work.batches[0])

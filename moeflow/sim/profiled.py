@@ -177,6 +177,10 @@ class ProfiledCost(CostModel):
     def device_copy_s(self, nbytes):
         return self.transfer_s(nbytes)  # a shared-memory transfer here is a memcpy too
 
+    def kv_handoff_s(self, nbytes):
+        # the engine here stages a handoff in shared memory: a copy out, then a copy in
+        return self.device_copy_s(nbytes), self.device_copy_s(nbytes)
+
     @property
     def link_bw_Bps(self):
         return self.transport["asap"][1]

@@ -22,15 +22,19 @@ from moeflow.sim.dep import DepSystem
 from moeflow.sim.dwdp import DwdpSystem
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset
+from moeflow.sim.pd import PdSystem
 from moeflow.sim.system import RunResult, System
 
-SYSTEMS: dict[str, type[System]] = {"dep": DepSystem, "asap": AsapSystem, "dwdp": DwdpSystem, "afd": AfdSystem}  # mode -> system
+SYSTEMS: dict[str, type[System]] = {"dep": DepSystem, "asap": AsapSystem, "dwdp": DwdpSystem, "afd": AfdSystem,
+                                    "pd": PdSystem}  # mode -> system
 
 
 def make_system(spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0) -> System:
     if spec.layout.mode not in SYSTEMS:
         raise ValueError(f"system {spec.name!r}: mode {spec.layout.mode!r} is not simulated; "
                          f"simulated modes: {sorted(SYSTEMS)}")
+    if spec.layout.mode == "pd":  # its instances are systems of their own modes
+        return PdSystem(spec, cost, trace_until_s, make_system)
     return SYSTEMS[spec.layout.mode](spec, cost, trace_until_s)
 
 
@@ -65,6 +69,9 @@ def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float,
     sim = make_system(system, cost, trace_until_s)
     res = sim.run(generate_requests(workload), stop)
     p = summarize(rate, res.records, 0.0, cfg.workload.length_scale, num_aborted=res.num_pending)
+    # the engine's benchmark reports these too (bench/probe.py): per process there, per device here
+    p["output_tok_s"] = sum(r.num_output for r in res.records) / p["duration_s"] if p["duration_s"] > 0 else 0.0
+    p["output_tok_s_per_process"] = p["output_tok_s"] / system.layout.num_processes
     p["sim_events"] = res.num_events
     p["sim_busy"] = res.busy  # per role: fraction of the run its devices computed (not waited)
     p["preemptions"] = res.preemptions

@@ -90,13 +90,26 @@ class System(abc.ABC):
         if start_s < self.trace_until_s and end_s > start_s:
             self.spans.append(Span(name, track, start_s, end_s))
 
+    # where finished requests go: None, this system's records; a composition (sim/pd.py) takes them
+    # itself, as ``sink(request, its track, now)``
+    sink = None
+
     @abc.abstractmethod
     def add(self, request: Request) -> None:
         """A request arrives now (``self.loop.now``)."""
 
+    @abc.abstractmethod
+    def poke(self) -> None:
+        """Something outside the scheduler changed its pool (KV freed, a request arrived with its
+        KV): schedule again now if idle."""
+
+    def totals(self) -> tuple[dict[str, float], dict[str, int], int, dict[str, float]]:
+        """Compute seconds and entities per role, preemptions, and the step split's seconds."""
+        return self.busy_s, self.num_entities, self.sched.pool.num_preemptions, getattr(self, "split_s", {})
+
     def run(self, workload: list[WorkloadRequest], stop: StopRule | None = None) -> RunResult:
         """Replay ``workload`` to the end (or until it has certainly missed ``stop``'s SLO)."""
-        if self.spec.sim.expert_load_cv and self.loads is None:
+        if self.spec.sim.expert_load_cv and not self.models_skew():
             raise ValueError(f"system {self.spec.name!r}: mode {self.layout.mode!r} does not model expert-load "
                              f"skew (sim.expert_load_cv); the modes that do: dep, asap")
         for i, w in enumerate(workload):
@@ -110,13 +123,17 @@ class System(abc.ABC):
                       (lambda: self.loop.num_events % 4096 == 0 and stop.fails(*self._progress(), n, self.loop.now)))
         stopped = self._pending > 0
         end = self.loop.now
-        busy = {role: s / (self.num_entities[role] * end) if end > 0 else 0.0 for role, s in self.busy_s.items()}
+        busy_s, num_entities, preemptions, split_s = self.totals()
+        busy = {role: s / (num_entities[role] * end) if end > 0 else 0.0 for role, s in busy_s.items()}
         bound = mean_ttft_lower_bound(*self._progress(), n, end) if stopped else None
         imbalance = self.loads.mean_imbalance if self.loads is not None and not self.loads.balanced else None
-        entities = sum(self.num_entities.values())
-        split = {k: v / (entities * end) for k, v in getattr(self, "split_s", {}).items()} if end > 0 else {}
+        entities = sum(num_entities.values())
+        split = {k: v / (entities * end) for k, v in split_s.items()} if end > 0 else {}
         return RunResult(self.records, self.loop.num_events, end, stopped, bound, self.spans, busy, self._pending,
-                         imbalance, self.sched.pool.num_preemptions, split)
+                         imbalance, preemptions, split)
+
+    def models_skew(self) -> bool:
+        return self.loads is not None
 
     def expert_loads(self, num_devices: int) -> ExpertLoads:
         """The expert-load model of this system's ``num_devices`` expert devices (SimOptions)."""
@@ -144,7 +161,8 @@ class System(abc.ABC):
                 continue
             if t.first_scheduled_s is None:
                 t.first_scheduled_s = now
-            t.compute_s += compute_s
+            if t.first_token_s is None:  # the records' compute is what the first token took
+                t.compute_s += compute_s
 
     def sampled(self, batch: Batch, finished: list[Request], now: float) -> None:
         """A batch's tokens were sampled at ``now``; ``finished``: the requests it completed."""
@@ -154,8 +172,11 @@ class System(abc.ABC):
                 t.first_token_s = now
         for r in finished:
             t = self.track.pop(r.request_id)
+            if self.sink is not None:
+                self.sink(r, t, now)
+                continue
             self.records.append(RequestRecord(r.num_prompt_tokens, t.arrival_s, t.first_scheduled_s,
-                                              t.first_token_s, t.compute_s, now))
+                                              t.first_token_s, t.compute_s, now, len(r.output_token_ids)))
             self._pending -= 1
 
 
@@ -170,6 +191,9 @@ class StepSystem(System):
 
     def add(self, request: Request) -> None:
         self.sched.add(request)
+        self.poke()
+
+    def poke(self) -> None:
         if not self.busy:
             self._step()
 
