@@ -1,4 +1,4 @@
-"""``moeflow`` command line: generate, serve, simulate, predict, profile, demo, bench."""
+"""``moeflow`` command line: generate, serve, simulate, plan, predict, profile, demo, bench."""
 from __future__ import annotations
 
 import argparse
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         soak,
         trace_summary,
     )
+    from moeflow.plan import cli as plan_cli
     from moeflow.predict import cli as predict_cli
     from moeflow.engine import worker_node
     from moeflow.server import router
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_parser(sub)
     worker_node.add_parser(sub)
     sim_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
     predict_cli.add_parser(sub)
     profile.add_parser(sub)
     demo.add_parser(sub)

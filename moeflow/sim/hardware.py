@@ -89,6 +89,7 @@ PRESETS: dict[str, Hardware] = {
         flops=376e12,  # CM384 paper: 752 TFLOPS dense bf16 per 910C chip, two dies
         flops_int8=752e12,  # CM384 paper: 6,688 tok/s / 4.45 tok/s/TFLOPS = 1,503 int8 TOPS per chip
         mem_bw_Bps=1.6e12,  # 3.2 TB/s per chip (CM384 paper) / 2 dies
+        hbm_bytes=64e9,  # 128 GB of HBM per 910C chip (CM384 paper) / 2 dies
         link_bw_Bps=196e9,  # UB, 7 x 224 Gb/s per die, one direction (CM384 paper; msmodeling A3_INTERCONNECT)
         link_latency_s=0.5e-6,  # msmodeling A3_INTERCONNECT, one-level CLOS
         launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S,

@@ -1,0 +1,132 @@
+"""The deployments ``moeflow plan`` considers on N devices, and whether each fits in memory.
+
+Aggregated: dep (DP x TP = N), dwdp (N ranks), asap (D attention groups of T dies and E MoE workers,
+D·T + E = N) and afd (M attention instances and N' FFN daemons, M + N' = N, m = 1 or 2 micro-batches).
+Disaggregated (pd): X prefill instances of one prefill layout and Y decode instances of one decode
+layout, X·p + Y·d = N, for every prefill layout (dep, dwdp, asap) and decode layout (dep, afd) of
+sizes that divide the devices left. A candidate is a config's system entry: what ``simulate``'s
+YAML takes and what ``moeflow serve`` runs.
+
+Memory (``sim/memory.py``'s plan, the engine's): every process of a candidate gets the device's
+memory times ``mem_fraction``; a candidate fits when every device holds its weights, buffers and
+activation reserve and every KV-holding one still has room for one whole request. Its KV blocks
+come from that plan, as the engine's ``memory_budget_gib`` would size them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeflow.layout import make_layout
+from moeflow.sim.memory import GIB, plan_kv
+from moeflow.sim.model_spec import ModelSpec
+
+_TP = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    system: dict  # the system entry of a config (mode, layout fields, engine limits)
+    devices: int
+    kind: str  # "aggregated" or "pd"
+    feasible: bool = True
+    reason: str | None = None  # why not, with the numbers
+    kv_tokens: dict = field(default_factory=dict)  # per side: one attention group's KV capacity
+
+
+def _aggregated(n: int) -> list[tuple[str, dict]]:
+    out = [(f"dep{n // tp}" + (f"_tp{tp}" if tp > 1 else ""), {"mode": "dep", "dp": n // tp, **({"tp": tp} if tp > 1 else {})})
+           for tp in _TP if n % tp == 0]
+    if n >= 2:
+        out.append((f"dwdp{n}", {"mode": "dwdp", "dp": n}))
+    for t in _TP:
+        for e in range(1, n):
+            if (n - e) % t == 0 and n - e >= t:
+                d = (n - e) // t
+                out.append((f"asap_d{d}t{t}e{e}", {"mode": "asap", "attn_dp": d, "attn_tp": t, "moe_workers": e}))
+    for m in range(1, n):
+        for mb in (1, 2):
+            topology = {} if m >= n - m else {"topology": "all"}  # fewer instances than daemons: each sees all
+            out.append((f"afd_{m}a{n - m}f_m{mb}", {"mode": "afd", "attn_workers": m, "ffn_workers": n - m,
+                                                    "micro_batches": mb, **topology}))
+    return out
+
+
+def _sides(n: int, modes: tuple[str, ...]) -> list[tuple[str, dict, int]]:
+    """(name, layout, devices) of the instance layouts of at most n devices in ``modes``: instance
+    sizes of powers of two (and 3), one layout per mode and size (dep without TP; asap with half the
+    devices on experts; afd with M:N of 1:1 or 3:1, two micro-batches), so that the search stays near
+    a hundred candidates where the whole product would be thousands."""
+    out = []
+    for size in sorted({1, 3} | {2 ** k for k in range(1, 8)}):
+        if size > n:
+            break
+        lays = [(f"dep{size}", {"mode": "dep", "dp": size})]
+        if size >= 2:
+            lays.append((f"dwdp{size}", {"mode": "dwdp", "dp": size}))
+            e = size // 2
+            lays.append((f"asap_d{size - e}e{e}", {"mode": "asap", "attn_dp": size - e, "moe_workers": e}))
+            for f in {size // 2, size // 4} - {0}:
+                if size - f >= f:
+                    lays.append((f"afd_{size - f}a{f}f", {"mode": "afd", "attn_workers": size - f, "ffn_workers": f,
+                                                          "micro_batches": 2}))
+        out += [(name, lay, size) for name, lay in lays if lay["mode"] in modes]
+    return out
+
+
+def _disaggregated(n: int) -> list[tuple[str, dict]]:
+    out = []
+    for pname, play, p in _sides(n - 1, ("dep", "dwdp", "asap")):
+        for dname, dlay, d in _sides(n - p, ("dep", "afd")):
+            for x in range(1, n // p + 1):
+                rest = n - x * p
+                if rest >= d and rest % d == 0:
+                    y = rest // d
+                    out.append((f"pd_{x}x{pname}_{y}x{dname}", {"mode": "pd", "prefill": play, "decode": dlay,
+                                                                  "prefill_instances": x, "decode_instances": y}))
+    return out
+
+
+def enumerate_candidates(n: int, kinds: tuple[str, ...] = ("aggregated", "pd")) -> list[Candidate]:
+    """Every deployment of exactly ``n`` devices of the kinds asked for, each once."""
+    out = []
+    if "aggregated" in kinds:
+        out += [Candidate(name, lay, n, "aggregated") for name, lay in _aggregated(n)]
+    if "pd" in kinds:
+        out += [Candidate(name, lay, n, "pd") for name, lay in _disaggregated(n)]
+    names = [c.name for c in out]
+    assert len(names) == len(set(names)), "candidate names must be unique"
+    for c in out:
+        lay = make_layout(c.system["mode"], **{k: v for k, v in c.system.items() if k != "mode"})
+        assert lay.num_processes == n, (c.name, lay.num_processes)
+    return out
+
+
+def check_memory(c: Candidate, m: ModelSpec, device_bytes: float, mem_fraction: float, request_tokens: int,
+                 max_batch_tokens: int, max_num_seqs: int, block_size: int) -> Candidate:
+    """``c`` with its KV blocks sized from the memory plan, or marked infeasible with the reason."""
+    if not device_bytes:
+        return c  # the hardware preset gives no memory: nothing to check, the engine's default blocks
+    budget = device_bytes * mem_fraction
+    sides = {"prefill": c.system["prefill"], "decode": c.system["decode"]} if c.kind == "pd" else {"": c.system}
+    kv, engine = {}, {}
+    for side, sys in sides.items():
+        lay = make_layout(sys["mode"], **{k: v for k, v in sys.items() if k != "mode"})
+        where = f"{side} instance: " if side else ""
+        try:
+            plan = plan_kv(m, lay, budget, max_batch_tokens, max_num_seqs, hbm_bytes=device_bytes)
+        except ValueError as e:
+            return _infeasible(c, where + str(e))
+        if plan.kv_tokens < request_tokens:
+            return _infeasible(c, f"{where}KV room for {plan.kv_tokens} tokens per attention group, "
+                                  f"one request needs {request_tokens} (budget {budget / GIB:.1f} GiB per device)")
+        kv[side or "all"] = plan.kv_tokens
+        engine[side or "all"] = plan.kv_tokens // block_size
+    blocks = min(engine.values())  # the engine's one num_kv_blocks for every instance of the deployment
+    system = {**c.system, "engine": {"num_kv_blocks": blocks, "kv_block_size": block_size,
+                                     "max_num_seqs": max_num_seqs}}
+    return Candidate(c.name, system, c.devices, c.kind, True, None, kv)
+
+
+def _infeasible(c: Candidate, reason: str) -> Candidate:
+    return Candidate(c.name, c.system, c.devices, c.kind, False, reason)

@@ -1,0 +1,105 @@
+"""``moeflow plan``: which deployment of N devices serves a workload within an SLO at the most
+requests per second per device, by simulation of every candidate (``plan/candidates.py``)."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from moeflow.config import ConfigError
+
+TOP = 10
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="search the deployments of N devices for the best goodput per device (simulated)")
+    p.add_argument("--model", required=True, help="a model preset of the simulator (or a checkpoint directory)")
+    p.add_argument("--hardware", default=None, help="a hardware preset (sim/hardware.py), for the analytic cost")
+    p.add_argument("--profile", default=None, metavar="P.json",
+                   help="this machine's `moeflow profile`: the profiled cost instead (hardware cpu-here)")
+    p.add_argument("--devices", type=int, required=True, help="devices (processes) the deployment may use")
+    p.add_argument("--isl", type=int, required=True, help="prompt tokens per request (uniform down to half with --isl-ratio)")
+    p.add_argument("--isl-ratio", type=float, default=1.0, help="shortest prompt / longest (1: every prompt --isl long)")
+    p.add_argument("--osl", type=int, required=True, help="output tokens per request")
+    p.add_argument("--ttft-s", type=float, required=True, help="TTFT bound (seconds) at --percentile")
+    p.add_argument("--tpot-ms", type=float, default=None, help="TPOT bound (milliseconds) at --percentile")
+    p.add_argument("--percentile", default="p90", choices=["mean", "p50", "p90"], help="of TTFT and TPOT")
+    p.add_argument("--kinds", default="aggregated,pd", help="aggregated, pd or both (comma-separated)")
+    p.add_argument("--mem-fraction", type=float, default=0.9, help="share of a device's memory a process may hold")
+    p.add_argument("--num-requests", type=int, default=100,
+                   help="requests per simulated probe (every rate the same count: a probe's cost does not grow with it)")
+    p.add_argument("--start-rps", type=float, default=None,
+                   help="the search's first rate (default: per candidate, one over a lone request's latency)")
+    p.add_argument("--jobs", type=int, default=2, help="candidates simulated at once (processes)")
+    p.add_argument("--json", default=None, metavar="OUT.json")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeflow.measure.provenance import write_json
+    from moeflow.plan.candidates import check_memory, enumerate_candidates
+    from moeflow.plan.command import engine_runs, serve_command
+    from moeflow.plan.search import Slo, search
+    from moeflow.sim.hardware import hardware_preset
+    from moeflow.sim.model_spec import model_preset
+
+    if args.devices < 1:
+        raise ConfigError(f"--devices must be >= 1, got {args.devices}")
+    if (args.hardware is None) == (args.profile is None):
+        raise ConfigError("give one of --hardware PRESET (the analytic cost) or --profile P.json (the profiled cost "
+                          "of the machine that measured it)")
+    kinds = tuple(k.strip() for k in args.kinds.split(","))
+    if not set(kinds) <= {"aggregated", "pd"}:
+        raise ConfigError(f"--kinds: aggregated and/or pd, got {args.kinds!r}")
+    m = model_preset(args.model)
+    target = ({"hardware": "cpu-here", "cost": "profiled", "profile": args.profile} if args.profile
+              else {"hardware": args.hardware})
+    hw = hardware_preset(args.hardware) if args.hardware else None
+    workload = {"kind": "fixed", "fixed_len": args.isl} if args.isl_ratio == 1 else \
+        {"kind": "uniform", "isl": args.isl, "isl_ratio": args.isl_ratio}
+    base = {"model": args.model, **target, "slo_ttft_s": args.ttft_s, "slo_metric": args.percentile,
+            "workload": {**workload, "output_len": args.osl, "num_requests": args.num_requests, "seed": 0}}
+    if args.tpot_ms is not None:
+        base["slo_tpot_s"] = args.tpot_ms / 1e3
+    slo = Slo(args.ttft_s, None if args.tpot_ms is None else args.tpot_ms / 1e3, args.percentile)
+    cands = [check_memory(c, m, hw.hbm_bytes if hw else 0.0, args.mem_fraction, args.isl + args.osl,
+                          max_batch_tokens=max(8192, args.isl), max_num_seqs=256, block_size=16)
+             for c in enumerate_candidates(args.devices, kinds)]
+    feasible = sum(c.feasible for c in cands)
+    print(f"moeflow plan: {len(cands)} deployments of {args.devices} devices ({feasible} fit in memory), "
+          f"{args.model} on {args.hardware or 'this machine (profiled)'}, ISL {args.isl} OSL {args.osl}, "
+          f"SLO {args.percentile} TTFT <= {args.ttft_s:g} s" + (f", TPOT <= {args.tpot_ms:g} ms" if args.tpot_ms else ""))
+    t0 = time.monotonic()
+    ranked = search(cands, base, slo, args.start_rps, args.jobs)
+    wall = time.monotonic() - t0
+    by_name = {c.name: c for c in cands}
+    for r in ranked:
+        r["layout"] = by_name[r["name"]].system
+        r["command"] = serve_command(args.model, by_name[r["name"]].system) if r["feasible"] else None
+        r["engine_note"] = engine_runs(by_name[r["name"]].system)
+    _print(ranked, wall)
+    best = next((r for r in ranked if r["feasible"] and r["goodput_per_device"] > 0), None)
+    if best is not None:
+        print(f"\nbest: {best['name']}\n  {best['command'] or best['engine_note']}")
+        runnable = next((r for r in ranked if r["command"] and r["goodput_per_device"] > 0), None)
+        if runnable is not None and runnable is not best:
+            print(f"best that moeflow's engine runs: {runnable['name']}\n  {runnable['command']}")
+    if args.json:
+        write_json(args.json, {"inputs": {k: v for k, v in vars(args).items() if k != "func"}, "wall_s": wall,
+                               "candidates": ranked, "best": best})
+    return 0
+
+
+def _print(ranked: list[dict], wall: float) -> None:
+    print(f"searched in {wall:.1f} s; the top {TOP} by goodput per device:")
+    print(f"  {'deployment':<34} {'SLO rps':>9} {'rps/device':>10} {'TTFT p90':>9} {'TPOT p90':>9}  bottleneck")
+    for r in [r for r in ranked if r["feasible"]][:TOP]:
+        rps = f"{r['slo_rps']:.3g}" if r["slo_rps"] is not None else (
+            f">={r['slo_rps_at_least']:.3g}" if r["slo_rps_at_least"] is not None else "none")
+        at = r["at_slo"] or {}
+        ttft = f"{at['ttft_p90_s']:.3g}s" if at.get("ttft_p90_s") is not None else "-"
+        tpot = f"{at['tpot_p90_s'] * 1e3:.3g}ms" if at.get("tpot_p90_s") is not None else "-"
+        print(f"  {r['name']:<34} {rps:>9} {r['goodput_per_device']:>10.3g} {ttft:>9} {tpot:>9}  {r['bottleneck'] or '-'}")
+    bad = [r for r in ranked if not r["feasible"]]
+    if bad:
+        print(f"  not ranked: {len(bad)} (memory, or a cost model that cannot price them), e.g. "
+              f"{bad[0]['name']}: {bad[0]['reason']}")

@@ -1,0 +1,86 @@
+"""``moeflow plan``: the candidates, the memory check, the search and the commands it prints."""
+from __future__ import annotations
+
+import pytest
+
+from moeflow.engine.args import engine_kwargs
+from moeflow.layout import make_layout
+from moeflow.plan.candidates import check_memory, enumerate_candidates
+from moeflow.plan.command import serve_command
+from moeflow.plan.search import Slo, evaluate, search
+from moeflow.sim.hardware import hardware_preset
+from moeflow.sim.memory import GIB
+from moeflow.sim.model_spec import model_preset
+
+
+def test_every_candidate_uses_exactly_the_devices_once():
+    for n in (1, 2, 4, 8):
+        cands = enumerate_candidates(n)
+        assert len({c.name for c in cands}) == len(cands) > 0
+        assert all(make_layout(c.system["mode"], **{k: v for k, v in c.system.items() if k != "mode"}).num_processes == n
+                   for c in cands)
+    kinds = {c.system["mode"] for c in enumerate_candidates(4)}
+    assert kinds == {"dep", "dwdp", "asap", "afd", "pd"}
+    pd = [c for c in enumerate_candidates(4) if c.kind == "pd"]
+    assert {c.system["prefill"]["mode"] for c in pd} == {"dep", "dwdp", "asap"}
+    assert {c.system["decode"]["mode"] for c in pd} == {"dep", "afd"}
+
+
+def test_a_layout_that_does_not_fit_memory_is_refused_with_its_numbers_and_never_ranked():
+    m, hw = model_preset("qwen3-235b-a22b-fp8"), hardware_preset("h200")
+    cands = [check_memory(c, m, hw.hbm_bytes, 0.9, 4096, 8192, 256, 16) for c in enumerate_candidates(2)]
+    bad = [c for c in cands if not c.feasible]
+    assert bad and all("GiB" in c.reason for c in bad)  # 235B of fp8 weights do not fit two 141 GB devices
+    assert all(c.system.get("engine", {}).get("num_kv_blocks", 1) > 0 for c in cands if c.feasible)
+    ranked = search(bad[:2], {}, Slo(1.0, None), 1.0, jobs=1, progress=None)
+    assert all(not r["feasible"] and "goodput_per_device" not in r for r in ranked)
+
+
+def test_the_kv_blocks_come_from_the_memory_plan():
+    m, hw = model_preset("qwen3-235b-a22b-fp8"), hardware_preset("h200")
+    c = next(c for c in enumerate_candidates(8, ("aggregated",)) if c.name == "dep8")
+    fit = check_memory(c, m, hw.hbm_bytes, 0.9, 4096, 8192, 256, 16)
+    assert fit.feasible and fit.system["engine"]["num_kv_blocks"] == fit.kv_tokens["all"] // 16
+    less = check_memory(c, m, hw.hbm_bytes, 0.6, 4096, 8192, 256, 16)
+    assert less.kv_tokens["all"] < fit.kv_tokens["all"]
+    assert 0.6 * hw.hbm_bytes / GIB < 141  # the fraction of the device, not more
+
+
+def test_a_deployment_the_engine_cannot_run_gets_no_command_but_the_reason():
+    c = next(c for c in enumerate_candidates(4) if c.name == "dep2_tp2")
+    assert serve_command("tiny", c.system) is None
+
+
+@pytest.mark.parametrize("name", ["dep4", "asap_d1t2e2", "afd_1a3f_m2", "pd_1xasap_d1e1_1xafd_1a1f",
+                                  "pd_1xdwdp2_1xdep2"])
+def test_the_printed_command_starts_the_deployment_it_names(name):
+    from moeflow.cli import build_parser
+
+    c = next(c for c in enumerate_candidates(4) if c.name == name)
+    c = check_memory(c, model_preset("tiny"), hardware_preset("h200").hbm_bytes, 0.9, 1024, 8192, 256, 16)
+    cmd = serve_command("tiny", c.system)
+    args = build_parser().parse_args(cmd.split()[1:])
+    kw = engine_kwargs(args)
+    mode = kw.pop("mode")
+    layout_keys = {k: v for k, v in kw.items() if k in {k2 for k2 in c.system if k2 not in ("mode", "engine")}}
+    assert make_layout(mode, **layout_keys) == make_layout(c.system["mode"], **{k: v for k, v in c.system.items()
+                                                                                if k not in ("mode", "engine")})
+    assert kw["num_kv_blocks"] == c.system["engine"]["num_kv_blocks"]
+
+
+def test_the_search_brackets_the_slo_rate_and_ranks_by_goodput_per_device():
+    """On this machine's profile, tiny saturates: every candidate's SLO rate is bracketed (a rate
+    that meets both bounds below one that misses), and the ranking follows goodput per device."""
+    base = {"model": "tiny", "hardware": "cpu-here", "cost": "profiled", "profile": "docs/results/sim/profile_cpu_here.json",
+            "slo_ttft_s": 2.0, "workload": {"kind": "fixed", "fixed_len": 256, "output_len": 8, "num_requests": 40,
+                                            "seed": 0}}
+    cands = [c for c in enumerate_candidates(2) if c.name in ("dep2", "pd_1xdep1_1xdep1")]
+    slo = Slo(2.0, 0.5, "p90")
+    ranked = search(cands, base, slo, None, jobs=1, progress=None)
+    for r in ranked:
+        assert r["feasible"] and r["slo_rps"] is not None and r["upper_rps"] > r["slo_rps"], r
+        assert r["at_slo"]["ttft_p90_s"] <= 2.0 and r["at_slo"]["tpot_p90_s"] <= 0.5
+        assert r["goodput_per_device"] == pytest.approx(r["slo_rps"] / 2)
+    assert ranked[0]["goodput_per_device"] >= ranked[1]["goodput_per_device"]
+    again = evaluate(cands[0], base, slo, None)
+    assert again["slo_rps"] == next(r for r in ranked if r["name"] == cands[0].name)["slo_rps"]  # deterministic
