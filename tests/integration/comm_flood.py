@@ -18,8 +18,9 @@ def flood_payload(spec, i: int) -> torch.Tensor:
     return torch.randn(n, spec.hidden_size, generator=g).to(getattr(torch, spec.dtype))  # [n, H]
 
 
-def flood_sender(config, num_messages: int, out_path: str) -> None:
-    """Send ``num_messages`` (0 = forever) to expert rank 0 as lane (0, 0); write stats."""
+def flood_sender(config, num_messages: int, out_path: str, started=None) -> None:
+    """Send ``num_messages`` (0 = forever) to expert rank 0 as lane (0, 0); write stats. Sets
+    ``started`` (an Event) once the first message is sent."""
     torch.set_num_threads(1)
     from moeflow.comm import make_transport
 
@@ -29,6 +30,8 @@ def flood_sender(config, num_messages: int, out_path: str) -> None:
         i = 0
         while num_messages == 0 or i < num_messages:
             tx.send(0, flood_payload(config.spec, i), layer_id=i % 7, batch_id=i)
+            if i == 0 and started is not None:
+                started.set()
             i += 1
         result = {"stats": asdict(tx.stats)}
         tx.close()

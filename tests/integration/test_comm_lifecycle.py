@@ -69,14 +69,16 @@ def test_slow_receiver_is_never_overwritten(tmp_path):
 
 def test_sigkill_of_a_sender_leaves_nothing(tmp_path):
     config = _config()
-    stop, ready = _CTX.Event(), _CTX.Event()
+    stop, ready, started = _CTX.Event(), _CTX.Event(), _CTX.Event()
     rx = _CTX.Process(target=slow_receiver, args=(config, 0, 1e-3, str(tmp_path / "rx.pkl"), stop, ready))
-    tx = _CTX.Process(target=flood_sender, args=(config, 0, str(tmp_path / "tx.pkl")))
+    tx = _CTX.Process(target=flood_sender, args=(config, 0, str(tmp_path / "tx.pkl"), started))
     try:
         rx.start()
         assert ready.wait(60)
         tx.start()
-        time.sleep(3.0)  # let traffic flow (includes the sender's start-up)
+        # traffic flows: the sender's start-up (spawn, imports) took up to 20 s on a loaded machine
+        assert started.wait(60)
+        time.sleep(1.0)
         os.kill(tx.pid, signal.SIGKILL)
         tx.join(10)
         stop.set()
@@ -94,14 +96,15 @@ def test_sigkill_of_a_sender_leaves_nothing(tmp_path):
 def test_sigkill_of_the_owner_then_restart_over_stale_segments(tmp_path):
     config = _config()
     dep = config.deployment_id
-    ready = _CTX.Event()
+    ready, started = _CTX.Event(), _CTX.Event()
     rx = _CTX.Process(target=slow_receiver, args=(config, 0, 0.0, str(tmp_path / "rx.pkl"), None, ready))
-    tx = _CTX.Process(target=flood_sender, args=(config, 0, str(tmp_path / "tx.pkl")))
+    tx = _CTX.Process(target=flood_sender, args=(config, 0, str(tmp_path / "tx.pkl"), started))
     try:
         rx.start()
         assert ready.wait(60)
         tx.start()
-        time.sleep(3.0)
+        assert started.wait(60)  # the owner dies while the sender is sending, not before it starts
+        time.sleep(1.0)
         os.kill(rx.pid, signal.SIGKILL)
         rx.join(10)
         stale = list_segments(dep)
