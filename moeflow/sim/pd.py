@@ -8,7 +8,7 @@ oldest first, each prefilled request waits for decode room (the decode instance 
 most free KV blocks, blocks reserved: the pre-allocation queue); the copy out of the prefill
 instance ends the lease, the copy in lands the KV, and the request decodes there. A request that
 waits longer than ``kv_lease_s`` gives its blocks up: ``recompute`` prefills its prompt again on a
-decode instance, ``fail`` drops it (it counts as aborted). The staging buffer's size
+decode instance, ``fail`` fails it (a failed request of the point). The staging buffer's size
 (``kv_buffer_mib``) is not modelled: every handoff that found decode room copies at once.
 """
 from __future__ import annotations
@@ -131,7 +131,8 @@ class PdSystem(System):
         if self.layout.kv_load_failure_policy == "fail":
             self.requests.pop(rid)
             self.track.pop(rid)
-            self._pending -= 1  # never completed: the run's records leave it out
+            self._pending -= 1
+            self.num_failed += 1  # no record: it counts among the point's failed requests
             return
         # recompute: a decode instance prefills the prompt and the first token again
         r = self.requests[rid]

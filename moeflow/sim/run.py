@@ -68,7 +68,8 @@ def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float,
     workload = cfg.point_workload(rate, cfg.workload.seed if seed is None else seed, num_requests)
     sim = make_system(system, cost, trace_until_s)
     res = sim.run(generate_requests(workload), stop)
-    p = summarize(rate, res.records, 0.0, cfg.workload.length_scale, num_aborted=res.num_pending)
+    p = summarize(rate, res.records, 0.0, cfg.workload.length_scale, num_failed=res.num_failed,
+                  num_aborted=res.num_pending)
     # the engine's benchmark reports these too (bench/probe.py): per process there, per device here
     p["output_tok_s"] = sum(r.num_output for r in res.records) / p["duration_s"] if p["duration_s"] > 0 else 0.0
     p["output_tok_s_per_process"] = p["output_tok_s"] / system.layout.num_processes

@@ -37,6 +37,7 @@ class RunResult:
     preemptions: int = 0  # requests the scheduler preempted by recompute (KV blocks on demand)
     # step systems that keep one (dep): per kind, the mean fraction of the run an entity's steps spent
     split: dict[str, float] = field(default_factory=dict)
+    num_failed: int = 0  # requests that ended without a result (pd: a lease ran out under policy fail)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class System(abc.ABC):
         if start_s < self.trace_until_s and end_s > start_s:
             self.spans.append(Span(name, track, start_s, end_s))
 
+    num_failed = 0  # requests failed on purpose (they have no record and are not pending)
     # where finished requests go: None, this system's records; a composition (sim/pd.py) takes them
     # itself, as ``sink(request, its track, now)``
     sink = None
@@ -130,7 +132,7 @@ class System(abc.ABC):
         entities = sum(num_entities.values())
         split = {k: v / (entities * end) for k, v in split_s.items()} if end > 0 else {}
         return RunResult(self.records, self.loop.num_events, end, stopped, bound, self.spans, busy, self._pending,
-                         imbalance, preemptions, split)
+                         imbalance, preemptions, split, self.num_failed)
 
     def models_skew(self) -> bool:
         return self.loads is not None

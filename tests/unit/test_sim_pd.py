@@ -62,7 +62,7 @@ def test_a_lease_that_runs_out_fails_or_recomputes(policy):
     sim, res = _run(cfg, "pd", work)
     assert sim.lease_expiries == 1 and sim.prefill[0].sched.pool.leases == {}
     if policy == "fail":
-        assert len(res.records) == 1
+        assert len(res.records) == 1 and res.num_failed == 1  # counted, not lost
     else:
         assert len(res.records) == 2 and all(r.num_output == 16 for r in res.records)
 
