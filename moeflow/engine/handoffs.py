@@ -16,6 +16,7 @@ from moeflow.core import Request
 from moeflow.engine.base import KvTransfer, StepResult, clock
 from moeflow.engine.kv_handoff import DONE, FAILED
 from moeflow.messages import KvRecv, KvSend, KvStage, Span
+from moeflow.scheduler.handoff import most_room
 
 
 @dataclass
@@ -70,19 +71,13 @@ class Handoffs:
 
     def _start(self, h: Handoff, now: float, out: StepResult) -> None:
         """Decode room (the instance with the most free KV) and a stage: blocks reserved, copy out sent."""
-        best = None
-        for j, e in enumerate(self.decode):
-            gid = e.arrivals.best_group(h.decode_request) if e.failed is None else None
-            if gid is not None:
-                free = e.scheduler.pool.groups[gid].allocator.num_free
-                if best is None or free > best[2]:
-                    best = (j, gid, free)
+        best = most_room([e.arrivals if e.failed is None else None for e in self.decode], h.decode_request)
         if best is None:
             return
         stage = self.kv.open(h.request.num_prompt_tokens)
         if stage is None:
             return
-        j, gid, _ = best
+        j, gid = best
         h.decode, h.decode_group, h.stage, h.started_s, h.state = j, gid, stage, now, "writing"
         h.decode_blocks = self.decode[j].arrivals.reserve(gid, h.decode_request)
         self.kv.stats.prealloc_wait_s.append(now - h.prefilled_s)

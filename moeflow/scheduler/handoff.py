@@ -57,3 +57,16 @@ class Arrivals:
         pool.groups[gid].requests.append(r)
         pool.group_of[r.request_id] = gid
         return gid
+
+
+def most_room(arrivals: list[Arrivals | None], r: Request) -> tuple[int, int] | None:
+    """(instance, group) of the decode instances' ``arrivals`` (None: a failed instance) with the most
+    free KV blocks that has room for ``r``; None when none has (the request waits for room)."""
+    best = None
+    for j, a in enumerate(arrivals):
+        gid = a.best_group(r) if a is not None else None
+        if gid is not None:
+            free = a.pool.groups[gid].allocator.num_free
+            if best is None or free > best[2]:
+                best = (j, gid, free)
+    return None if best is None else best[:2]

@@ -19,7 +19,7 @@ from functools import partial
 
 from moeflow.core import Request, SamplingParams
 from moeflow.measure.metrics import RequestRecord
-from moeflow.scheduler.handoff import Arrivals
+from moeflow.scheduler.handoff import Arrivals, most_room
 from moeflow.sim.system import System, _Track
 
 
@@ -89,16 +89,10 @@ class PdSystem(System):
         """Every waiting handoff that finds decode room now starts its copies, oldest first."""
         now = self.loop.now
         for rid, h in list(self.waiting.items()):
-            best = None
-            for j, a in enumerate(self.arrivals):
-                gid = a.best_group(h.request)
-                if gid is not None:
-                    free = a.pool.groups[gid].allocator.num_free
-                    if best is None or free > best[2]:
-                        best = (j, gid, free)
+            best = most_room(self.arrivals, h.request)  # the engine's choice (engine/handoffs.py)
             if best is None:
                 continue
-            j, gid, _ = best
+            j, gid = best
             del self.waiting[rid]
             self.arrivals[j].reserve(gid, h.request)
             h.decode, h.started_s = j, now
