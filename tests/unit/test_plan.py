@@ -9,7 +9,6 @@ from moeflow.plan.candidates import check_memory, enumerate_candidates
 from moeflow.plan.command import serve_command
 from moeflow.plan.search import Slo, evaluate, search
 from moeflow.sim.hardware import hardware_preset
-from moeflow.sim.memory import GIB
 from moeflow.sim.model_spec import model_preset
 
 
@@ -43,7 +42,6 @@ def test_the_kv_blocks_come_from_the_memory_plan():
     assert fit.feasible and fit.system["engine"]["num_kv_blocks"] == fit.kv_tokens["all"] // 16
     less = check_memory(c, m, hw.hbm_bytes, 0.6, 4096, 8192, 256, 16)
     assert less.kv_tokens["all"] < fit.kv_tokens["all"]
-    assert 0.6 * hw.hbm_bytes / GIB < 141  # the fraction of the device, not more
 
 
 def test_a_deployment_the_engine_cannot_run_gets_no_command_but_the_reason():
