@@ -101,6 +101,9 @@ class DwdpEngine(ProcessEngine):
         result.finished += self._failed_batches()
         return result
 
+    def member_died(self, group: int, reason: str) -> list:
+        return self._rank_died(group, reason)
+
     def _rank_died(self, rank: int, reason: str) -> list:
         """Fail what ``rank`` held; keep serving on the others (or fail the deployment, if none is left)."""
         if rank in self.dead:

@@ -17,6 +17,7 @@ from moeflow.engine.base import KvTransfer, StepResult, clock
 from moeflow.engine.kv_handoff import DONE, FAILED
 from moeflow.messages import KvRecv, KvSend, KvStage, Span
 from moeflow.scheduler.handoff import most_room
+from moeflow.workers.launch import WorkerDied
 
 
 @dataclass
@@ -40,7 +41,8 @@ class Handoff:
 
 class Handoffs:
     """The state machine; the engine provides ``prefill``, ``decode``, ``layout``, ``kv``,
-    ``handoffs``, ``handoff_s``, ``where``, ``_fail_prob``, ``_rng`` and ``_finish``."""
+    ``handoffs``, ``handoff_s``, ``where``, ``_fail_prob``, ``_rng``, ``_finish``, ``_decoded`` and
+    ``_prefilled``."""
 
     def _advance(self, out: StepResult) -> None:
         """Every handoff as far as it can go now, oldest first (an in-process copy is done when sent:
@@ -82,7 +84,20 @@ class Handoffs:
         h.decode_blocks = self.decode[j].arrivals.reserve(gid, h.decode_request)
         self.kv.stats.prealloc_wait_s.append(now - h.prefilled_s)
         out.prealloc_waits_s.append(now - h.prefilled_s)
-        self.prefill[h.prefill].send_kv(h.prefill_group, KvSend(self._maybe_fail(stage), h.prefill_blocks))
+        self._send(h, WRITE, KvSend(self._maybe_fail(stage), h.prefill_blocks), out)
+
+    def _send(self, h: Handoff, side: int, message, out: StepResult) -> None:
+        """A copy message to the group's members; one found gone fails its instance (or rank) at once,
+        with the requests it held, and this handoff is given up (a dead member never answers)."""
+        name, i, group = ("prefill", h.prefill, h.prefill_group) if side == WRITE else \
+            ("decode", h.decode, h.decode_group)
+        engine = getattr(self, name)[i]
+        try:
+            engine.send_kv(group, message)
+        except WorkerDied as e:
+            ended = StepResult({}, engine.member_died(group, str(e)))
+            self._decoded(ended, out) if side == READ else self._prefilled(i, ended, out)
+            self._give_up(h, f"{name} instance {i} failed: {e}", out, closed=engine.kv_members(group) == 1)
 
     def _maybe_fail(self, stage):
         if self._fail_prob and self._rng.random() < self._fail_prob:
@@ -100,7 +115,7 @@ class Handoffs:
             self.prefill[h.prefill].scheduler.pool.end_lease(h.request.request_id)  # the stage holds a copy now
             self.kv.arena.flags[h.stage.slot, READ].zero_()
             h.state = "reading"
-            self.decode[h.decode].send_kv(h.decode_group, KvRecv(self._maybe_fail(h.stage), h.decode_blocks))
+            self._send(h, READ, KvRecv(self._maybe_fail(h.stage), h.decode_blocks), out)
         elif state == DONE:
             s = self.kv.stats
             s.transfers += 1

@@ -257,6 +257,10 @@ class ProcessEngine(Engine):
         except WorkerDied as e:
             self._fail(str(e))
 
+    def member_died(self, group: int, reason: str) -> list[Request]:
+        """A caller found a member of ``group`` gone (a send raised ``WorkerDied``): the requests it ended."""
+        return self._fail(reason).finished
+
     def _on_fail(self) -> None:
         """Drop the in-flight bookkeeping (a mode with its own extends this)."""
         self._inflight.clear()

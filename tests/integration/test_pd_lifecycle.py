@@ -130,3 +130,30 @@ def test_bench_decode_measures_the_decode_instances(checkpoints, tmp_path):
                  "--context", "64", "--batch", "2", "--steps", "3", "--repeats", "1", "--json", str(out)]) == 0
     run = json.loads(out.read_text())["results"]["pd"]["64"]
     assert run["batch"] == 2 and run["tok_s_per_process"]["mean"] > 0
+
+
+def test_a_copy_sent_to_a_dead_decode_member_fails_that_instance_only(checkpoints):
+    """A decode worker dies while idle; the next handoff's copy message finds its pipe closed before
+    anything polled the processes. That decode instance fails (not the deployment, not a raise out
+    of step), the handoff is recomputed on the other decode instance, which serves on."""
+    import os
+    import signal
+
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="pd", prefill=COLO,
+             decode={"mode": "afd", "attn_workers": 1, "ffn_workers": 1}, decode_instances=2,
+             kv_load_failure_policy="recompute") as llm:
+        e = llm.engine
+        victim = e.decode[0].attention[0].process
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        # both are idle: the tie goes to instance 0, the one with the dead member
+        sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        e.add_request(Request("a", _prompts(1)[0], sp))
+        finished = []
+        for _ in range(2000):
+            finished += e.step().finished  # step only: check_workers would find the death first
+            if not e.has_unfinished():
+                break
+        assert e.decode[0].failed is not None and "gone" in e.decode[0].failed and e.decode[1].failed is None
+        (r,) = finished  # recomputed on instance 1 (test_pd_heal sees the error under policy fail)
+        assert r.error is None and len(r.output_token_ids) == 6 and e.kv.stats.recomputes == 1
