@@ -84,6 +84,22 @@ def plot_pareto(systems: dict[str, dict], out: str, title: str | None = None) ->
     _finish(fig, ax, out, title)
 
 
+def plot_fronts(fronts: dict[str, list], out: str, xlabel: str, ylabel: str, title: str | None = None) -> None:
+    """Pareto fronts, one line per system: ``fronts[name]`` is its [x, y] points by ascending x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, front in fronts.items():
+        ax.plot([p[0] for p in front], [p[1] for p in front], marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    _finish(fig, ax, out, title)
+
+
 def _finish(fig, ax, out: str, title: str | None) -> None:
     import matplotlib.pyplot as plt
 

@@ -2,10 +2,10 @@
 
 Aggregated: dep (DP x TP = N), dwdp (N ranks), asap (D attention groups of T dies and E MoE workers,
 D·T + E = N) and afd (M attention instances and N' FFN daemons, M + N' = N, m = 1 or 2 micro-batches).
-Disaggregated (pd): X prefill instances of one prefill layout and Y decode instances of one decode
-layout, X·p + Y·d = N, for every prefill layout (dep, dwdp, asap) and decode layout (dep, afd) of
-sizes that divide the devices left. A candidate is a config's system entry: what ``simulate``'s
-YAML takes and what ``moeflow serve`` runs.
+Disaggregated (pd): every pair of a prefill layout (dep, dwdp, asap) and a decode layout (dep, afd)
+that fits in N once each; X prefill and Y decode instances of the pair, X·p + Y·d <= N, come from
+rate matching (``plan/pd.py``). A candidate is a config's system entry: what ``simulate``'s YAML
+takes and what ``moeflow serve`` runs.
 
 Memory (``sim/memory.py``'s plan, the engine's): every process of a candidate gets the device's
 memory times ``mem_fraction``; a candidate fits when every device holds its weights, buffers and
@@ -75,30 +75,32 @@ def _sides(n: int, modes: tuple[str, ...]) -> list[tuple[str, dict, int]]:
 
 
 def _disaggregated(n: int) -> list[tuple[str, dict]]:
-    out = []
-    for pname, play, p in _sides(n - 1, ("dep", "dwdp", "asap")):
-        for dname, dlay, d in _sides(n - p, ("dep", "afd")):
-            for x in range(1, n // p + 1):
-                rest = n - x * p
-                if rest >= d and rest % d == 0:
-                    y = rest // d
-                    out.append((f"pd_{x}x{pname}_{y}x{dname}", {"mode": "pd", "prefill": play, "decode": dlay,
-                                                                  "prefill_instances": x, "decode_instances": y}))
-    return out
+    """Every (prefill layout, decode layout) pair that fits in n devices once each; the instance
+    counts come from rate matching (``plan/pd.py``)."""
+    return [(f"pd_{pname}_{dname}", {"mode": "pd", "prefill": play, "decode": dlay})
+            for pname, play, p in _sides(n - 1, ("dep", "dwdp", "asap"))
+            for dname, dlay, d in _sides(n - p, ("dep", "afd"))]
+
+
+def side_devices(layout: dict) -> int:
+    return make_layout(layout["mode"], **{k: v for k, v in layout.items() if k != "mode"}).num_processes
 
 
 def enumerate_candidates(n: int, kinds: tuple[str, ...] = ("aggregated", "pd")) -> list[Candidate]:
-    """Every deployment of exactly ``n`` devices of the kinds asked for, each once."""
+    """Every aggregated deployment of exactly ``n`` devices and every pd pair of at most ``n``, each once."""
     out = []
     if "aggregated" in kinds:
         out += [Candidate(name, lay, n, "aggregated") for name, lay in _aggregated(n)]
     if "pd" in kinds:
-        out += [Candidate(name, lay, n, "pd") for name, lay in _disaggregated(n)]
+        out += [Candidate(name, lay, side_devices(lay["prefill"]) + side_devices(lay["decode"]), "pd")
+                for name, lay in _disaggregated(n)]
     names = [c.name for c in out]
     assert len(names) == len(set(names)), "candidate names must be unique"
     for c in out:
-        lay = make_layout(c.system["mode"], **{k: v for k, v in c.system.items() if k != "mode"})
-        assert lay.num_processes == n, (c.name, lay.num_processes)
+        if c.kind == "aggregated":
+            assert side_devices(c.system) == n, (c.name, n)
+        else:
+            assert c.devices <= n, (c.name, n)
     return out
 
 

@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--start-rps", type=float, default=None,
                    help="the search's first rate (default: per candidate, one over a lone request's latency)")
     p.add_argument("--jobs", type=int, default=2, help="candidates simulated at once (processes)")
+    p.add_argument("--confirm", type=int, default=6,
+                   help="at most this many pd pairs (composed by rate matching) simulated end to end, best "
+                        "estimate first, while an estimate beats the best simulated rate (default 6)")
     p.add_argument("--json", default=None, metavar="OUT.json")
     p.set_defaults(func=run)
 
@@ -69,13 +72,18 @@ def run(args: argparse.Namespace) -> int:
           f"{args.model} on {args.hardware or 'this machine (profiled)'}, ISL {args.isl} OSL {args.osl}, "
           f"SLO {args.percentile} TTFT <= {args.ttft_s:g} s" + (f", TPOT <= {args.tpot_ms:g} ms" if args.tpot_ms else ""))
     t0 = time.monotonic()
-    ranked = search(cands, base, slo, args.start_rps, args.jobs)
+    from moeflow.plan.estimate import memory_gib
+
+    ranked = search(cands, base, slo, args.start_rps, args.jobs, max_devices=args.devices,
+                    memory_gib=memory_gib(hw.hbm_bytes if hw else 0.0, args.mem_fraction, args.devices),
+                    hbm_bytes=hw.hbm_bytes if hw else 0.0, confirm=args.confirm)
     wall = time.monotonic() - t0
     by_name = {c.name: c for c in cands}
     for r in ranked:
-        r["layout"] = by_name[r["name"]].system
-        r["command"] = serve_command(args.model, by_name[r["name"]].system) if r["feasible"] else None
-        r["engine_note"] = engine_runs(by_name[r["name"]].system)
+        system = {**by_name[r["name"]].system, **(r.get("system") or {})}  # pd: with its instance counts
+        r["layout"] = system
+        r["command"] = serve_command(args.model, system) if r["feasible"] else None
+        r["engine_note"] = engine_runs(system)
     _print(ranked, wall)
     best = next((r for r in ranked if r["feasible"] and r["goodput_per_device"] > 0), None)
     if best is not None:
@@ -89,16 +97,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _name(r: dict) -> str:
+    """A pd pair with its instance counts (2x dep1 -> 3x afd_1a1f); others as enumerated."""
+    lay = r.get("layout") or {}
+    if lay.get("mode") != "pd" or "prefill_instances" not in lay:
+        return r["name"]
+    p, d = _sides_of(r["name"])
+    return f"pd {lay['prefill_instances']}x{p} -> {lay['decode_instances']}x{d}"
+
+
+def _sides_of(name: str) -> tuple[str, str]:
+    """pd_<prefill>_<decode> -> (prefill, decode): the decode side is the last dep or afd part."""
+    for dmode in ("_dep", "_afd"):
+        k = name.rfind(dmode)
+        if k > 3:
+            return name[3:k], name[k + 1:]
+    return name, ""
+
+
 def _print(ranked: list[dict], wall: float) -> None:
-    print(f"searched in {wall:.1f} s; the top {TOP} by goodput per device:")
-    print(f"  {'deployment':<34} {'SLO rps':>9} {'rps/device':>10} {'TTFT p90':>9} {'TPOT p90':>9}  bottleneck")
+    print(f"searched {len(ranked)} candidates in {wall:.1f} s; the top {TOP} by goodput per device "
+          f"(~: estimated from its sides, not simulated whole):")
+    print(f"  {'deployment':<40} {'SLO rps':>9} {'rps/device':>10} {'TTFT p90':>9} {'TPOT p90':>9}  bottleneck")
     for r in [r for r in ranked if r["feasible"]][:TOP]:
         rps = f"{r['slo_rps']:.3g}" if r["slo_rps"] is not None else (
             f">={r['slo_rps_at_least']:.3g}" if r["slo_rps_at_least"] is not None else "none")
         at = r["at_slo"] or {}
         ttft = f"{at['ttft_p90_s']:.3g}s" if at.get("ttft_p90_s") is not None else "-"
         tpot = f"{at['tpot_p90_s'] * 1e3:.3g}ms" if at.get("tpot_p90_s") is not None else "-"
-        print(f"  {r['name']:<34} {rps:>9} {r['goodput_per_device']:>10.3g} {ttft:>9} {tpot:>9}  {r['bottleneck'] or '-'}")
+        name = _name(r)
+        print(f"  {name:<40} {rps:>9} {('~' if r.get('estimated') else '') + format(r['goodput_per_device'], '.3g'):>10} "
+              f"{ttft:>9} {tpot:>9}  {r['bottleneck'] or '-'}")
     bad = [r for r in ranked if not r["feasible"]]
     if bad:
         print(f"  not ranked: {len(bad)} (memory, or a cost model that cannot price them), e.g. "

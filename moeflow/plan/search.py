@@ -1,4 +1,4 @@
-"""Each candidate's SLO throughput, simulated: the bracket-safe search of ``measure.slo`` over the
+"""Each candidate's SLO throughput, simulated (pd pairs composed from their sides, ``plan/pd.py``): the bracket-safe search of ``measure.slo`` over the
 rate, where a rate meets the SLO when the TTFT quantile is within its bound and the TPOT quantile
 within its own (the score is the larger of the two ratios, in TTFT seconds, so the search is the
 one ``simulate`` runs). Candidates run in parallel processes; the ranking is goodput per device.
@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import sys
+import time
 from dataclasses import dataclass
 
 from moeflow.experiment.serve import parse_experiment
 from moeflow.measure.slo import SloMetric, SloSearch, StopRule, find_slo_rps
-from moeflow.plan.candidates import Candidate
+from moeflow.plan import estimate
+from moeflow.plan.candidates import Candidate, side_devices
 from moeflow.sim.run import build_cost, run_point
 
 
@@ -65,33 +67,100 @@ def evaluate(c: Candidate, base: dict, slo: Slo, start_rps: float | None, probes
 
 
 def _one(job):
+    t0 = time.perf_counter()
+    kind, key, r = _evaluate(job)
+    r["wall_s"] = time.perf_counter() - t0
+    return kind, key, r
+
+
+def _evaluate(job):
+    kind, key, args = job
     try:
-        return evaluate(*job)
+        if kind == "prefill":
+            c, base, slo, start = args
+            return kind, key, estimate.prefill_side(evaluate(c, estimate.prefill_only(base), Slo(slo.ttft_s, None,
+                                                                                               slo.percentile), start), c.devices)
+        if kind == "decode":
+            return kind, key, estimate.decode_capacity(*args)
+        return kind, key, evaluate(*args)
     except ValueError as e:  # the cost model cannot price it (a profile without its expert count): say so
-        return {"name": job[0].name, "feasible": False, "reason": f"not simulated: {e}"}
+        return kind, key, {"name": key, "feasible": False, "reason": f"not simulated: {e}", "rps": None}
 
 
-def search(cands: list[Candidate], base: dict, slo: Slo, start_rps: float | None, jobs: int,
-           progress=sys.stderr) -> list[dict]:
-    """Every candidate evaluated (``jobs`` processes), best goodput per device first; infeasible ones last."""
-    work = [(c, base, slo, start_rps) for c in cands]
+def _run(work: list, jobs: int, progress, what: str) -> list:
     out = []
-    if jobs <= 1:
-        results = map(_one, work)
-        pool = None
-    else:
-        pool = mp.get_context("spawn").Pool(jobs)
-        results = pool.imap_unordered(_one, work)
+    if not work:
+        return out
+    pool = mp.get_context("spawn").Pool(min(jobs, len(work))) if jobs > 1 else None
+    results = pool.imap_unordered(_one, work) if pool is not None else map(_one, work)
     try:
         for k, r in enumerate(results, 1):
             out.append(r)
             if progress is not None:
                 bar = "#" * (30 * k // len(work))
-                print(f"\rplan: [{bar:<30}] {k}/{len(work)} candidates", end="", file=progress, flush=True)
+                print(f"\rplan: [{bar:<30}] {k}/{len(work)} {what}", end="", file=progress, flush=True)
     finally:
         if pool is not None:
             pool.close()
             pool.join()
         if progress is not None:
             print(file=progress)
+    return out
+
+
+def search(cands: list[Candidate], base: dict, slo: Slo, start_rps: float | None, jobs: int,
+           progress=sys.stderr, max_devices: int | None = None, memory_gib: float | None = None,
+           hbm_bytes: float = 0.0, confirm: int = 8) -> list[dict]:
+    """Every candidate ranked, best goodput per device first; infeasible ones last. Each is first
+    estimated from its sides, each side simulated once (``plan/estimate.py``); then, best estimate
+    first, candidates are simulated whole (the SLO search above, ``jobs`` at a time) while an
+    estimate beats the best simulated rate, at most ``confirm`` of them."""
+    ok = [c for c in cands if c.feasible]
+    out = [{"name": c.name, "feasible": False, "reason": c.reason} for c in cands if not c.feasible]
+    n = max_devices or max((c.devices for c in cands), default=1)
+    mem = memory_gib if memory_gib is not None else estimate.memory_gib(hbm_bytes, 0.9, n)
+    jobs_by_key: dict[tuple, tuple] = {}
+    for c in ok:
+        for side, lay in estimate.sides_of(c):
+            key = (side, estimate.side_key(lay))
+            if side == "prefill":
+                engine = {**c.system.get("engine", {})}
+                if "prefill" in c.kv_tokens:  # a pd pair: the prefill side's own KV, not the pair's smaller one
+                    engine["num_kv_blocks"] = c.kv_tokens["prefill"] // engine.get("kv_block_size", 16)
+                args = (Candidate("prefill", {**lay, "engine": engine}, side_devices(lay), "aggregated"), base, slo,
+                        start_rps)
+            else:
+                args = (lay, side_devices(lay), base, slo, mem, hbm_bytes)
+            jobs_by_key.setdefault(key, args)
+    done = {(k, key): r for k, key, r in _run([(s_, k_, a) for (s_, k_), a in jobs_by_key.items()], jobs, progress,
+                                              "sides simulated")}
+    est = []
+    for c in ok:
+        got = {side: done[(side, estimate.side_key(lay))] for side, lay in estimate.sides_of(c)}
+        est.append((c, estimate.compose(c, got["prefill"], got.get("decode"), n)))
+    confirmed = 0
+    while confirmed < confirm:
+        top = max((r.get("goodput_per_device", 0.0) for _, r in est if r["feasible"] and not r["estimated"]),
+                  default=0.0)
+        todo = sorted(((c, r) for c, r in est if r["feasible"] and r["estimated"] and r["goodput_per_device"] > top),
+                      key=lambda cr: -cr[1]["goodput_per_device"])[:min(max(jobs, 1), confirm - confirmed)]
+        if not todo:
+            break
+        whole = [("whole", r["name"], (_whole(c, r), base, slo, start_rps)) for c, r in todo]
+        for _, name, w in _run(whole, jobs, progress, "candidates simulated whole"):
+            r = next(r for _, r in est if r["name"] == name)
+            r.update(estimated=False, estimated_goodput_per_device=r["goodput_per_device"],
+                     **{k: w.get(k) for k in ("slo_rps", "slo_rps_at_least", "upper_rps", "goodput_per_device",
+                                              "bottleneck", "busy", "at_slo", "probes", "wall_s", "start_rps")})
+            if not w["feasible"]:
+                r.update(feasible=False, reason=w.get("reason"))
+        confirmed += len(todo)
+    out += [r for _, r in est]
     return sorted(out, key=lambda r: (not r["feasible"], -r.get("goodput_per_device", 0.0), r["name"]))
+
+
+def _whole(c: Candidate, r: dict) -> Candidate:
+    """The candidate as simulated whole: a pd pair with the instance counts its rate matching chose."""
+    if c.kind != "pd":
+        return c
+    return Candidate(c.name, {**c.system, **r["system"]}, r["devices"], "pd", kv_tokens=c.kv_tokens)

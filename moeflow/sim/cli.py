@@ -60,8 +60,11 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     with open(args.config) as f:
-        if "contexts" in (yaml.safe_load(f) or {}):  # a `bench decode` file: steady-state decode
-            return _run_decode(args)
+        raw = yaml.safe_load(f) or {}
+    if "contexts" in raw:  # a `bench decode` file: steady-state decode
+        return _run_decode(args)
+    if "e2e" in raw:  # a disaggregated Pareto, rate-matched
+        return _run_e2e(args, raw)
     from moeflow.measure.metrics import format_point, without_raw
     from moeflow.experiment.serve import load_experiment as load_config
     from moeflow.sim.run import build_cost, run_system
@@ -211,6 +214,29 @@ def print_slo_table(out: dict, names: list[str], metrics: tuple, slo_s: float) -
             if a != b and ra[0] and rb[0] and ra[0] > rb[0]:
                 print(f"  {a + ' / ' + b:>24}" + "".join(
                     f"{(x / y if x and y else float('nan')):>16.2f}" for x, y in zip(ra, rb)))
+
+
+def _run_e2e(args: argparse.Namespace, raw: dict) -> int:
+    from moeflow.experiment.e2e import parse_e2e
+    from moeflow.experiment.serve import apply_overrides
+    from moeflow.sim.e2e import format_e2e, run_e2e
+    from moeflow.sim.run import build_cost
+
+    for flag in ("system", "rps", "find_slo_rps", "trace", "compare", "compare_with", "slo_metric"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')}: not for an end-to-end file ({args.config} has e2e:)")
+    x = parse_e2e(apply_overrides(raw, tuple(args.set)))
+    t0 = time.perf_counter()
+    result = run_e2e(x, build_cost(x.experiment))
+    print(format_e2e(x, result))
+    print(f"simulated in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        write_json(args.json, {"config": args.config, **result, "provenance": provenance()})
+    if args.plot:
+        from moeflow.measure.plot import plot_fronts
+
+        plot_fronts(result["fronts"], args.plot, "TPS/user", "output TPS/device")
+    return 0
 
 
 def _run_decode(args: argparse.Namespace) -> int:
