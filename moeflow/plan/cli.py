@@ -30,9 +30,12 @@ def add_parser(sub) -> None:
     p.add_argument("--start-rps", type=float, default=None,
                    help="the search's first rate (default: per candidate, one over a lone request's latency)")
     p.add_argument("--jobs", type=int, default=2, help="candidates simulated at once (processes)")
-    p.add_argument("--confirm", type=int, default=6,
-                   help="at most this many pd pairs (composed by rate matching) simulated end to end, best "
-                        "estimate first, while an estimate beats the best simulated rate (default 6)")
+    p.add_argument("--confirm", type=int, default=8,
+                   help="at most this many candidates simulated whole after their estimates, best estimate first, "
+                        "while an estimate beats the best simulated rate or --top has estimates left (default 8)")
+    p.add_argument("--top", type=int, default=3, help="the best this many are all simulated whole (default 3)")
+    p.add_argument("--include", action="append", default=[], metavar="NAME",
+                   help="also simulate this candidate whole, whatever its estimate (repeatable): a deployment to compare")
     p.add_argument("--json", default=None, metavar="OUT.json")
     p.set_defaults(func=run)
 
@@ -67,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     cands = [check_memory(c, m, hw.hbm_bytes if hw else 0.0, args.mem_fraction, args.isl + args.osl,
                           max_batch_tokens=max(8192, args.isl), max_num_seqs=256, block_size=16)
              for c in enumerate_candidates(args.devices, kinds)]
+    unknown = sorted(set(args.include) - {c.name for c in cands})
+    if unknown:
+        raise ConfigError(f"--include {unknown}: not among the candidates (e.g. {', '.join(c.name for c in cands[:4])})")
     feasible = sum(c.feasible for c in cands)
     print(f"moeflow plan: {len(cands)} deployments of {args.devices} devices ({feasible} fit in memory), "
           f"{args.model} on {args.hardware or 'this machine (profiled)'}, ISL {args.isl} OSL {args.osl}, "
@@ -76,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     ranked = search(cands, base, slo, args.start_rps, args.jobs, max_devices=args.devices,
                     memory_gib=memory_gib(hw.hbm_bytes if hw else 0.0, args.mem_fraction, args.devices),
-                    hbm_bytes=hw.hbm_bytes if hw else 0.0, confirm=args.confirm)
+                    hbm_bytes=hw.hbm_bytes if hw else 0.0, confirm=args.confirm, top=args.top,
+                    include=tuple(args.include))
     wall = time.monotonic() - t0
     by_name = {c.name: c for c in cands}
     for r in ranked:
@@ -118,7 +125,8 @@ def _sides_of(name: str) -> tuple[str, str]:
 def _print(ranked: list[dict], wall: float) -> None:
     print(f"searched {len(ranked)} candidates in {wall:.1f} s; the top {TOP} by goodput per device "
           f"(~: estimated from its sides, not simulated whole):")
-    print(f"  {'deployment':<40} {'SLO rps':>9} {'rps/device':>10} {'TTFT p90':>9} {'TPOT p90':>9}  bottleneck")
+    print(f"  {'deployment':<40} {'SLO rps':>9} {'rps/device':>10} {'TTFT p90':>9} {'TPOT p90':>9}  bottleneck"
+          "  (rps/device: per core used on a CPU host)")
     for r in [r for r in ranked if r["feasible"]][:TOP]:
         rps = f"{r['slo_rps']:.3g}" if r["slo_rps"] is not None else (
             f">={r['slo_rps_at_least']:.3g}" if r["slo_rps_at_least"] is not None else "none")

@@ -115,35 +115,37 @@ def sides_of(c: Candidate) -> list[tuple[str, dict]]:
     return [("prefill", lay)] + ([("decode", lay)] if lay["mode"] in STEP_MODES else [])
 
 
-def compose(c: Candidate, prefill: dict, decode: dict | None, max_devices: int) -> dict:
-    """``c``'s estimated SLO rate and goodput per device from its sides."""
+def compose(c: Candidate, prefill: dict, decode: dict | None, max_devices: int, cores: int | None = None) -> dict:
+    """``c``'s estimated SLO rate and goodput per device from its sides (``cores``: the devices are
+    processes sharing this many cores, and the rate is per core used)."""
     if c.kind != "pd":
-        return _aggregated(c, prefill, decode)
+        return _aggregated(c, prefill, decode, cores)
     out = {"name": c.name, "feasible": True, "estimated": True, "prefill_side": prefill, "decode_side": decode}
     if not prefill.get("rps") or not decode.get("rps"):
         why = (decode.get("reason") if not decode.get("rps") else
                prefill.get("reason") or "no prefill rate meets the TTFT bound")
         return {**out, "feasible": False, "reason": _not_simulated(why)}
     s = rate_match(Side("prefill", prefill["devices"], prefill["rps"]), Side("decode", decode["devices"], decode["rps"]),
-                   max_devices)
+                   max_devices, cores=cores)
     if s is None:
         return {**out, "feasible": False, "reason": f"one instance of each side needs more than {max_devices} devices"}
     system = {**c.system, "prefill_instances": s.prefill_instances, "decode_instances": s.decode_instances}
-    return {**out, "system": system, "devices": s.devices, "slo_rps": s.rps, "slo_rps_at_least": None,
+    return {**out, "system": system, "devices": s.devices, "used": s.used, "slo_rps": s.rps, "slo_rps_at_least": None,
             "upper_rps": None, "goodput_per_device": s.rps_per_device, "prefill_utilization": s.prefill_utilization,
-            "bottleneck": "prefill" if s.rps < s.decode_instances * decode["rps"] * (1 - 1e-9) else "decode",
+            "bottleneck": "decode" if s.prefill_utilization < 1 - 1e-9 else "prefill",
             "at_slo": {"tpot_mean_s": decode["tpot_s"]}}
 
 
-def _aggregated(c: Candidate, prefill: dict, decode: dict | None) -> dict:
+def _aggregated(c: Candidate, prefill: dict, decode: dict | None, cores: int | None) -> dict:
     out = {"name": c.name, "feasible": True, "estimated": True, "prefill_side": prefill, "decode_side": decode}
     if not prefill.get("rps") or (decode is not None and not decode.get("rps")):
         why = prefill.get("reason") or (decode or {}).get("reason") or "no rate meets the SLO on one side"
         return {**out, "feasible": False, "reason": _not_simulated(why)}
     c_, r_ = prefill["rps"], (decode or {}).get("rps")
     rps = c_ * r_ / (c_ + r_) if r_ else c_
-    return {**out, "devices": c.devices, "slo_rps": rps, "slo_rps_at_least": None, "upper_rps": None,
-            "goodput_per_device": rps / c.devices, "bottleneck": None,
+    used = min(c.devices, cores or c.devices)
+    return {**out, "devices": c.devices, "used": used, "slo_rps": rps, "slo_rps_at_least": None, "upper_rps": None,
+            "goodput_per_device": rps / used, "bottleneck": None,
             "at_slo": {"tpot_mean_s": decode["tpot_s"]} if decode else None}
 
 

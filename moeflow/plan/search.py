@@ -18,6 +18,10 @@ from moeflow.plan.candidates import Candidate, side_devices
 from moeflow.sim.run import build_cost, run_point
 
 
+_SPAN_TTFTS = 10  # a probe's arrivals span at least this many TTFT bounds
+_MAX_REQUESTS = 20_000  # ... up to this many requests
+
+
 @dataclass(frozen=True)
 class Slo:
     ttft_s: float
@@ -42,6 +46,7 @@ def evaluate(c: Candidate, base: dict, slo: Slo, start_rps: float | None, probes
         return {"name": c.name, "feasible": False, "reason": c.reason}
     cfg = parse_experiment({**base, "rps": [start_rps or 1.0], "systems": {c.name: c.system}})
     cost, spec = build_cost(cfg), cfg.systems[c.name]
+    used = min(c.devices, cost.shared_cores or c.devices)  # a CPU host: its processes share its cores
     points: dict[float, dict] = {}
     metric = SloMetric.parse(slo.percentile)
     if start_rps is None:
@@ -50,7 +55,10 @@ def evaluate(c: Candidate, base: dict, slo: Slo, start_rps: float | None, probes
         start_rps = float(f"{1 / latency:.2g}")
 
     def probe(rate: float) -> float:
-        p, _ = run_point(spec, cost, cfg, rate, stop=StopRule(metric, slo.ttft_s))
+        # NOTE: a fixed count of requests at a high rate is a burst shorter than the TTFT bound, which
+        # a deployment slower than the rate still serves within it: the arrivals span ten bounds
+        n = min(_MAX_REQUESTS, max(cfg.workload.num_requests or 0, math.ceil(rate * _SPAN_TTFTS * slo.ttft_s)))
+        p, _ = run_point(spec, cost, cfg, rate, stop=StopRule(metric, slo.ttft_s), num_requests=n)
         points[rate] = p
         return math.inf if p.get("stopped_early") else slo.score(p)
 
@@ -59,7 +67,7 @@ def evaluate(c: Candidate, base: dict, slo: Slo, start_rps: float | None, probes
     at = points.get(rps) if rps is not None else None
     busy = (at or {}).get("sim_busy") or {}
     return {"name": c.name, "feasible": True, "slo_rps": found.rps, "slo_rps_at_least": found.at_least_rps,
-            "upper_rps": found.upper_rps, "goodput_per_device": (rps or 0.0) / c.devices,
+            "upper_rps": found.upper_rps, "goodput_per_device": (rps or 0.0) / used, "used": used,
             "bottleneck": max(busy, key=busy.get) if busy else None, "busy": busy,
             "at_slo": {k: at.get(k) for k in ("ttft_mean_s", "ttft_p90_s", "tpot_mean_s", "tpot_p90_s",
                                               "tps_user_mean", "output_tok_s_per_process")} if at else None,
@@ -110,11 +118,12 @@ def _run(work: list, jobs: int, progress, what: str) -> list:
 
 def search(cands: list[Candidate], base: dict, slo: Slo, start_rps: float | None, jobs: int,
            progress=sys.stderr, max_devices: int | None = None, memory_gib: float | None = None,
-           hbm_bytes: float = 0.0, confirm: int = 8) -> list[dict]:
+           hbm_bytes: float = 0.0, confirm: int = 8, top: int = 1, include: tuple[str, ...] = ()) -> list[dict]:
     """Every candidate ranked, best goodput per device first; infeasible ones last. Each is first
     estimated from its sides, each side simulated once (``plan/estimate.py``); then, best estimate
     first, candidates are simulated whole (the SLO search above, ``jobs`` at a time) while an
-    estimate beats the best simulated rate, at most ``confirm`` of them."""
+    estimate beats the best simulated rate or one of the best ``top`` is an estimate, at most
+    ``confirm`` of them; those named in ``include`` are simulated whole in any case."""
     ok = [c for c in cands if c.feasible]
     out = [{"name": c.name, "feasible": False, "reason": c.reason} for c in cands if not c.feasible]
     n = max_devices or max((c.devices for c in cands), default=1)
@@ -134,29 +143,37 @@ def search(cands: list[Candidate], base: dict, slo: Slo, start_rps: float | None
             jobs_by_key.setdefault(key, args)
     done = {(k, key): r for k, key, r in _run([(s_, k_, a) for (s_, k_), a in jobs_by_key.items()], jobs, progress,
                                               "sides simulated")}
+    cores = shared_cores(base) if ok else None
     est = []
     for c in ok:
         got = {side: done[(side, estimate.side_key(lay))] for side, lay in estimate.sides_of(c)}
-        est.append((c, estimate.compose(c, got["prefill"], got.get("decode"), n)))
+        est.append((c, estimate.compose(c, got["prefill"], got.get("decode"), n, cores)))
     confirmed = 0
-    while confirmed < confirm:
-        top = max((r.get("goodput_per_device", 0.0) for _, r in est if r["feasible"] and not r["estimated"]),
-                  default=0.0)
-        todo = sorted(((c, r) for c, r in est if r["feasible"] and r["estimated"] and r["goodput_per_device"] > top),
-                      key=lambda cr: -cr[1]["goodput_per_device"])[:min(max(jobs, 1), confirm - confirmed)]
+    while True:
+        best = sorted((cr for cr in est if cr[1]["feasible"]), key=lambda cr: -cr[1]["goodput_per_device"])
+        top_whole = max((r["goodput_per_device"] for _, r in best if not r["estimated"]), default=0.0)
+        todo = [cr for k, cr in enumerate(best) if cr[1]["estimated"] and (
+            cr[1]["name"] in include or (confirmed < confirm and (k < top or cr[1]["goodput_per_device"] > top_whole)))]
+        todo = todo[:max(jobs, 1)]
         if not todo:
             break
         whole = [("whole", r["name"], (_whole(c, r), base, slo, start_rps)) for c, r in todo]
         for _, name, w in _run(whole, jobs, progress, "candidates simulated whole"):
             r = next(r for _, r in est if r["name"] == name)
             r.update(estimated=False, estimated_goodput_per_device=r["goodput_per_device"],
-                     **{k: w.get(k) for k in ("slo_rps", "slo_rps_at_least", "upper_rps", "goodput_per_device",
+                     **{k: w.get(k) for k in ("slo_rps", "slo_rps_at_least", "upper_rps", "goodput_per_device", "used",
                                               "bottleneck", "busy", "at_slo", "probes", "wall_s", "start_rps")})
             if not w["feasible"]:
                 r.update(feasible=False, reason=w.get("reason"))
         confirmed += len(todo)
     out += [r for _, r in est]
     return sorted(out, key=lambda r: (not r["feasible"], -r.get("goodput_per_device", 0.0), r["name"]))
+
+
+def shared_cores(base: dict) -> int | None:
+    """The cores a CPU host's processes share (the profiled cost's machine); None: devices of their own."""
+    cfg = parse_experiment({**base, "rps": [1.0], "systems": {"probe": {"mode": "dep", "dp": 1}}})
+    return build_cost(cfg).shared_cores
 
 
 def _whole(c: Candidate, r: dict) -> Candidate:

@@ -6,7 +6,7 @@ the TPOT it is held to); a prefill instance takes ``prefill.rps`` at most, of wh
 ``max_utilization`` (so that its queue, and TTFT, stay bounded). X prefill and Y decode instances
 serve min(X·C·u, Y·R) requests per second: the slower side sets the rate (a decode side that is
 fed less runs a smaller batch, at a better TPOT). The best split has the most requests per second
-per device, and of those the one that uses the most devices. For each Y the rate per device rises with X while the prefill side is the slower and
+per device, and of those the smallest. For each Y the rate per device rises with X while the prefill side is the slower and
 falls after, so the best X is one of the two integers around the balance Y·R / (C·u) (or the most
 that fit): ``rate_match`` is one pass over Y. ``brute_force`` tries every (X, Y) and is its oracle.
 
@@ -38,30 +38,40 @@ class Split:
     devices: int
     rps: float  # requests per second served: min(X·C·u, Y·R)
     prefill_utilization: float  # the served rate / (X·C)
+    used: int  # what the rate is per: the devices, or the cores their processes share
 
     @property
     def rps_per_device(self) -> float:
-        return self.rps / self.devices
+        return self.rps / self.used
 
 
-def _split(p: Side, d: Side, x: int, y: int, u: float) -> Split:
-    rps = min(x * p.rps * u, y * d.rps)
-    return Split(x, y, x * p.devices + y * d.devices, rps, rps / (x * p.rps))
+def _split(p: Side, d: Side, x: int, y: int, u: float, cores: int | None = None) -> Split:
+    n = x * p.devices + y * d.devices
+    kp = kd = 1.0
+    if cores:  # each side was measured alone; together their processes share the cores
+        share = min(1.0, cores / n)
+        kp, kd = share / min(1.0, cores / p.devices), share / min(1.0, cores / d.devices)
+    rps = min(x * p.rps * u * kp, y * d.rps * kd)
+    return Split(x, y, n, rps, rps / (x * p.rps * kp), min(n, cores) if cores else n)
 
 
 def _key(s: Split) -> tuple:
-    # most requests per device (to 9 digits: scaled copies of one split tie); then the larger
-    # deployment (the same rate per device on more of the devices given)
-    return (-round(s.rps_per_device, 9), -s.devices, s.prefill_instances)
+    # most requests per device (to 9 digits: scaled copies of one split tie); then the smaller
+    # deployment (copies of it serve the same per device on the rest)
+    return (-round(s.rps_per_device, 9), s.devices, s.prefill_instances)
 
 
 def rate_match(prefill: Side, decode: Side, max_devices: int, max_utilization: float = 1.0,
-               decode_bound: bool = False) -> Split | None:
+               decode_bound: bool = False, cores: int | None = None) -> Split | None:
     """The best split of at most ``max_devices`` devices (None: not even one of each fits).
     ``decode_bound``: only splits whose prefill side keeps up (the decode side at its operating
-    point, as a Pareto sweep of decode batches needs)."""
+    point, as a Pareto sweep of decode batches needs). ``cores``: the devices are processes sharing
+    this many cores (a CPU host): each side's rate shrinks with its share of them, and the rate
+    per device is per core used; then every split is tried."""
     if not 0 < max_utilization <= 1:
         raise ValueError(f"max_utilization must be in (0, 1], got {max_utilization}")
+    if cores:
+        return brute_force(prefill, decode, max_devices, max_utilization, decode_bound, cores)
     best = None
     for y in range(1, (max_devices - prefill.devices) // decode.devices + 1):
         most = (max_devices - y * decode.devices) // prefill.devices
@@ -77,14 +87,18 @@ def rate_match(prefill: Side, decode: Side, max_devices: int, max_utilization: f
 
 
 def brute_force(prefill: Side, decode: Side, max_devices: int, max_utilization: float = 1.0,
-                decode_bound: bool = False) -> Split | None:
+                decode_bound: bool = False, cores: int | None = None) -> Split | None:
     """``rate_match``'s oracle: every (X, Y) that fits (and keeps up, with ``decode_bound``)."""
-    splits = [_split(prefill, decode, x, y, max_utilization)
+    splits = [_split(prefill, decode, x, y, max_utilization, cores)
               for x in range(1, max_devices // prefill.devices + 1)
               for y in range(1, max_devices // decode.devices + 1)
-              if x * prefill.devices + y * decode.devices <= max_devices
-              and (not decode_bound or x * prefill.rps * max_utilization >= y * decode.rps * (1 - 1e-12))]
-    return min(splits, key=_key, default=None)
+              if x * prefill.devices + y * decode.devices <= max_devices]
+    return min((s for s in splits if not decode_bound or s.rps >= s.decode_instances * decode.rps * _share(s, decode, cores)
+                * (1 - 1e-12)), key=_key, default=None)
+
+
+def _share(s: Split, side: Side, cores: int | None) -> float:
+    return min(1.0, cores / s.devices) / min(1.0, cores / side.devices) if cores else 1.0
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -9,7 +9,7 @@ from moeflow.engine.args import engine_kwargs
 from moeflow.layout import make_layout
 from moeflow.plan.candidates import Candidate, check_memory, enumerate_candidates, side_devices
 from moeflow.plan.command import serve_command
-from moeflow.plan.search import Slo, evaluate, search
+from moeflow.plan.search import Slo, evaluate, search, shared_cores
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset
 
@@ -88,8 +88,7 @@ def test_the_search_brackets_the_slo_rate_and_ranks_by_goodput_per_device():
     for r in whole:
         assert r["feasible"] and r["slo_rps"] is not None and r["upper_rps"] > r["slo_rps"], r
         assert r["at_slo"]["ttft_p90_s"] <= 2.0 and r["at_slo"]["tpot_p90_s"] <= 0.5
-        devices = 2 if r["name"] == "dep2" else r["system"]["prefill_instances"] + r["system"]["decode_instances"]
-        assert r["goodput_per_device"] == pytest.approx(r["slo_rps"] / devices)
+        assert r["goodput_per_device"] == pytest.approx(r["slo_rps"] / r["used"])  # per device, or per core of a CPU host's
     assert ranked[0]["goodput_per_device"] >= max(r["goodput_per_device"] for r in ranked[1:])
     again = evaluate(cands[0], BASE, slo, None)
     dep2 = next(r for r in ranked if r["name"] == "dep2")
@@ -106,7 +105,7 @@ def test_rate_matching_picks_the_split_a_brute_force_of_whole_simulations_picks(
     sides = {s: (estimate.prefill_side(evaluate(Candidate("p", lay, 1, "aggregated"), estimate.prefill_only(BASE),
                                                 Slo(2.0, None, "p90"), None), 1) if s == "prefill" else
                  estimate.decode_capacity(lay, 1, BASE, slo, 2.0, 0.0)) for s, lay in estimate.sides_of(pair)}
-    chosen = estimate.compose(pair, sides["prefill"], sides["decode"], 3)["system"]
+    chosen = estimate.compose(pair, sides["prefill"], sides["decode"], 3, shared_cores(BASE))["system"]
     whole = {}
     for x, y in ((1, 1), (2, 1), (1, 2)):
         c = Candidate(pair.name, {**pair.system, "prefill_instances": x, "decode_instances": y}, x + y, "pd")

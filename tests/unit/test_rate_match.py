@@ -40,6 +40,24 @@ def test_rate_match_by_hand():
     assert rate_match(Side("p", 4, 1.0), Side("d", 4, 1.0), 7) is None  # one of each needs 8
 
 
+def test_processes_sharing_cores_are_priced_by_their_share():
+    """On a 2-core host each side measured alone on its own core: four processes run at half speed,
+    so two of each serve what one of each does, and the rate is per core, not per process."""
+    p, d = Side("p", 1, 2.0), Side("d", 1, 2.0)
+    one = brute_force(p, d, 2, cores=2)
+    assert (one.prefill_instances, one.decode_instances, one.rps, one.rps_per_device) == (1, 1, 2.0, 1.0)
+    s = rate_match(p, d, 4, cores=2)
+    assert s == one  # (2, 2) ties at 1 per core and is the larger
+    two = brute_force(p, d, 4, cores=2)
+    assert two == one and _split_rate(p, d, 2, 2, 2) == pytest.approx(2.0)
+
+
+def _split_rate(p, d, x, y, cores):
+    from moeflow.sim.rate_match import _split
+
+    return _split(p, d, x, y, 1.0, cores).rps
+
+
 def test_side_and_utilization_are_checked():
     with pytest.raises(ValueError, match="rps > 0"):
         Side("p", 1, 0.0)
