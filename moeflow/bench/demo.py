@@ -8,7 +8,8 @@ waits for /health, runs the benchmark of ``bench serve --base-url`` (``http_benc
 each rate (the same seeded workload every time), and stops the server. Then it prints the result
 tables side by side (TTFT, TPOT, TPS/user, output tokens/s per process), writes every run's JSON
 and a TTFT-vs-rate plot to ``--out-dir``, and exits 0 only if every request of every run
-completed. The servers' logs and each run's own table land in ``--out-dir``.
+completed. The servers' logs and each run's own table land in ``--out-dir``. It closes with what
+``moeflow plan`` answers for the same question at the seeds' scale (DeepSeek-R1 on 8 GB200).
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (decode matters)")
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], help="NAME:MS SLOs of request_goodput")
     p.add_argument("--out-dir", default="demo-out")
+    p.add_argument("--no-plan", dest="plan", action="store_false",
+                   help="skip the closing `moeflow plan` of DeepSeek-R1 on 8 GB200 (simulated, a few seconds)")
     p.set_defaults(func=run)
 
 
@@ -79,7 +82,22 @@ def run(args: argparse.Namespace) -> int:
                   for n, _, cfg, _ in SYSTEMS], plot, title=f"{args.model}: mean TTFT vs request rate (HTTP)")
     print(f"\nwrote {plot} and the runs' JSON to {args.out_dir}/ in {time.monotonic() - t0:.0f} s")
     ok = all(m["completed"] == m["num_prompts"] for per in results.values() for m in per.values())
+    if args.plan:
+        _plan(args.out_dir)
     return 0 if ok else 1
+
+
+# the same question at the seeds' scale: which prefill/decode split of 8 GB200 GPUs serves DeepSeek-R1
+# (8K prompts, 1K outputs) best; estimates from each side simulated alone, a few seconds
+PLAN = ["plan", "--model", "deepseek-r1", "--hardware", "gb200", "--devices", "8", "--isl", "8192", "--isl-ratio",
+        "0.8", "--osl", "1024", "--ttft-s", "3", "--tpot-ms", "40", "--kinds", "pd", "--confirm", "0", "--top", "0"]
+
+
+def _plan(out_dir: str) -> None:
+    from moeflow.cli import main
+
+    print(f"\nmoeflow {' '.join(PLAN)}")
+    main(PLAN + ["--json", os.path.join(out_dir, "plan_deepseek_r1_gb200_8.json")])
 
 
 def _dtype_line(log_path: str) -> str:

@@ -104,6 +104,18 @@ def enumerate_candidates(n: int, kinds: tuple[str, ...] = ("aggregated", "pd")) 
     return out
 
 
+def with_batch_tokens(c: Candidate, n: int | None) -> Candidate:
+    """``c`` with every layout's batch limit at ``n`` tokens (None: each mode's default)."""
+    if n is None:
+        return c
+    if c.kind == "pd":
+        system = {**c.system, "prefill": {**c.system["prefill"], "max_batch_tokens": n},
+                  "decode": {**c.system["decode"], "max_batch_tokens": n}}
+    else:
+        system = {**c.system, "max_batch_tokens": n}
+    return Candidate(c.name, system, c.devices, c.kind, c.feasible, c.reason, c.kv_tokens)
+
+
 def check_memory(c: Candidate, m: ModelSpec, device_bytes: float, mem_fraction: float, request_tokens: int,
                  max_batch_tokens: int, max_num_seqs: int, block_size: int) -> Candidate:
     """``c`` with its KV blocks sized from the memory plan, or marked infeasible with the reason."""

@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tpot-ms", type=float, default=None, help="TPOT bound (milliseconds) at --percentile")
     p.add_argument("--percentile", default="p90", choices=["mean", "p50", "p90"], help="of TTFT and TPOT")
     p.add_argument("--kinds", default="aggregated,pd", help="aggregated, pd or both (comma-separated)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="every layout's batch limit in tokens (default: each mode's own; the engine's flag of the name)")
     p.add_argument("--mem-fraction", type=float, default=0.9, help="share of a device's memory a process may hold")
     p.add_argument("--num-requests", type=int, default=100,
                    help="requests per simulated probe (every rate the same count: a probe's cost does not grow with it)")
@@ -42,7 +44,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeflow.measure.provenance import write_json
-    from moeflow.plan.candidates import check_memory, enumerate_candidates
+    from moeflow.plan.candidates import check_memory, enumerate_candidates, with_batch_tokens
     from moeflow.plan.command import engine_runs, serve_command
     from moeflow.plan.search import Slo, search
     from moeflow.sim.hardware import hardware_preset
@@ -67,8 +69,11 @@ def run(args: argparse.Namespace) -> int:
     if args.tpot_ms is not None:
         base["slo_tpot_s"] = args.tpot_ms / 1e3
     slo = Slo(args.ttft_s, None if args.tpot_ms is None else args.tpot_ms / 1e3, args.percentile)
-    cands = [check_memory(c, m, hw.hbm_bytes if hw else 0.0, args.mem_fraction, args.isl + args.osl,
-                          max_batch_tokens=max(8192, args.isl), max_num_seqs=256, block_size=16)
+    if args.max_batch_tokens is not None and args.max_batch_tokens < args.isl:
+        raise ConfigError(f"--max-batch-tokens {args.max_batch_tokens} is below --isl {args.isl}: a prompt would not fit")
+    cands = [check_memory(with_batch_tokens(c, args.max_batch_tokens), m, hw.hbm_bytes if hw else 0.0,
+                          args.mem_fraction, args.isl + args.osl, max_batch_tokens=args.max_batch_tokens or max(8192, args.isl),
+                          max_num_seqs=256, block_size=16)
              for c in enumerate_candidates(args.devices, kinds)]
     unknown = sorted(set(args.include) - {c.name for c in cands})
     if unknown:
@@ -94,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
     _print(ranked, wall)
     best = next((r for r in ranked if r["feasible"] and r["goodput_per_device"] > 0), None)
     if best is not None:
-        print(f"\nbest: {best['name']}\n  {best['command'] or best['engine_note']}")
+        how = " (estimated from its sides; --top 1 simulates it whole)" if best.get("estimated") else ""
+        print(f"\nbest: {_name(best)}{how}\n  {best['command'] or best['engine_note']}")
         runnable = next((r for r in ranked if r["command"] and r["goodput_per_device"] > 0), None)
         if runnable is not None and runnable is not best:
-            print(f"best that moeflow's engine runs: {runnable['name']}\n  {runnable['command']}")
+            print(f"best that moeflow's engine runs: {_name(runnable)}\n  {runnable['command']}")
     if args.json:
         write_json(args.json, {"inputs": {k: v for k, v in vars(args).items() if k != "func"}, "wall_s": wall,
                                "candidates": ranked, "best": best})

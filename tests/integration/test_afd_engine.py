@@ -21,7 +21,7 @@ def reference(checkpoints):
 
 
 @pytest.mark.parametrize("name,m,n,ub,options", [
-    ("qwen3", 1, 1, 1, {}),
+    pytest.param("qwen3", 1, 1, 1, {}, marks=pytest.mark.slow),  # the plain case of the chunked one below
     pytest.param("qwen3", 2, 1, 2, {"overlap_scheduling": False}, marks=pytest.mark.slow),  # make test-slow
     ("qwen3", 3, 2, 2, {"chunked_prefill_size": 16}),  # uneven blocks: daemon 0 serves 0 and 2, daemon 1 serves 1
     pytest.param("qwen3", 2, 2, 3, {"topology": "all", "transport": "dist"},  # experts split; over torch.distributed

@@ -17,10 +17,12 @@ def reference(checkpoints):
 
 
 @pytest.mark.parametrize("name,dp,chunk,placement", [
-    ("qwen3", 1, None, "least_loaded"), ("qwen3", 2, None, "least_loaded"), ("qwen3", 3, None, "round_robin"),
+    # make test: one case per path (the rest, the full matrix, carry `slow`: make test-slow)
+    pytest.param("qwen3", 1, None, "least_loaded", marks=pytest.mark.slow),
+    pytest.param("qwen3", 2, None, "least_loaded", marks=pytest.mark.slow), ("qwen3", 3, None, "round_robin"),
     ("qwen3", 2, 16, "least_loaded"),  # the 57-token prompt runs in 4 chunks over the cache of the earlier ones
     ("qwen2_moe", 3, 8, "least_loaded"),  # shared expert + a dense layer; ranks get 3/3/2 experts
-    ("deepseek_v3", 2, 16, "least_loaded"),  # MLA chunks over the latent cache; grouped sigmoid routing
+    pytest.param("deepseek_v3", 2, 16, "least_loaded", marks=pytest.mark.slow),  # MLA chunks (v32's too), grouped sigmoid routing
     ("deepseek_v32", 2, 16, "least_loaded"),  # DSA: index keys cached chunk by chunk, top-12 of up to 57 keys
     ("deepseek_v3_yarn", 2, None, "round_robin"),  # YaRN frequencies and softmax scale on every rank
 ])

@@ -20,7 +20,7 @@ def reference(checkpoints):
 
 
 @pytest.mark.parametrize("name,dp,options", [
-    ("qwen3", 2, {}),
+    pytest.param("qwen3", 2, {}, marks=pytest.mark.slow),  # the plain case of the next one: make test-slow
     ("qwen3", 3, {"copy_plan": "naive"}),  # 8 experts on 3 ranks: 3/3/3 with expert 2 held twice
     ("qwen2_moe", 3, {"chunked_prefill_size": 16, "placement": "round_robin"}),  # shared expert, a dense layer
     ("deepseek_v3", 2, {"merge": True, "slice_bytes": 4096}),  # MLA, grouped routing; the merge ablation

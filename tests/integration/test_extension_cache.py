@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,6 +32,7 @@ def _load(env: dict, source: str) -> tuple[dict, str]:
     return json.loads(line[len("RESULT "):]), out.stderr
 
 
+@pytest.mark.slow  # two builds of the extension (~25 s): make test-slow
 def test_two_environments_with_one_torch_do_not_rebuild_each_other(tmp_path):
     source = tmp_path / "cache_test.cpp"
     source.write_text(SOURCE)

@@ -131,3 +131,19 @@ def test_the_e2e_file_is_validated(edit, match):
     d["e2e"].update(edit)
     with pytest.raises(ConfigError, match=match):
         parse_e2e(d)
+
+
+def test_simulate_runs_an_e2e_file_and_writes_its_fronts(tmp_path, capsys):
+    import json
+
+    from moeflow.cli import main
+
+    cfg = tmp_path / "e2e.yaml"
+    cfg.write_text(E2E)
+    out = tmp_path / "e2e.json"
+    assert main(["simulate", "--config", str(cfg), "--json", str(out), "--plot", str(tmp_path / "f.png")]) == 0
+    d = json.loads(out.read_text())
+    assert set(d["fronts"]) == {"dep2", "dwdp2"} and d["ratios"]["dwdp2"]["tps_per_device_band"]["mean"] > 0
+    assert (tmp_path / "f.png").stat().st_size > 0
+    assert main(["simulate", "--config", str(cfg), "--rps", "1"]) != 0
+    assert "--rps: not for an end-to-end file" in capsys.readouterr().err
