@@ -17,11 +17,10 @@ steps): ``search`` simulates the best candidates whole.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from moeflow.experiment.serve import parse_experiment
 from moeflow.plan.candidates import Candidate
 from moeflow.sim.decode import STEP_MODES, simulate_decode
+from moeflow.sim.e2e import mean_prompt
 from moeflow.sim.memory import GIB
 from moeflow.sim.rate_match import Side, rate_match
 from moeflow.sim.run import build_cost
@@ -154,11 +153,9 @@ def _not_simulated(why: str) -> str:
 
 
 def _mean_prompt(w: dict) -> float:
-    from moeflow.measure.workload import WorkloadConfig, generate_requests
+    from moeflow.measure.workload import WorkloadConfig
 
-    cfg = WorkloadConfig(**{**w, "rate_rps": 1.0, "num_requests": w.get("num_requests") or 100})
-    reqs = generate_requests(dataclasses.replace(cfg, output_len=1))
-    return sum(r.prompt_len for r in reqs) / len(reqs)
+    return mean_prompt(WorkloadConfig(**{**w, "rate_rps": 1.0, "num_requests": w.get("num_requests") or 100}))
 
 
 def memory_gib(hbm_bytes: float, mem_fraction: float, devices: int) -> float:

@@ -76,7 +76,7 @@ def run_e2e(x: E2eExperiment, cost) -> dict:
     w = cfg.workload
     osl = w.output_len
     prefill_only = dataclasses.replace(cfg, workload=dataclasses.replace(w, output_len=1))
-    mean_isl = _mean_prompt(w)
+    mean_isl = mean_prompt(w)
     context = e.decode_context or int(mean_isl + osl / 2)
     ctx = {n: context_capacity(s, cost, prefill_only, w.num_requests or 512) for n, s in cfg.systems.items()}
     gens = generation_points(x, cost, context)
@@ -134,7 +134,7 @@ def _at(a, b, ys: list[float]) -> float | None:
     return sum(rs) / len(rs) if rs else None
 
 
-def _mean_prompt(w) -> float:
+def mean_prompt(w) -> float:
     """The workload's mean prompt, from the very requests it generates."""
     from moeflow.measure.workload import generate_requests
 
