@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from moeflow.config import EngineConfig
 from moeflow.core import Batch, SamplingParams
@@ -115,6 +115,7 @@ class WorkDone:
     outputs: dict[int, dict[str, SeqOutput]]  # batch id -> request id -> output
     timings: list[BatchTiming]
     errors: dict[int, str] = field(default_factory=dict)  # batch id -> why it failed (no outputs then)
+    expert_load: Any = None  # numpy [Lm, E] int32: tokens per (MoE layer, expert) its batches routed; None: none
 
 
 @dataclass

@@ -20,6 +20,7 @@ from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len
+from moeflow.engine.expert_load import window_for
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AfdLayout
@@ -78,6 +79,7 @@ class AfdEngine(ProcessEngine):
                      [setup("afd_attention", i, i) for i in range(m)])
         self.attention = [w for w in self.deployment.workers if w.role == "afd_attention"]
         self.ffn = [w for w in self.deployment.workers if w.role == "ffn"]
+        self.expert_load = window_for(mc, held, computes=layout.topology == "all")
         self._steps: deque[list[Work]] = deque()  # steps sent, oldest first
 
     def step(self) -> StepResult:

@@ -11,6 +11,7 @@ import functools
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
+from moeflow.engine.expert_load import window_for
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AsapLayout
@@ -72,6 +73,7 @@ class AsapEngine(ProcessEngine):
         self._launch([setup("moe", i, n + i, self._expert_node(i)) for i in range(e)] +
                      [setup("attention", r, r) for r in range(n)])
         self.attention = [w for w in self.deployment.workers if w.role == "attention"]
+        self.expert_load = window_for(mc, held)
 
     def step(self) -> StepResult:
         self._check_alive()

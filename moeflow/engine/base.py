@@ -52,6 +52,11 @@ class EngineLoad:
     num_handoffs: int = 0  # pd: requests between their prefill and decode instances
     # pd: handoff outcomes so far, (name, count): failures, lease_expiries, recomputes
     handoff_counts: tuple[tuple[str, int], ...] = ()
+    # the modes that spread experts: slots per MoE layer, each layer's (model layer id, balancedness)
+    # over the load window, and its hottest experts (layer, expert, share of the layer's tokens)
+    eplb_physical_experts: int = 0
+    eplb_balancedness: tuple[tuple[int, float], ...] = ()
+    eplb_hottest: tuple[tuple[int, int, float], ...] = ()
 
 
 class Engine(abc.ABC):
@@ -120,10 +125,13 @@ class Engine(abc.ABC):
     def load(self) -> EngineLoad:
         pool = self.scheduler.pool
         waiting = len(pool.waiting) + sum(map(len, pool.held.values()))  # held: later samples of a prompt
+        x = getattr(self, "expert_load", None)
+        eplb = {} if x is None else dict(eplb_physical_experts=x.map.num_slots, eplb_hottest=tuple(x.hottest()),
+                                         eplb_balancedness=tuple(zip(x.layer_ids, x.balancedness())))
         return EngineLoad(waiting, sum(len(g.requests) for g in pool.groups),
                           sum(g.allocator.num_free for g in pool.groups),
                           sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups),
-                          tuple(g.preemptions for g in pool.groups))
+                          tuple(g.preemptions for g in pool.groups), **eplb)
 
     # -- the decode side of a prefill/decode handoff (engine/pd.py) -------------------------------
 

@@ -11,6 +11,7 @@ import time
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
+from moeflow.engine.expert_load import window_for
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DepLayout
@@ -64,6 +65,7 @@ class DepEngine(ProcessEngine):
         world = self._world(dp) if transport != "shm" else None
         self._launch([self._setup(model_path, comm, experts, world, "dep", r, r, r % nnodes) for r in range(dp)])
         self.ranks = list(self.deployment.workers)
+        self.expert_load = window_for(mc, experts)
 
     def step(self) -> StepResult:
         self._check_alive()

@@ -15,6 +15,7 @@ from moeflow.comm.segment import SHM_DIR
 from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
+from moeflow.engine.expert_load import window_for
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DwdpLayout
@@ -62,6 +63,7 @@ class DwdpEngine(ProcessEngine):
                       for r in range(layout.dp)],
                      published_shm_bytes=sum(b for r, b in enumerate(self._published) if r % nnodes == 0))
         self.ranks = list(self.deployment.workers)
+        self.expert_load = window_for(mc, self.experts_held, computes=False)
         self.dead: dict[int, str] = {}  # rank -> why it is gone (until its replacement is ready)
         self._respawning: dict[int, WorkerHandle] = {}  # rank -> its replacement, not yet ready
 

@@ -54,6 +54,7 @@ class ProcessEngine(Engine):
         # group -> its work item on the workers, for the modes that give a group one at a time
         # (asap, dwdp; dep's global step and afd's steps in flight keep their own)
         self._inflight: dict[int, Work] = {}
+        self.expert_load = None  # engine.expert_load.ExpertLoadWindow of the modes that spread experts
 
     def _budget(self, config: EngineConfig, model_path: str) -> EngineConfig:
         """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``)."""
@@ -62,8 +63,7 @@ class ProcessEngine(Engine):
 
     def _setup(self, model_path: str, comm, experts_held, world, role: str, index: int, rank: int,
                node: int = 0) -> WorkerSetup:
-        """A worker's setup; ``rank``: its rank in the deployment's world (pinned to CPU rank mod cores);
-        ``node``: the host that runs it."""
+        """A worker's setup; ``rank``: its world rank (pinned to CPU rank mod cores); ``node``: its host."""
         c = self.config
         return WorkerSetup(role, index, model_path, c, self.layout, comm, experts_held, world, rank,
                            cpu=rank % (os.cpu_count() or 1) if c.pin_cpus else None, node=node)
@@ -114,8 +114,7 @@ class ProcessEngine(Engine):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def kv_members(self, group: int) -> int:
-        return getattr(self.layout, "attn_tp", 1)
+    kv_members = lambda self, group: getattr(self.layout, "attn_tp", 1)  # noqa: E731
 
     def send_kv(self, group: int, message) -> None:
         t = self.kv_members(group)
@@ -175,6 +174,8 @@ class ProcessEngine(Engine):
         sampled tokens, the group released. A request that ended before this item came back (a
         step in flight past its end, an abort) has its output dropped."""
         result.busy_s[worker] = sum(t.compute_s for t in done.timings)
+        if self.expert_load is not None:
+            self.expert_load.add(done.expert_load)
         live = set(self.scheduler.pool.requests)
         out = self._attach_timing(done, work.batches)
         sampled = {rid: o.token_id for rid, o in out.items() if o.token_id is not None}
@@ -245,8 +246,7 @@ class ProcessEngine(Engine):
         return StepResult({}, finished)
 
     def drain(self, timeout_s: float = 120.0) -> None:
-        """Collect every work item still on a group (with ``_collect``, which a mode that keeps
-        ``_inflight`` provides)."""
+        """Collect every work item still on a group (``_collect``: a mode that keeps ``_inflight``)."""
         deadline = clock() + timeout_s
         try:
             while self._inflight and self.failed is None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from moeflow.config import ConfigError, opt
+from moeflow.layout.expert_map import ExpertMap
 
 PLACEMENTS = ("least_loaded", "round_robin")  # how dep and dwdp assign requests to ranks
 
@@ -26,6 +27,26 @@ def positive(layout: "Layout", *names: str) -> None:
 def placement_opt():
     return opt("least_loaded", "a request's rank: the least loaded at its first step, or fixed in turn at arrival "
                "(SGLang's DP controller)", flag="--dp-placement", choices=PLACEMENTS)
+
+
+def redundant_opt():
+    return opt(0, "R: redundant expert slots per MoE layer, replicas of the hot experts (E + R slots over the expert "
+               "devices; need not divide)", flag="--num-redundant-experts")
+
+
+def check_redundant(layout: "Layout") -> None:
+    r = layout.num_redundant_experts
+    require(isinstance(r, int) and not isinstance(r, bool) and r >= 0,
+            f"{layout.mode} layout: num_redundant_experts must be an int >= 0, got {r!r}")
+
+
+def spread_experts(layout: "Layout", num_devices: int, num_experts: int) -> tuple[tuple[int, ...], ...]:
+    """E + R slots in contiguous shares over ``num_devices``; slot p holds expert p mod E (the
+    placement before any load is known: the R redundant slots replicate experts 0..R-1)."""
+    r = layout.num_redundant_experts
+    require(r <= num_experts, f"{layout.mode} layout: num_redundant_experts ({r}) is more than the model's "
+                              f"{num_experts} experts: some would be held three times before any is held twice")
+    return ExpertMap.contiguous(num_experts, num_devices, 1, r).layers[0]
 
 
 def chunk_opt():

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeflow.config import SchedulerConfig, opt
-from moeflow.layout.base import (Layout, assign_experts, check_dp_options, chunk_opt, placement_opt, positive,
-                                 require)
+from moeflow.layout.base import (Layout, assign_experts, check_dp_options, check_redundant, chunk_opt, placement_opt,
+                                 positive, redundant_opt, require, spread_experts)
 
 @dataclass(frozen=True)
 class ColocatedLayout(Layout):
@@ -24,17 +24,19 @@ class DepLayout(Layout):
     chunked_prefill_size: int | None = chunk_opt()
     max_batch_tokens: int = opt(16384, "S: most tokens of one rank's batch")
     tp: int = opt(1, "devices per rank (the simulator's; the engine runs tp 1)", cli=False)
+    num_redundant_experts: int = redundant_opt()
 
     def __post_init__(self) -> None:
         positive(self, "dp", "max_batch_tokens", "tp")
         check_dp_options(self)
+        check_redundant(self)
 
     num_processes = property(lambda self: self.dp * self.tp)
     num_groups = property(lambda self: self.dp)  # a rank is a group
 
     def experts_held(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
-        """Experts each rank holds: the r-th contiguous 1/N of every layer's."""
-        return assign_experts(None, self.dp, num_experts)
+        """Experts each rank holds: the r-th contiguous 1/N of every layer's E + R slots."""
+        return spread_experts(self, self.dp, num_experts)
 
 
 @dataclass(frozen=True)
@@ -46,15 +48,20 @@ class AsapLayout(Layout):
     attn_tp: int = opt(1, "T: tensor-parallel members per group")
     moe_workers: int = opt(1, "E: MoE worker processes")
     # per MoE worker, the global expert ids it holds; None: contiguous ranges. An expert listed
-    # for several workers is replicated (DP group g uses replica g mod copies).
+    # for several workers is replicated (token row t of a batch uses copy t mod copies).
     expert_placement: tuple[tuple[int, ...], ...] | None = opt(None, "experts of each MoE worker", cli=False)
     # ASAP's three streams: MoE workers receive and send on their own threads while computing
     comm_threads: bool = opt(True, "ablation: MoE workers receive/send inline", flag="--no-comm-threads")
     scheduler: SchedulerConfig = opt(SchedulerConfig(), "batching policy")
+    num_redundant_experts: int = redundant_opt()
 
     def __post_init__(self) -> None:
         positive(self, "attn_dp", "attn_tp", "moe_workers")
+        check_redundant(self)
         p = self.expert_placement
+        require(p is None or not self.num_redundant_experts,
+                "asap layout: give either expert_placement (which may list an expert twice) or "
+                "num_redundant_experts, not both")
         if p is not None:
             p = tuple(tuple(int(e) for e in ids) for ids in p)
             object.__setattr__(self, "expert_placement", p)  # lists from YAML or Python, frozen as tuples
@@ -70,6 +77,8 @@ class AsapLayout(Layout):
 
     def experts_held(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
         """Experts held by each MoE worker; validated against the model's expert count."""
+        if self.expert_placement is None:
+            return spread_experts(self, self.moe_workers, num_experts)
         return assign_experts(self.expert_placement, self.moe_workers, num_experts)
 
 
@@ -138,9 +147,14 @@ class AfdLayout(Layout):
     placement: str = placement_opt()
     chunked_prefill_size: int | None = chunk_opt()
     max_batch_tokens: int = opt(4096, "S: most tokens of one attention instance's step (all its micro-batches)")
+    num_redundant_experts: int = redundant_opt()
 
     def __post_init__(self) -> None:
         positive(self, "attn_workers", "ffn_workers", "micro_batches", "max_batch_tokens")
+        check_redundant(self)
+        require(self.topology == "all" or not self.num_redundant_experts,
+                f"afd layout: num_redundant_experts={self.num_redundant_experts} needs topology 'all': with 'block' "
+                f"every FFN daemon holds every expert already, so a replica would have nothing to balance")
         require(1 <= self.micro_batches <= 4, f"afd layout: micro_batches must be in [1, 4], got {self.micro_batches}")
         require(self.topology in AFD_TOPOLOGIES, f"afd layout: topology must be one of {AFD_TOPOLOGIES}, "
                                                  f"got {self.topology!r}")
@@ -165,4 +179,4 @@ class AfdLayout(Layout):
         """Experts each FFN daemon holds: all of them (block), or contiguous shares (all)."""
         if self.topology == "block":
             return (tuple(range(num_experts)),) * self.ffn_workers
-        return assign_experts(None, self.ffn_workers, num_experts)
+        return spread_experts(self, self.ffn_workers, num_experts)

@@ -40,18 +40,30 @@ class ExpertIndex:
 class ExpertWeights:
     """Routed experts of the MoE layers this process holds.
 
-    ``expert_ids`` lists the global expert ids held, in local order; ``layer_ids`` the model
-    layers held. Either may be a subset (a MoE worker loads only what it owns).
+    ``layer_ids`` lists the model layers held; ``expert_ids`` the global expert id of each local
+    slot, in local order: one tuple for every layer alike, or one tuple per held layer (a placement
+    with redundant experts puts different experts in a slot at different layers). Either may be a
+    subset (a MoE worker loads only what it owns).
     """
 
     w13: torch.Tensor  # [Lm, El, 2F, H] gate rows then up rows
     w2: torch.Tensor  # [Lm, El, H, F]
     layer_ids: tuple[int, ...]  # model layer id of each stacked entry
-    expert_ids: tuple[int, ...]  # global expert id of each local expert
+    expert_ids: tuple[int, ...] | tuple[tuple[int, ...], ...]  # global expert id of each local slot
 
     def __post_init__(self) -> None:
         self._layer_slot = {lid: i for i, lid in enumerate(self.layer_ids)}
-        self.index = ExpertIndex(self.expert_ids)
+        per_layer = bool(self.expert_ids) and isinstance(self.expert_ids[0], tuple)
+        self.slots = tuple(self.expert_ids) if per_layer else (tuple(self.expert_ids),) * len(self.layer_ids)
+        if len(self.slots) != len(self.layer_ids) or len({len(s) for s in self.slots}) > 1:
+            raise ValueError(f"ExpertWeights: {len(self.layer_ids)} layers need as many slot lists of one length, "
+                             f"got {[len(s) for s in self.slots]}")
+        self._indexes: dict[tuple[int, ...], ExpertIndex] = {}
+        self.index = self.index_of(self.layer_ids[0]) if self.layer_ids else ExpertIndex(())
+
+    @property
+    def num_local(self) -> int:
+        return len(self.slots[0]) if self.slots else 0
 
     def layer_slot(self, layer: int) -> int:
         try:
@@ -59,8 +71,15 @@ class ExpertWeights:
         except KeyError:
             raise KeyError(f"experts of layer {layer} are not held here (held: {self.layer_ids})") from None
 
-    def local_ids(self, global_ids: torch.Tensor) -> torch.Tensor:
-        return self.index.local_ids(global_ids)
+    def index_of(self, layer: int) -> ExpertIndex:
+        """Layer ``layer``'s global -> local lookup (one per distinct slot list)."""
+        ids = self.slots[self.layer_slot(layer)]
+        if ids not in self._indexes:
+            self._indexes[ids] = ExpertIndex(ids)
+        return self._indexes[ids]
+
+    def local_ids(self, global_ids: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        return (self.index if layer is None else self.index_of(layer)).local_ids(global_ids)
 
 
 def experts_grouped(w: ExpertWeights, layer: int, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -149,18 +168,20 @@ class ExpertPlan:
     counts: torch.Tensor  # [El] int64 rows per local expert
 
 
-def plan_pairs(topk_ids: torch.Tensor, w: ExpertWeights) -> ExpertPlan:
+def plan_pairs(topk_ids: torch.Tensor, w: ExpertWeights | ExpertIndex, layer: int | None = None) -> ExpertPlan:
     """Group the pairs whose expert is held locally by local expert id (stable order).
 
-    topk_ids: [T, K] global ids. Pairs of experts not held here are left out.
+    topk_ids: [T, K] global ids. Pairs of experts not held here are left out. ``layer``: whose
+    slots to look up, where they differ by layer.
     """
     k = topk_ids.shape[1]
-    local = w.local_ids(topk_ids.reshape(-1))  # [P]
+    index = w if isinstance(w, ExpertIndex) or layer is None else w.index_of(layer)
+    local = index.local_ids(topk_ids.reshape(-1))  # [P]
     held = torch.nonzero(local >= 0).squeeze(1)  # [N]
     local_held = local[held]
     order = torch.argsort(local_held, stable=True)
     pair_index = held[order]
-    counts = torch.bincount(local_held, minlength=len(w.expert_ids))
+    counts = torch.bincount(local_held, minlength=len(index.expert_ids))
     return ExpertPlan(pair_index, pair_index // k, counts)
 
 

@@ -28,7 +28,8 @@ class LoadSpec:
     """Which part of the model a process holds."""
 
     layers: tuple[int, ...] | None = None  # None: every layer
-    experts: tuple[int, ...] | None = None  # routed experts held; None: all
+    # routed experts held, one id per local slot; per held MoE layer where slots differ by layer; None: all
+    experts: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
     attention: bool = True  # embeddings, attention, norms, router, dense MLPs, shared experts, LM head
     routed_experts: bool = True
     routers: bool = False  # without ``attention``: the gates alone (an AFD FFN daemon that routes)
@@ -124,16 +125,21 @@ def _load_router(r: CheckpointReader, fam: Family, cfg: ModelConfig, lid: int) -
 
 
 def _load_experts(r: CheckpointReader, fam: Family, cfg: ModelConfig, moe_layers: list[int],
-                  experts: tuple[int, ...] | None) -> ExpertWeights:
+                  experts: tuple | None) -> ExpertWeights:
     expert_ids = tuple(range(cfg.num_experts)) if experts is None else tuple(experts)
-    for e in expert_ids:
+    per_layer = bool(expert_ids) and isinstance(expert_ids[0], tuple)
+    slots = expert_ids if per_layer else (expert_ids,) * len(moe_layers)
+    if len(slots) != len(moe_layers) or len({len(s) for s in slots}) > 1:
+        raise ConfigError(f"experts per layer: {len(moe_layers)} MoE layers need as many slot lists of one length, "
+                          f"got {[len(s) for s in slots]}")
+    for e in {e for ids in slots for e in ids}:
         if not 0 <= e < cfg.num_experts:
             raise ConfigError(f"expert {e} out of range: the model has {cfg.num_experts} routed experts")
-    h, f = cfg.hidden_size, cfg.moe_intermediate_size
-    w13 = torch.empty(len(moe_layers), len(expert_ids), 2 * f, h, dtype=r.dtype, device=r.device)  # [Lm, El, 2F, H]
-    w2 = torch.empty(len(moe_layers), len(expert_ids), h, f, dtype=r.dtype, device=r.device)  # [Lm, El, H, F]
+    h, f, el = cfg.hidden_size, cfg.moe_intermediate_size, len(slots[0]) if slots else 0
+    w13 = torch.empty(len(moe_layers), el, 2 * f, h, dtype=r.dtype, device=r.device)  # [Lm, El, 2F, H]
+    w2 = torch.empty(len(moe_layers), el, h, f, dtype=r.dtype, device=r.device)  # [Lm, El, H, F]
     for i, lid in enumerate(moe_layers):
-        for j, e in enumerate(expert_ids):
+        for j, e in enumerate(slots[i]):
             w13[i, j, :f] = r.get(fam.expert_key(lid, e, 0), (f, h))
             w13[i, j, f:] = r.get(fam.expert_key(lid, e, 1), (f, h))
             w2[i, j] = r.get(fam.expert_key(lid, e, 2), (h, f))

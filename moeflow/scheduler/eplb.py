@@ -18,7 +18,7 @@ slot (ties: the lowest index), preferring a device that does not hold the expert
 from __future__ import annotations
 
 from moeflow.config import ConfigError
-from moeflow.scheduler.expert_map import ExpertMap, slot_counts
+from moeflow.layout.expert_map import ExpertMap, slot_counts
 
 POLICIES = ("auto", "hierarchical", "global")
 

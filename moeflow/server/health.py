@@ -37,6 +37,9 @@ class Snapshot:
     running_per_role: tuple[tuple[str, int], ...] = ()  # pd: requests on the prefill and the decode side
     num_handoffs: int = 0  # pd: KV handoffs in flight (prefilled, not yet decoding)
     handoff_counts: tuple[tuple[str, int], ...] = ()  # pd: failures, lease expiries, recomputes so far
+    eplb_physical_experts: int = 0  # expert slots per MoE layer (E + redundant); 0: no expert devices
+    eplb_balancedness: tuple[tuple[int, float], ...] = ()  # (layer, mean / max device load over the window)
+    eplb_hottest: tuple[tuple[int, int, float], ...] = ()  # (layer, expert, share of the layer's tokens)
 
 
 class Overloaded(Exception):

@@ -155,9 +155,31 @@ class _Gauges:
             for name, n in s.handoff_counts:
                 outcomes.add_metric([name], n)
             yield outcomes
+        yield from _eplb(s)
         busy = GaugeMetricFamily("moeflow_worker_busy_fraction", "Compute seconds per wall second of each "
                                  "worker over the trailing window (attention groups, dep ranks, colocated)",
                                  labels=["worker"])
         for worker, frac in sorted(self.metrics.busy_fractions().items()):
             busy.add_metric([worker], frac)
         yield busy
+
+
+def _eplb(s):
+    """The expert placement's gauges (the modes that spread experts over processes)."""
+    if not s.eplb_physical_experts:
+        return
+    slots = GaugeMetricFamily("moeflow_eplb_physical_experts", "Expert slots per MoE layer over the expert "
+                              "devices: the model's experts plus the redundant replicas")
+    slots.add_metric([], s.eplb_physical_experts)
+    yield slots
+    if s.eplb_balancedness:
+        bal = GaugeMetricFamily("moeflow_eplb_balancedness", "Mean / max tokens per expert device over the load "
+                                "window, per MoE layer (1: perfectly balanced; vLLM's balancedness)", labels=["layer"])
+        for layer, b in s.eplb_balancedness:
+            bal.add_metric([str(layer)], b)
+        yield bal
+    hot = GaugeMetricFamily("moeflow_eplb_hottest_expert_share", "Share of a MoE layer's routed tokens that its "
+                            "hottest experts took over the load window", labels=["layer", "expert"])
+    for layer, e, share in s.eplb_hottest:
+        hot.add_metric([str(layer), str(e)], share)
+    yield hot

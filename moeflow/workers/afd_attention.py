@@ -16,6 +16,7 @@ import torch
 from moeflow.messages import WorkerSetup
 from moeflow.model.weights import LoadSpec
 from moeflow.workers.afd_connector import AttnConnector
+from moeflow.workers.dispatch import ExpertRoutes
 from moeflow.workers.stages import AttentionStages, InFlight
 
 
@@ -24,12 +25,17 @@ class AfdStages(AttentionStages):
         ffns = setup.layout.ffns_of(instance)
         super().__init__(setup, transport, None, instance, 0, 1, LoadSpec(routed_experts=False), send_to=ffns)
         self.routes_there = setup.layout.router == "ffn"
+        if setup.layout.topology == "block" and self.routes is not None:  # its one daemon holds every expert
+            held = tuple(ids if j in ffns else () for j, ids in enumerate(setup.experts_held))
+            self.routes = ExpertRoutes(held, self.cfg.num_experts, instance, self.device)
         self.connector = AttnConnector(self.sender, self.receiver, ffns, self.epw)
 
     def _dispatch(self, layer: int, f: InFlight) -> float:
         x = f.attn.moe_input  # [n, H] (no TP: the instance's whole micro-batch)
         f.workers = self.connector.ffns
         if self.routes_there:
+            if self.expert_load is not None:  # the daemons route; the same router here counts their load
+                self.route(layer, f, x)
             c2 = time.monotonic()
             self.connector.send_attn_output(layer, f.batch.batch_id, {j: (x, None) for j in f.workers})
             return c2

@@ -78,7 +78,8 @@ class AttentionWorker:
             if f.error is not None:
                 errors[f.batch.batch_id] = f.error
                 outputs[f.batch.batch_id] = {}
-        return WorkDone(s.group, work.work_id, outputs, timings, errors)
+        return WorkDone(s.group, work.work_id, outputs, timings, errors,
+                        s.expert_load.take() if s.expert_load is not None else None)
 
 
 class EarlyKv:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.model.moe import ExpertPlan
+
 
 @dataclass
 class WorkerShare:
@@ -18,29 +20,51 @@ class WorkerShare:
 
 
 class ExpertRoutes:
-    """Placement lookups for one attention DP group (replicas are chosen per group)."""
+    """Placement lookups: which expert-side worker and local slot each (token, expert) pair goes to.
 
-    def __init__(self, placement: tuple[tuple[int, ...], ...], num_experts: int, group: int,
+    An expert held by several workers (a replica) takes the batch's pairs of that expert in turn:
+    the i-th pair of expert e (in row order) goes to copy i mod copies, so the copies split a hot
+    expert's tokens to within one, and every process that sees the same batch chooses alike. A
+    worker holding an expert in two slots uses the first.
+    """
+
+    def __init__(self, placement: tuple[tuple[int, ...], ...], num_experts: int, group: int = 0,
                  device: torch.device | str = "cpu"):
-        copies: dict[int, list[int]] = {}
+        copies: dict[int, list[tuple[int, int]]] = {}
         for w, ids in enumerate(placement):
-            for e in ids:
-                copies.setdefault(e, []).append(w)
-        worker = [copies[e][group % len(copies[e])] for e in range(num_experts)]
-        self.worker_of = torch.tensor(worker, dtype=torch.int64, device=device)  # [E_total]
-        self.local_of = torch.tensor([placement[worker[e]].index(e) for e in range(num_experts)],
-                                     dtype=torch.int64, device=device)  # [E_total] index on that worker
+            for slot, e in enumerate(ids):
+                if all(cw != w for cw, _ in copies.setdefault(e, [])):
+                    copies[e].append((w, slot))
+        most = max(len(copies[e]) for e in range(num_experts))
+        pad = [[copies[e][i % len(copies[e])] for i in range(most)] for e in range(num_experts)]
+        self.num_copies = torch.tensor([len(copies[e]) for e in range(num_experts)], dtype=torch.int64, device=device)
+        self.worker_of = torch.tensor([[w for w, _ in row] for row in pad], dtype=torch.int64, device=device)  # [E, C]
+        self.local_of = torch.tensor([[s for _, s in row] for row in pad], dtype=torch.int64, device=device)  # [E, C]
         self.num_local = [len(ids) for ids in placement]
         self.max_local = max(self.num_local)
 
-    def workers_for(self, topk_ids: torch.Tensor) -> list[int]:
-        """The MoE workers a batch activates (sorted). topk_ids: [n, K]."""
-        return torch.unique(self.worker_of[topk_ids]).tolist()
-
-    def split(self, topk_ids: torch.Tensor, workers: list[int]) -> list[WorkerShare]:
-        """One share per listed worker (possibly empty), pairs ordered by (worker, local expert)."""
+    def assign(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(worker [n, K], local slot [n, K]) of each pair of a whole batch."""
         flat = topk_ids.reshape(-1)  # [P]
-        key = self.worker_of[flat] * self.max_local + self.local_of[flat]
+        order = torch.argsort(flat, stable=True)
+        per = torch.bincount(flat, minlength=self.num_copies.numel())
+        first = torch.cumsum(per, 0) - per  # [E] where each expert's pairs start in sorted order
+        occ = torch.empty_like(flat)
+        occ[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]  # i: the expert's i-th pair
+        copy = (occ % self.num_copies[flat]).view_as(topk_ids)  # [n, K]
+        return self.worker_of[topk_ids, copy], self.local_of[topk_ids, copy]
+
+    def workers_for(self, topk_ids: torch.Tensor) -> list[int]:
+        """The workers a whole batch activates (sorted). topk_ids: [n, K] of the whole batch."""
+        return torch.unique(self.assign(topk_ids)[0]).tolist()
+
+    def split(self, topk_ids: torch.Tensor, workers: list[int], rows: tuple[int, int] | None = None) -> list[WorkerShare]:
+        """One share per listed worker (possibly empty) of the batch's rows [lo, hi) (default all),
+        pairs ordered by (worker, local slot); pair indices count from row lo. topk_ids: [n, K]."""
+        worker, local = self.assign(topk_ids)
+        if rows is not None:
+            worker, local = worker[rows[0]:rows[1]], local[rows[0]:rows[1]]
+        key = (worker * self.max_local + local).reshape(-1)  # [P]
         order = torch.argsort(key, stable=True)  # [P]
         per_key = torch.bincount(key, minlength=len(self.num_local) * self.max_local).view(-1, self.max_local)
         starts = torch.cumsum(per_key.sum(1), 0) - per_key.sum(1)
@@ -50,3 +74,10 @@ class ExpertRoutes:
             s = int(starts[w])
             out.append(WorkerShare(w, order[s:s + sum(counts)], counts))
         return out
+
+    def local_plan(self, topk_ids: torch.Tensor, worker: int) -> ExpertPlan:
+        """The pairs ``worker`` computes, grouped by its local slot (an expert-side router: an FFN
+        daemon that routes the rows itself keeps only the replicas chosen for it)."""
+        share = self.split(topk_ids, [worker])[0]
+        counts = torch.tensor(share.counts, dtype=torch.int64, device=topk_ids.device)
+        return ExpertPlan(share.pair_index, share.pair_index // topk_ids.shape[1], counts)

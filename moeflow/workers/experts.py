@@ -29,7 +29,7 @@ class Reply:
 class ExpertCompute:
     def __init__(self, experts: ExpertWeights, tracer: Tracer):
         self.experts = experts
-        self.num_local = len(experts.expert_ids)
+        self.num_local = experts.num_local
         self.tracer = tracer
 
     @torch.inference_mode()

@@ -21,6 +21,7 @@ from moeflow.model.moe import ExpertWeights, experts_grouped, plan_pairs, weight
 from moeflow.model.router import RouterWeights, router_for
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.afd_connector import FfnConnector, FfnInput
+from moeflow.workers.dispatch import ExpertRoutes
 from moeflow.workers.tracer import Tracer
 
 _POLL_S = 0.25  # longest a blocking receive lasts before the control pipe is looked at again
@@ -43,14 +44,16 @@ def ffn_pairs(experts: ExpertWeights, inp: FfnInput, order: tuple[int, ...]) -> 
     return dict(zip(order, out.split([t.shape[0] for t in xs])))
 
 
-def ffn_tokens(experts: ExpertWeights, router, gate: RouterWeights, inp: FfnInput,
-               order: tuple[int, ...]) -> dict[int, torch.Tensor]:
+def ffn_tokens(experts: ExpertWeights, router, gate: RouterWeights, inp: FfnInput, order: tuple[int, ...],
+               routes: ExpertRoutes | None = None, me: int = 0) -> dict[int, torch.Tensor]:
     """Router on the daemon: token rows arrive; route them, run the local experts' pairs, return
-    each token's weighted sum over them (a partial sum when the experts are split over daemons)."""
+    each token's weighted sum over them (a partial sum when the experts are split over daemons).
+    ``routes``: the daemons' placement, where a replicated expert's pairs go to one daemon only
+    (every daemon concatenates the same instances' rows in the same order, so all choose alike)."""
     xs = [inp.payloads[i] for i in order]
     x = torch.cat(xs)  # [N, H]
     ids, wts = router(x, gate)  # [N, K]
-    plan = plan_pairs(ids, experts)
+    plan = plan_pairs(ids, experts) if routes is None else routes.local_plan(ids, me)
     y = experts_grouped(experts, inp.control.layer, x[plan.token_index], plan.counts)
     out = weighted_sum(x.shape[0], plan, y, wts)  # [N, H]
     return dict(zip(order, out.split([t.shape[0] for t in xs])))
@@ -66,6 +69,9 @@ class FfnDaemon:
                               setup.device)
         self.experts, self.gates = w.experts, w.routers
         self.router = router_for(cfg)
+        # with "block" each daemon has its own instances and every expert: it computes all their pairs
+        self.routes = (ExpertRoutes(setup.experts_held, cfg.num_experts, device=self.experts.w13.device)
+                       if layout.topology == "all" else None)
         self.connector = FfnConnector(transport, j, layout.served_by(j))
         self.tracer = Tracer("ffn", j, setup.engine.trace)
 
@@ -73,7 +79,8 @@ class FfnDaemon:
     def run(self, inp: FfnInput) -> dict[int, torch.Tensor]:
         order = self.connector.served
         if self.routes_here:
-            return ffn_tokens(self.experts, self.router, self.gates[inp.control.layer], inp, order)
+            return ffn_tokens(self.experts, self.router, self.gates[inp.control.layer], inp, order, self.routes,
+                              self.index)
         return ffn_pairs(self.experts, inp, order)
 
     def turn(self) -> None:

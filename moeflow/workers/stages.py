@@ -19,6 +19,7 @@ from moeflow.model.sharding import shard_attention
 from moeflow.model.transformer import AttentionOut, MoETransformer
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.dispatch import ExpertRoutes, WorkerShare
+from moeflow.workers.expert_load import ExpertLoadRecorder
 from moeflow.workers.runner import ModelRunner
 from moeflow.workers.tracer import Tracer
 from moeflow.workers.world import TPGroup
@@ -101,6 +102,9 @@ class AttentionStages:
         kv = KVCache.for_model(mcfg, e.num_kv_blocks, e.kv_block_size, dtype, self.device)
         self.runner = ModelRunner(self.model, kv, seed=e.seed)
         self.tracer = Tracer(setup.role, setup.index, setup.engine.trace)
+        # the group's leader counts what its batches route (every member routes the same)
+        self.expert_load = (ExpertLoadRecorder(cfg.sparse_layers, cfg.num_experts, self.device)
+                            if cfg.num_moe_layers and member == 0 else None)
         self.receiver = self.sender = None
         if dispatch:
             self.routes = (ExpertRoutes(setup.experts_held, cfg.num_experts, group, self.device)
@@ -147,9 +151,12 @@ class AttentionStages:
     def route(self, layer: int, f: InFlight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's top-k ids and weights [n, K]; a failed batch sends every pair to expert 0."""
         k = self.cfg.num_experts_per_tok
-        return guarded(f, f"router of layer {layer}", lambda: self.model.route(layer, x),
-                       lambda: (torch.zeros(x.shape[0], k, dtype=torch.int64, device=x.device),
-                                torch.zeros(x.shape[0], k, device=x.device)))
+        ids, wts = guarded(f, f"router of layer {layer}", lambda: self.model.route(layer, x),
+                           lambda: (torch.zeros(x.shape[0], k, dtype=torch.int64, device=x.device),
+                                    torch.zeros(x.shape[0], k, device=x.device)))
+        if self.expert_load is not None and f.error is None:
+            self.expert_load.add(layer, ids)
+        return ids, wts
 
     between_layers = None  # the worker's: called before each layer's attention (takes KV copies early)
 
@@ -189,9 +196,9 @@ class AttentionStages:
         ids, wts = self.route(layer, f, f.attn.moe_input)  # [n, K] each, identical on every TP member
         # the whole batch's set: every member sends to it
         f.workers = self.send_to if self.send_to is not None else self.routes.workers_for(ids)
+        f.shares = self.routes.split(ids, f.workers, (f.lo, f.hi))  # replicas chosen over the whole batch
         ids, f.topk_w = ids[f.lo:f.hi], wts[f.lo:f.hi]
         x = f.attn.moe_input[f.lo:f.hi]  # [s, H]
-        f.shares = self.routes.split(ids, f.workers)
         c2 = time.monotonic()
         k = ids.shape[1]
         for sh in f.shares:

@@ -6,7 +6,7 @@ import pytest
 
 from moeflow.config import ConfigError
 from moeflow.scheduler.eplb import pack, rebalance, replicate
-from moeflow.scheduler.expert_map import ExpertMap, balancedness, slot_counts
+from moeflow.layout.expert_map import ExpertMap, balancedness, slot_counts
 
 # deepseek-ai/EPLB's README: 2 layers x 12 experts, 4 redundant, 4 groups, 2 nodes x 4 GPUs
 WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],

@@ -1,0 +1,37 @@
+"""The engine's expert-load window and the /metrics gauges made from it."""
+import numpy as np
+import pytest
+
+from moeflow.engine.expert_load import ExpertLoadWindow
+from moeflow.layout.expert_map import ExpertMap
+from moeflow.server.health import Snapshot
+from moeflow.server.metrics import ServerMetrics
+
+
+def test_the_window_keeps_the_last_reports_and_prices_devices_by_the_placement():
+    m = ExpertMap((((0, 1), (2, 3, 0)),), 4)  # expert 0 on both devices
+    w = ExpertLoadWindow(m, [3], window_size=2)
+    w.add(np.array([[10, 0, 0, 0]]))
+    w.add(None)  # a work item that routed nothing is no bucket
+    w.add(np.array([[2, 2, 2, 2]]))
+    w.add(np.array([[4, 0, 0, 4]]))
+    assert w.window.tolist() == [[6, 2, 2, 6]] and w.total.tolist() == [[16, 2, 2, 6]]
+    assert w.device_load().tolist() == [[3 + 2, 3 + 2 + 6]]  # expert 0's 6 split over its two copies
+    assert w.balancedness() == [pytest.approx(8 / 11)]
+    assert w.hottest(2) == [(3, 0, 6 / 16), (3, 3, 6 / 16)]
+    with pytest.raises(ValueError, match="positive number of steps, got 0"):
+        ExpertLoadWindow(m, [3], window_size=0)
+
+
+def test_metrics_export_the_placement_and_its_balance():
+    metrics = ServerMetrics(60.0, lambda: 0.0)
+    snap = Snapshot(True, None, 0, eplb_physical_experts=10, eplb_balancedness=((1, 0.75), (3, 0.5)),
+                    eplb_hottest=((1, 4, 0.3),))
+    metrics.watch(lambda: snap)
+    text = metrics.render().decode()
+    assert "moeflow_eplb_physical_experts 10.0" in text
+    assert 'moeflow_eplb_balancedness{layer="1"} 0.75' in text and 'moeflow_eplb_balancedness{layer="3"} 0.5' in text
+    assert 'moeflow_eplb_hottest_expert_share{expert="4",layer="1"} 0.3' in text
+    metrics2 = ServerMetrics(60.0, lambda: 0.0)
+    metrics2.watch(lambda: Snapshot(True, None, 0))  # colocated: no expert devices, no gauges
+    assert "moeflow_eplb" not in metrics2.render().decode()
