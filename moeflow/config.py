@@ -195,8 +195,14 @@ class EngineConfig:
     stall_timeout_s: float = 60.0
     # this server's side of a prefill/decode split across servers (None: it serves whole requests)
     kv_transfer_config: KvTransferConfig | None = None
+    # live expert load balancing: rebalance the expert placement from the routed load while serving
+    enable_eplb: bool = False
+    eplb_config: Any = None  # eplb_config.EplbConfig (or its mapping); None: the defaults
 
     def __post_init__(self) -> None:
+        from moeflow.eplb_config import EplbConfig  # it validates with this module's ConfigError
+        object.__setattr__(self, "eplb_config", EplbConfig.parse(self.eplb_config or {}))
+        _require(isinstance(self.enable_eplb, bool), f"EngineConfig.enable_eplb must be a bool, got {self.enable_eplb!r}")
         if isinstance(self.kv_transfer_config, dict):
             object.__setattr__(self, "kv_transfer_config", KvTransferConfig(**self.kv_transfer_config))
         _require(self.kv_transfer_config is None or isinstance(self.kv_transfer_config, KvTransferConfig),

@@ -119,6 +119,36 @@ class WorkDone:
 
 
 @dataclass
+class MoveExperts:
+    """Engine -> every expert-holding worker: fill the slots of placement ``epoch`` (its buffer
+    ``epoch % 2``) with ``layers`` (``ExpertMap.layers`` of the whole deployment), pulling from the
+    live buffers of placement ``epoch - 1``, while serving goes on."""
+
+    epoch: int
+    layers: tuple  # [moe layer][expert device] -> logical expert of each slot
+
+
+@dataclass
+class ExpertsMoved:
+    """Expert-holding worker -> engine: the slots of placement ``epoch`` hold their experts."""
+
+    role: str
+    index: int
+    epoch: int
+    seconds: float  # the move's wall time on this worker
+    nbytes: int  # weight bytes copied (from peers and locally)
+
+
+@dataclass
+class UseExperts:
+    """Engine -> every attention-side process: route by placement ``epoch`` from the next work item
+    on (its dispatches carry the epoch, so an expert worker computes them with that buffer)."""
+
+    epoch: int
+    layers: tuple
+
+
+@dataclass
 class WorkerReady:
     role: str  # a key of workers.roles.ROLES
     index: int

@@ -20,7 +20,7 @@ from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.expert_load import window_for
+from moeflow.engine.eplb import attach, check_live
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AfdLayout
@@ -50,7 +50,7 @@ def _footprints(layout: AfdLayout, mc, config: EngineConfig):
     return layout.max_batch_tokens, lambda fp, block: [
         *(ProcessFootprint(f"attention{i}", fp.attention_side(), spec.combine_buffer_bytes, block)
           for i in range(layout.attn_workers)),
-        *(ProcessFootprint(f"ffn{j}", fp.experts(len(held[j])) + (fp.routers if gates else 0),
+        *(ProcessFootprint(f"ffn{j}", fp.experts(len(held[j])) * (1 + config.enable_eplb) + (fp.routers if gates else 0),
                            spec.dispatch_buffer_bytes) for j in range(layout.ffn_workers))]
 
 
@@ -64,6 +64,7 @@ class AfdEngine(ProcessEngine):
         mc = self.model_config
         if not mc.num_moe_layers:
             raise ConfigError("mode 'afd' needs a model with MoE layers")
+        check_live(config, "afd", computes=layout.topology == "all")
         m, n = layout.attn_workers, layout.ffn_workers
         held = layout.experts_held(mc.num_experts)
         self.max_model_len = context_len(config, mc)
@@ -79,7 +80,7 @@ class AfdEngine(ProcessEngine):
                      [setup("afd_attention", i, i) for i in range(m)])
         self.attention = [w for w in self.deployment.workers if w.role == "afd_attention"]
         self.ffn = [w for w in self.deployment.workers if w.role == "ffn"]
-        self.expert_load = window_for(mc, held, computes=layout.topology == "all")
+        attach(self, mc, held, self.ffn, self.attention, polls=True, computes=layout.topology == "all")
         self._steps: deque[list[Work]] = deque()  # steps sent, oldest first
 
     def step(self) -> StepResult:

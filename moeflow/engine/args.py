@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 from moeflow.config import DTYPES, KV_ADMISSIONS, TRANSPORTS, ClusterConfig, ConfigError
 from moeflow.layout import LAYOUTS, nested, parse_parts
@@ -77,6 +78,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--stall-timeout-s", type=float, default=None,
                      help="a work item its workers leave unanswered this long fails the deployment as a dead "
                           "worker would (default 60)")
+    eplb = p.add_argument_group("expert load balancing (docs/eplb.md)")
+    eplb.add_argument("--enable-eplb", action="store_true", help="rebalance the expert placement from the routed "
+                      "load while serving (dep, asap, afd with topology all); --num-redundant-experts adds slots")
+    eplb.add_argument("--eplb-config", type=_json, default=None, metavar="JSON",
+                      help='{"window_size": work items of load (1000), "step_interval": work items between '
+                      'rebalances (3000), "num_groups": expert groups, "policy": auto|hierarchical|global, '
+                      '"log_balancedness": false}')
     add_cluster_args(p)
     lay = p.add_argument_group("layout (each applies to the modes named)")
     for side in ("prefill", "decode"):
@@ -90,6 +98,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         else:
             lay.add_argument(flag, dest=dest, type=kind, default=None, choices=f.metadata.get("choices"),
                              help=f"{help} [default: {default}]")
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -127,7 +142,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               seed=args.seed,
               num_threads=args.threads,
               pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None,
-              cluster=cluster_config(args))
+              cluster=cluster_config(args), enable_eplb=getattr(args, "enable_eplb", False),
+              eplb_config=getattr(args, "eplb_config", None))
     for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib",
                  "stall_timeout_s", "kv_admission"):
         if getattr(args, name) is not None:

@@ -11,7 +11,7 @@ import functools
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.expert_load import window_for
+from moeflow.engine.eplb import attach, check_live
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AsapLayout
@@ -41,7 +41,7 @@ def _footprints(layout: AsapLayout, mc, config: EngineConfig):
     return layout.scheduler.max_batch_tokens, lambda fp, block: [
         *(ProcessFootprint(f"attention{r}", fp.attention_side(t), spec.combine_buffer_bytes, member_block)
           for r in range(layout.num_attention_workers)),
-        *(ProcessFootprint(f"moe{i}", fp.experts(len(held[i])), spec.dispatch_buffer_bytes)
+        *(ProcessFootprint(f"moe{i}", fp.experts(len(held[i])) * (1 + config.enable_eplb), spec.dispatch_buffer_bytes)
           for i in range(layout.moe_workers))]
 
 
@@ -55,6 +55,7 @@ class AsapEngine(ProcessEngine):
         mc = self.model_config
         if not mc.num_moe_layers:
             raise ConfigError("mode 'asap' needs a model with MoE layers")
+        check_live(config, "asap")
         held = layout.experts_held(mc.num_experts)
         d, t, e = layout.attn_dp, layout.attn_tp, layout.moe_workers
         check_tp(mc, t)
@@ -73,7 +74,7 @@ class AsapEngine(ProcessEngine):
         self._launch([setup("moe", i, n + i, self._expert_node(i)) for i in range(e)] +
                      [setup("attention", r, r) for r in range(n)])
         self.attention = [w for w in self.deployment.workers if w.role == "attention"]
-        self.expert_load = window_for(mc, held)
+        attach(self, mc, held, [w for w in self.deployment.workers if w.role == "moe"], self.attention, polls=True)
 
     def step(self) -> StepResult:
         self._check_alive()

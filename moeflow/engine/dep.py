@@ -11,7 +11,7 @@ import time
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.expert_load import window_for
+from moeflow.engine.eplb import attach, check_live
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DepLayout
@@ -35,7 +35,7 @@ def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
 def _footprints(layout: DepLayout, mc, config: EngineConfig):
     spec, experts = _spec(layout, mc, config), layout.experts_held(mc.num_experts)
     return layout.max_batch_tokens, lambda fp, block: [
-        ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(experts[r])),
+        ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(experts[r])) * (1 + config.enable_eplb),
                          spec.dispatch_buffer_bytes + spec.combine_buffer_bytes, block) for r in range(layout.dp)]
 
 
@@ -54,6 +54,7 @@ class DepEngine(ProcessEngine):
                               f"tensor-parallel ranks are the simulator's")
         if config.transport not in ("shm", "dist"):  # dist: a rank's link to itself is a Loopback
             raise ConfigError(f"mode 'dep' runs its all-to-all over shm or dist, not {config.transport!r}")
+        check_live(config, "dep")
         dp = layout.dp
         experts = layout.experts_held(mc.num_experts)  # rank r holds the r-th 1/N of every layer
         self.max_model_len = context_len(config, mc)
@@ -65,7 +66,7 @@ class DepEngine(ProcessEngine):
         world = self._world(dp) if transport != "shm" else None
         self._launch([self._setup(model_path, comm, experts, world, "dep", r, r, r % nnodes) for r in range(dp)])
         self.ranks = list(self.deployment.workers)
-        self.expert_load = window_for(mc, experts)
+        attach(self, mc, experts, self.ranks, self.ranks, polls=False)
 
     def step(self) -> StepResult:
         self._check_alive()

@@ -15,7 +15,7 @@ from moeflow.comm.segment import SHM_DIR
 from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.expert_load import window_for
+from moeflow.engine.eplb import attach, check_live
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DwdpLayout
@@ -48,6 +48,7 @@ class DwdpEngine(ProcessEngine):
             raise ConfigError("mode 'dwdp' needs a model with MoE layers")
         if config.transport != "shm":
             raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over {config.transport!r}")
+        check_live(config, "dwdp", computes=False)
         self.experts_held = layout.experts_held(mc.num_experts)
         self.max_model_len = context_len(config, mc)
         nnodes = config.cluster.nnodes  # rank r on node r mod N; peers elsewhere serve pulls over gloo
@@ -63,7 +64,7 @@ class DwdpEngine(ProcessEngine):
                       for r in range(layout.dp)],
                      published_shm_bytes=sum(b for r, b in enumerate(self._published) if r % nnodes == 0))
         self.ranks = list(self.deployment.workers)
-        self.expert_load = window_for(mc, self.experts_held, computes=False)
+        attach(self, mc, self.experts_held, [], [], polls=False, computes=False)
         self.dead: dict[int, str] = {}  # rank -> why it is gone (until its replacement is ready)
         self._respawning: dict[int, WorkerHandle] = {}  # rank -> its replacement, not yet ready
 

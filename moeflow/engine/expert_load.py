@@ -59,12 +59,12 @@ class ExpertLoadWindow:
         return out
 
 
-def window_for(mc, held: tuple[tuple[int, ...], ...], computes: bool = True) -> ExpertLoadWindow:
+def window_for(mc, held: tuple[tuple[int, ...], ...], computes: bool = True, window_size: int = 1000) -> ExpertLoadWindow:
     """The window of a deployment whose expert-holding processes hold ``held`` in every MoE layer.
     ``computes``: each process computes the pairs of the experts it holds (dep, asap, afd with
     topology all), so the placement decides its load; False (dwdp ranks, which pull what they lack
     and compute their own tokens; afd's blocks) keeps the window without a device balance."""
     moe = [lid for lid in range(mc.num_layers) if mc.sparse_layers[lid]]
-    w = ExpertLoadWindow(ExpertMap((held,) * len(moe), mc.num_experts), moe)
+    w = ExpertLoadWindow(ExpertMap((held,) * len(moe), mc.num_experts), moe, window_size)
     w.computes = computes
     return w

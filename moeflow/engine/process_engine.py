@@ -18,20 +18,12 @@ from moeflow.layout import Layout
 from moeflow.logs import get_logger
 from moeflow.messages import DumpSpans, NewRequest, RunWork, Spans, WorkDone, WorkerSetup, World
 from moeflow.workers import rendezvous
-from moeflow.workers.launch import Deployment, WorkerDied, WorkerHandle, WorkerStalled, free_port, process_state
+from moeflow.workers.launch import (Deployment, WorkerDied, WorkerHandle, WorkerStalled, describe_nodes, free_port,
+                                   process_state)
 
 log = get_logger("moeflow.engine")
 
 KV_ROLES = ("attention", "dep", "dwdp", "afd_attention")  # the worker roles that hold a group's KV cache
-
-
-def describe_nodes(setups: list[WorkerSetup], nnodes: int) -> str:
-    """Which workers each host runs, as the start-up line prints it."""
-    parts = []
-    for node in range(nnodes):
-        mine = [f"{s.role} {s.index}" for s in setups if s.node == node]
-        parts.append(f"node {node}: {', '.join(mine) or 'nothing'}{' + engine' if node == 0 else ''}")
-    return "; ".join(parts)
 
 
 class ProcessEngine(Engine):
@@ -55,6 +47,7 @@ class ProcessEngine(Engine):
         # (asap, dwdp; dep's global step and afd's steps in flight keep their own)
         self._inflight: dict[int, Work] = {}
         self.expert_load = None  # engine.expert_load.ExpertLoadWindow of the modes that spread experts
+        self.eplb = None  # engine.eplb.Eplb: its placement over time (the same modes)
 
     def _budget(self, config: EngineConfig, model_path: str) -> EngineConfig:
         """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``)."""
@@ -138,6 +131,8 @@ class ProcessEngine(Engine):
         msg = RunWork(self._work_ids, batches, new, self._freed[group])
         self._freed[group] = []
         self._issued.setdefault(group, deque()).append(clock())
+        if self.eplb is not None:
+            self.eplb.issued(self._work_ids)
         for w in members:
             self.deployment.send(w, msg)
 
@@ -146,6 +141,7 @@ class ProcessEngine(Engine):
         """``Deployment.recv_any``, then the stall watchdog: raises WorkerStalled once the oldest
         unanswered work item is older than ``stall_timeout_s`` (every mode waits through here)."""
         got = self.deployment.recv_any(conns, timeout_s, watch)
+        got = got if self.eplb is None else self.eplb.take(got)
         age, group = self.oldest_work_age_s()
         if age > self.config.stall_timeout_s:
             self.stalls += 1
@@ -174,8 +170,8 @@ class ProcessEngine(Engine):
         sampled tokens, the group released. A request that ended before this item came back (a
         step in flight past its end, an abort) has its output dropped."""
         result.busy_s[worker] = sum(t.compute_s for t in done.timings)
-        if self.expert_load is not None:
-            self.expert_load.add(done.expert_load)
+        if self.eplb is not None:
+            self.eplb.completed(done)
         live = set(self.scheduler.pool.requests)
         out = self._attach_timing(done, work.batches)
         sampled = {rid: o.token_id for rid, o in out.items() if o.token_id is not None}
@@ -288,7 +284,8 @@ class ProcessEngine(Engine):
             self.deployment.send(w, DumpSpans())
         pending = list(self.deployment.workers)
         while pending:
-            for w, msg in self.deployment.recv_any(pending, 5.0):
+            got = self.deployment.recv_any(pending, 5.0)
+            for w, msg in got if self.eplb is None else self.eplb.take(got):  # a mover's report is the placement's
                 if isinstance(msg, Spans):
                     spans += msg.spans
                     pending.remove(w)

@@ -16,7 +16,7 @@ import torch
 from moeflow.messages import WorkerSetup
 from moeflow.model.weights import LoadSpec
 from moeflow.workers.afd_connector import AttnConnector
-from moeflow.workers.dispatch import ExpertRoutes
+from moeflow.workers.dispatch import ExpertRoutes, tag_layer
 from moeflow.workers.stages import AttentionStages, InFlight
 
 
@@ -37,13 +37,14 @@ class AfdStages(AttentionStages):
             if self.expert_load is not None:  # the daemons route; the same router here counts their load
                 self.route(layer, f, x)
             c2 = time.monotonic()
-            self.connector.send_attn_output(layer, f.batch.batch_id, {j: (x, None) for j in f.workers})
+            self.connector.send_attn_output(tag_layer(layer, self.expert_epoch), f.batch.batch_id,
+                                            {j: (x, None) for j in f.workers})
             return c2
         ids, f.topk_w = self.route(layer, f, x)  # [n, K] each
-        f.shares = self.routes.split(ids, f.workers)
+        f.shares = self.routes_for(layer).split(ids, f.workers)
         c2 = time.monotonic()
         k = ids.shape[1]
-        self.connector.send_attn_output(layer, f.batch.batch_id,
+        self.connector.send_attn_output(tag_layer(layer, self.expert_epoch), f.batch.batch_id,
                                         {sh.worker: (x[sh.pair_index // k], sh.counts) for sh in f.shares})
         return c2
 

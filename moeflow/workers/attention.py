@@ -11,21 +11,22 @@ from collections import deque
 
 import torch
 
-from moeflow.messages import BatchTiming, KvRecv, KvSend, RunWork, WorkDone
-from moeflow.workers.control import serve_control
+from moeflow.messages import BatchTiming, KvRecv, KvSend, MoveExperts, RunWork, UseExperts, WorkDone
+from moeflow.workers.control import LockedConn, serve_control
 from moeflow.workers.kv_transfer import KvTransfers
 from moeflow.workers.schedule import LayerSchedule
 from moeflow.workers.stages import AttentionStages
 
 
 class AttentionWorker:
-    def __init__(self, stages: AttentionStages, schedule: LayerSchedule, replies: bool):
+    def __init__(self, stages: AttentionStages, schedule: LayerSchedule, replies: bool, expert_slots=None):
         self.stages, self.schedule = stages, schedule
+        self.expert_slots = expert_slots  # a dep rank's own experts (it takes MoveExperts)
         self.replies = replies  # the group's leader reports WorkDone; other TP members stay silent
         self.kv = KvTransfers(stages.runner.kv_cache, stages.member)  # the prefill/decode handoff
 
     def serve(self, conn) -> None:
-        pipe = EarlyKv(conn, self._copy)
+        pipe = EarlyKv(LockedConn(conn), self._copy)  # a dep rank's expert mover reports from its thread
         # NOTE: a KV copy touches only blocks no batch holds (a finished request's leased blocks, or an
         # arriving one's reserved blocks), so it runs between two layers of a work item instead of
         # waiting for the item's end: measured here, a handoff waited ~85% of its time for the members
@@ -38,6 +39,10 @@ class AttentionWorker:
                     conn.send(done)
             elif isinstance(msg, (KvSend, KvRecv)):
                 self._copy(msg)
+            elif isinstance(msg, UseExperts):  # in order: before the next work item
+                self.stages.use_experts(msg.epoch, msg.layers)
+            elif isinstance(msg, MoveExperts):
+                self.expert_slots.begin(msg, pipe.send)
 
         s = self.stages
         serve_control(pipe, s.setup.role, s.setup.index, s.tracer, on_message)
@@ -57,10 +62,14 @@ class AttentionWorker:
         self.kv.close()
         self.schedule.close()
         self.stages.close()
+        if self.expert_slots is not None:
+            self.expert_slots.close()
 
     @torch.inference_mode()
     def run_work(self, work: RunWork) -> WorkDone:
         s = self.stages
+        if self.expert_slots is not None:
+            self.expert_slots.check()
         for rid in work.freed:
             s.runner.remove_request(rid)
         for r in work.new_requests:

@@ -6,6 +6,7 @@ of the pipe it runs ``turn`` (one look at its buffers); an attention-side worker
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 from moeflow.messages import DumpSpans, Shutdown, Spans
@@ -26,3 +27,21 @@ def serve_control(conn, role: str, index: int, tracer: Tracer, on_message: Calla
                 on_message(msg)
         if turn is not None and not turn():
             return
+
+
+class LockedConn:
+    """A control pipe whose sends may come from two threads (an expert mover's report, the loop's
+    answers): one at a time. Reads stay the loop's."""
+
+    def __init__(self, conn):
+        self.conn, self._lock = conn, threading.Lock()
+
+    def send(self, obj) -> None:
+        with self._lock:
+            self.conn.send(obj)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def recv(self):
+        return self.conn.recv()

@@ -81,3 +81,35 @@ class ExpertRoutes:
         share = self.split(topk_ids, [worker])[0]
         counts = torch.tensor(share.counts, dtype=torch.int64, device=topk_ids.device)
         return ExpertPlan(share.pair_index, share.pair_index // topk_ids.shape[1], counts)
+
+
+# NOTE: while a rebalance switches over, dispatches of two placements may be in flight; the layer
+# word of a dispatch header carries the placement's parity, so an expert worker computes each with
+# the buffer it was routed for (a new rebalance starts only once the older placement is retired)
+EPOCH_STRIDE = 1 << 20
+
+
+def tag_layer(layer: int, epoch: int) -> int:
+    """The header's layer word for ``layer`` routed by placement ``epoch``."""
+    return layer + EPOCH_STRIDE * (epoch % 2)
+
+
+def untag_layer(word: int) -> tuple[int, int]:
+    """(layer, placement parity) of a header's layer word."""
+    return word % EPOCH_STRIDE, word // EPOCH_STRIDE
+
+
+class LayeredRoutes:
+    """Routes per MoE layer (a rebalanced placement differs by layer): ``for_layer(l)``."""
+
+    def __init__(self, layers: tuple, moe_layer_ids: list[int], num_experts: int, group: int = 0,
+                 device: torch.device | str = "cpu"):
+        cache: dict[tuple, ExpertRoutes] = {}
+        self.by_layer = {}
+        for lid, placement in zip(moe_layer_ids, layers):
+            if placement not in cache:
+                cache[placement] = ExpertRoutes(placement, num_experts, group, device)
+            self.by_layer[lid] = cache[placement]
+
+    def for_layer(self, layer: int) -> ExpertRoutes:
+        return self.by_layer[layer]

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.model.moe import ExpertWeights, experts_grouped
+from moeflow.model.moe import experts_grouped
+from moeflow.workers.dispatch import untag_layer
+from moeflow.workers.expert_slots import FixedSlots
 from moeflow.workers.tracer import Tracer
 
 
@@ -27,9 +29,10 @@ class Reply:
 
 
 class ExpertCompute:
-    def __init__(self, experts: ExpertWeights, tracer: Tracer):
-        self.experts = experts
-        self.num_local = experts.num_local
+    def __init__(self, slots, tracer: Tracer):
+        """``slots``: ``expert_slots.FixedSlots`` or ``ExpertSlots`` (which buffer a dispatch's layer word names)."""
+        self.slots = slots if hasattr(slots, "for_word") else FixedSlots(slots)
+        self.num_local = self.slots.for_word(0)[1].num_local
         self.tracer = tracer
 
     @torch.inference_mode()
@@ -39,9 +42,10 @@ class ExpertCompute:
         for row in msg.rows:
             counts = torch.tensor(row.tokens_per_expert[:self.num_local], dtype=torch.int64,
                                   device=row.payload.device)  # [El]
-            y = experts_grouped(self.experts, row.layer_id, row.payload, counts)  # [n, H]
+            layer, experts = self.slots.for_word(row.layer_id)
+            y = experts_grouped(experts, layer, row.payload, counts)  # [n, H]
             replies.append(Reply(msg.region, row.lane, y, row.layer_id, row.batch_id))
-        self.tracer.add("experts", t0, time.monotonic(), thread, group=msg.region, layer=msg.rows[0].layer_id,
+        self.tracer.add("experts", t0, time.monotonic(), thread, group=msg.region, layer=untag_layer(msg.rows[0].layer_id)[0],
                         tokens=sum(r.payload.shape[0] for r in msg.rows))
         return replies
 

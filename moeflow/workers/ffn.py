@@ -15,37 +15,38 @@ import time
 
 import torch
 
-from moeflow.messages import WorkerSetup
-from moeflow.workers.control import serve_control
+from moeflow.messages import MoveExperts, WorkerSetup
+from moeflow.workers.control import LockedConn, serve_control
 from moeflow.model.moe import ExpertWeights, experts_grouped, plan_pairs, weighted_sum
 from moeflow.model.router import RouterWeights, router_for
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.afd_connector import FfnConnector, FfnInput
-from moeflow.workers.dispatch import ExpertRoutes
+from moeflow.workers.dispatch import ExpertRoutes, untag_layer
+from moeflow.workers.expert_slots import slots_for
 from moeflow.workers.tracer import Tracer
 
 _POLL_S = 0.25  # longest a blocking receive lasts before the control pipe is looked at again
 
 
-def ffn_pairs(experts: ExpertWeights, inp: FfnInput, order: tuple[int, ...]) -> dict[int, torch.Tensor]:
+def ffn_pairs(experts: ExpertWeights, layer: int, inp: FfnInput, order: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """Router on the attention side: rows arrive grouped by local expert per instance; run them as
     one batch grouped by expert across instances, return each instance's rows in its own order."""
     xs = [inp.payloads[i] for i in order]
     x = torch.cat(xs)  # [N, H]
-    el = len(experts.expert_ids)
+    el = experts.num_local
     dev = x.device
     expert_of_row = torch.cat([torch.repeat_interleave(torch.arange(el, device=dev),
                                                        torch.tensor(inp.control.tokens_per_expert[i][:el], device=dev))
                                for i in order])  # [N]
     perm = torch.argsort(expert_of_row, stable=True)
-    y = experts_grouped(experts, inp.control.layer, x[perm], torch.bincount(expert_of_row, minlength=el))
+    y = experts_grouped(experts, layer, x[perm], torch.bincount(expert_of_row, minlength=el))
     out = torch.empty_like(y)
     out[perm] = y
     return dict(zip(order, out.split([t.shape[0] for t in xs])))
 
 
-def ffn_tokens(experts: ExpertWeights, router, gate: RouterWeights, inp: FfnInput, order: tuple[int, ...],
-               routes: ExpertRoutes | None = None, me: int = 0) -> dict[int, torch.Tensor]:
+def ffn_tokens(experts: ExpertWeights, layer: int, router, gate: RouterWeights, inp: FfnInput,
+               order: tuple[int, ...], routes: ExpertRoutes | None = None, me: int = 0) -> dict[int, torch.Tensor]:
     """Router on the daemon: token rows arrive; route them, run the local experts' pairs, return
     each token's weighted sum over them (a partial sum when the experts are split over daemons).
     ``routes``: the daemons' placement, where a replicated expert's pairs go to one daemon only
@@ -54,7 +55,7 @@ def ffn_tokens(experts: ExpertWeights, router, gate: RouterWeights, inp: FfnInpu
     x = torch.cat(xs)  # [N, H]
     ids, wts = router(x, gate)  # [N, K]
     plan = plan_pairs(ids, experts) if routes is None else routes.local_plan(ids, me)
-    y = experts_grouped(experts, inp.control.layer, x[plan.token_index], plan.counts)
+    y = experts_grouped(experts, layer, x[plan.token_index], plan.counts)
     out = weighted_sum(x.shape[0], plan, y, wts)  # [N, H]
     return dict(zip(order, out.split([t.shape[0] for t in xs])))
 
@@ -67,21 +68,33 @@ class FfnDaemon:
         cfg, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
                               LoadSpec(attention=False, experts=setup.experts_held[j], routers=self.routes_here),
                               setup.device)
-        self.experts, self.gates = w.experts, w.routers
+        self.gates, self.num_experts = w.routers, cfg.num_experts
         self.router = router_for(cfg)
-        # with "block" each daemon has its own instances and every expert: it computes all their pairs
-        self.routes = (ExpertRoutes(setup.experts_held, cfg.num_experts, device=self.experts.w13.device)
-                       if layout.topology == "all" else None)
+        self.moe_index = {lid: i for i, lid in enumerate(w.experts.layer_ids)}
+        self._routes: dict[tuple, ExpertRoutes] = {}  # per placement of a layer (router on the daemon)
         self.connector = FfnConnector(transport, j, layout.served_by(j))
         self.tracer = Tracer("ffn", j, setup.engine.trace)
+        self.slots = slots_for(setup, transport, w.experts, self.tracer)
+
+    def routes(self, word: int, layer: int) -> ExpertRoutes | None:
+        """The daemons' placement of ``layer`` as routed (None with topology "block": each daemon has
+        its own instances and every expert, so it computes all their pairs)."""
+        if self.setup.layout.topology != "all":
+            return None
+        layers = getattr(self.slots, "layers", None)
+        held = self.setup.experts_held if layers is None else layers[untag_layer(word)[1]][self.moe_index[layer]]
+        if held not in self._routes:
+            self._routes[held] = ExpertRoutes(held, self.num_experts, device=self.slots.for_word(0)[1].w13.device)
+        return self._routes[held]
 
     @torch.inference_mode()
     def run(self, inp: FfnInput) -> dict[int, torch.Tensor]:
-        order = self.connector.served
+        order, word = self.connector.served, inp.control.layer
+        layer, experts = self.slots.for_word(word)
         if self.routes_here:
-            return ffn_tokens(self.experts, self.router, self.gates[inp.control.layer], inp, order, self.routes,
+            return ffn_tokens(experts, layer, self.router, self.gates[layer], inp, order, self.routes(word, layer),
                               self.index)
-        return ffn_pairs(self.experts, inp, order)
+        return ffn_pairs(experts, layer, inp, order)
 
     def turn(self) -> None:
         t0 = time.monotonic()
@@ -93,18 +106,28 @@ class FfnDaemon:
         t2 = time.monotonic()
         self.connector.send_ffn_output(inp, out)
         t3 = time.monotonic()
-        c = inp.control
-        self.tracer.add("recv", t0, t1, layer=c.layer)
-        self.tracer.add("experts", t1, t2, layer=c.layer, tokens=sum(c.rows.values()))
-        self.tracer.add("combine-send", t2, t3, layer=c.layer)
+        c, layer = inp.control, untag_layer(inp.control.layer)[0]
+        self.tracer.add("recv", t0, t1, layer=layer)
+        self.tracer.add("experts", t1, t2, layer=layer, tokens=sum(c.rows.values()))
+        self.tracer.add("combine-send", t2, t3, layer=layer)
 
     def serve(self, conn) -> None:
-        serve_control(conn, "ffn", self.index, self.tracer, turn=lambda: self.turn() or True)
+        conn = LockedConn(conn)  # the expert mover reports from its thread
+
+        def on_message(msg) -> None:
+            if isinstance(msg, MoveExperts):
+                self.slots.begin(msg, conn.send)
+
+        def turn() -> bool:
+            self.slots.check()
+            self.turn()
+            return True
+        serve_control(conn, "ffn", self.index, self.tracer, on_message, turn=turn)
 
     def memory(self) -> dict[str, int]:
-        w = self.experts
         gates = sum(g.weight.nbytes + (0 if g.bias is None else g.bias.nbytes) for g in self.gates.values())
-        return {"routed_experts": w.w13.nbytes + w.w2.nbytes, "routers": gates}
+        return {"routed_experts": self.slots.nbytes(), "routers": gates}
 
     def close(self) -> None:
         self.connector.close()
+        self.slots.close()

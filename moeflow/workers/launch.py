@@ -278,3 +278,12 @@ class Deployment:
                 n.close()
             cleanup(self.deployment_id)  # segments of workers that could not unlink their own
             lifecycle.forget(self)
+
+
+def describe_nodes(setups: list[WorkerSetup], nnodes: int) -> str:
+    """Which workers each host runs, as the start-up line prints it."""
+    parts = []
+    for node in range(nnodes):
+        mine = [f"{s.role} {s.index}" for s in setups if s.node == node]
+        parts.append(f"node {node}: {', '.join(mine) or 'nothing'}{' + engine' if node == 0 else ''}")
+    return "; ".join(parts)

@@ -13,8 +13,9 @@ import queue
 import threading
 import time
 
-from moeflow.messages import WorkerSetup
-from moeflow.workers.control import serve_control
+from moeflow.messages import MoveExperts, WorkerSetup
+from moeflow.workers.control import LockedConn, serve_control
+from moeflow.workers.expert_slots import slots_for
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.experts import ExpertCompute, send_replies
 from moeflow.workers.tracer import Tracer
@@ -31,7 +32,8 @@ class MoEWorker:
         self.receiver = transport.dispatch_receiver(setup.index)  # owns this worker's dispatch buffer
         self.sender = transport.combine_sender(setup.index)
         self.tracer = Tracer("moe", setup.index, setup.engine.trace)
-        self.compute = ExpertCompute(w.experts, self.tracer)
+        self.slots = slots_for(setup, transport, w.experts, self.tracer)
+        self.compute = ExpertCompute(self.slots, self.tracer)
         self.loop = (ThreadedLoop if setup.layout.comm_threads else InlineLoop)(self)
 
     def receive(self, thread: str, timeout_s: float):
@@ -52,25 +54,32 @@ class MoEWorker:
         return msg is not None
 
     def serve(self, conn) -> None:
+        conn = LockedConn(conn)  # the expert mover reports from its thread
+
         def turn() -> bool:
+            self.slots.check()
             self.loop.turn()
             return not self.loop.stopped()
 
+        def on_message(msg) -> None:
+            if isinstance(msg, MoveExperts):
+                self.slots.begin(msg, conn.send)
+
         self.loop.start()
         try:
-            serve_control(conn, "moe", self.index, self.tracer, turn=turn)
+            serve_control(conn, "moe", self.index, self.tracer, on_message, turn=turn)
         finally:
             self.loop.stop()
         if self.loop.error is not None:
             raise self.loop.error
 
     def memory(self) -> dict[str, int]:
-        w = self.compute.experts
-        return {"routed_experts": w.w13.nbytes + w.w2.nbytes}
+        return {"routed_experts": self.slots.nbytes()}
 
     def close(self) -> None:
         self.sender.close()
         self.receiver.close()
+        self.slots.close()
 
 
 class InlineLoop:

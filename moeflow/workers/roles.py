@@ -11,6 +11,7 @@ from moeflow.messages import WorkerSetup
 from moeflow.model.weights import LoadSpec
 from moeflow.workers.afd_attention import AfdStages
 from moeflow.workers.attention import AttentionWorker
+from moeflow.workers.expert_slots import slots_for
 from moeflow.workers.ffn import FfnDaemon
 from moeflow.workers.moe import MoEWorker
 from moeflow.workers.prefetch import ExpertPrefetcher
@@ -55,8 +56,10 @@ def _dep_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWor
     receiver = transport.dispatch_receiver(rank)  # our dispatch buffer, before anyone attaches to it
     stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.experts_held[rank]),
                              send_to=tuple(range(len(setup.experts_held))))
-    schedule = Lockstep(stages, receiver, transport.combine_sender(rank), len(setup.experts_held))
-    return AttentionWorker(stages, schedule, replies=True)
+    slots = slots_for(setup, transport, stages.weights.experts, stages.tracer)
+    stages.weights.experts = slots.for_word(0)[1]  # under live rebalancing: the published copy, not a second one
+    schedule = Lockstep(stages, receiver, transport.combine_sender(rank), len(setup.experts_held), slots)
+    return AttentionWorker(stages, schedule, replies=True, expert_slots=slots)
 
 
 @role("dwdp")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from moeflow.model.moe import experts_list, experts_merged, plan_pairs, weighted_sum
+from moeflow.workers.dispatch import untag_layer
 from moeflow.workers.experts import ExpertCompute, send_replies
 from moeflow.workers.stages import AttentionStages, InFlight, guarded
 
@@ -51,10 +52,10 @@ class Lockstep(LayerSchedule):
     results back. No rank gets a layer's results before every rank dispatched that layer: the
     barrier of DP attention + expert parallelism."""
 
-    def __init__(self, stages: AttentionStages, receiver, sender, num_ranks: int):
+    def __init__(self, stages: AttentionStages, receiver, sender, num_ranks: int, slots=None):
         super().__init__(stages)
         self.receiver, self.sender, self.num_ranks = receiver, sender, num_ranks  # our expert-side endpoints
-        self.compute = ExpertCompute(stages.weights.experts, stages.tracer)
+        self.compute = ExpertCompute(slots or stages.weights.experts, stages.tracer)
 
     def run(self, flights: list[InFlight]) -> None:
         (f,) = flights  # one batch per rank per step (possibly empty: a dummy step)
@@ -72,7 +73,7 @@ class Lockstep(LayerSchedule):
             w0 = time.monotonic()
             msg = self.receiver.recv()
             c0 = time.monotonic()
-            assert msg.rows[0].layer_id == layer, f"layer {msg.rows[0].layer_id} arrived during {layer}"
+            assert untag_layer(msg.rows[0].layer_id)[0] == layer, f"layer {msg.rows[0].layer_id} arrived during {layer}"
             replies += self.compute.run(msg)
             tracer.add("wait-dispatch", w0, c0, layer=layer)
             f.wait_s += c0 - w0

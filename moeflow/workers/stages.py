@@ -18,7 +18,7 @@ from moeflow.model.kv_cache import AttentionMetadata, KVCache
 from moeflow.model.sharding import shard_attention
 from moeflow.model.transformer import AttentionOut, MoETransformer
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
-from moeflow.workers.dispatch import ExpertRoutes, WorkerShare
+from moeflow.workers.dispatch import ExpertRoutes, LayeredRoutes, WorkerShare, tag_layer
 from moeflow.workers.expert_load import ExpertLoadRecorder
 from moeflow.workers.runner import ModelRunner
 from moeflow.workers.tracer import Tracer
@@ -109,12 +109,23 @@ class AttentionStages:
         if dispatch:
             self.routes = (ExpertRoutes(setup.experts_held, cfg.num_experts, group, self.device)
                            if cfg.num_moe_layers else None)
+            self.layered: LayeredRoutes | None = None  # after a rebalance: per-layer routes
+            self.expert_epoch = 0  # the placement this process routes by (a dispatch carries its parity)
             self.epw = setup.comm.spec.experts_per_rank
             self.send_to = None if send_to is None else list(send_to)
             # NOTE: receivers own their buffers; build ours before attaching to the expert side's.
             # Our group is a region of every expert-side buffer, our member a lane of it.
             self.receiver = transport.combine_receiver(region=group, lane=member)
             self.sender = transport.dispatch_sender(region=group, lane=member)
+
+    def use_experts(self, epoch: int, layers: tuple) -> None:
+        """Route by placement ``epoch`` (``ExpertMap.layers``) from the next batch on."""
+        moe = [lid for lid in range(self.cfg.num_layers) if self.cfg.sparse_layers[lid]]
+        self.layered = LayeredRoutes(layers, moe, self.cfg.num_experts, self.group, self.device)
+        self.expert_epoch = epoch
+
+    def routes_for(self, layer: int) -> ExpertRoutes:
+        return self.routes if self.layered is None else self.layered.for_layer(layer)
 
     def memory(self) -> dict[str, int]:
         """Bytes this process holds, by kind (workers report them at start)."""
@@ -195,15 +206,16 @@ class AttentionStages:
         """Route the batch and send this member's pairs; returns when routing ended (the rest is sending)."""
         ids, wts = self.route(layer, f, f.attn.moe_input)  # [n, K] each, identical on every TP member
         # the whole batch's set: every member sends to it
-        f.workers = self.send_to if self.send_to is not None else self.routes.workers_for(ids)
-        f.shares = self.routes.split(ids, f.workers, (f.lo, f.hi))  # replicas chosen over the whole batch
+        routes = self.routes_for(layer)
+        f.workers = self.send_to if self.send_to is not None else routes.workers_for(ids)
+        f.shares = routes.split(ids, f.workers, (f.lo, f.hi))  # replicas chosen over the whole batch
         ids, f.topk_w = ids[f.lo:f.hi], wts[f.lo:f.hi]
         x = f.attn.moe_input[f.lo:f.hi]  # [s, H]
         c2 = time.monotonic()
         k = ids.shape[1]
         for sh in f.shares:
             tpe = sh.counts + [0] * (self.epw - len(sh.counts))
-            self.sender.send(sh.worker, x[sh.pair_index // k], layer, f.batch.batch_id, tpe)
+            self.sender.send(sh.worker, x[sh.pair_index // k], tag_layer(layer, self.expert_epoch), f.batch.batch_id, tpe)
         return c2
 
     def _receive(self, f: InFlight) -> dict[int, torch.Tensor]:

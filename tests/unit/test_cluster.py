@@ -10,7 +10,7 @@ import pytest
 from moeflow.comm import CommSpec
 from moeflow.config import ClusterConfig, ConfigError, EngineConfig
 from moeflow.engine.args import add_cluster_args, cluster_config
-from moeflow.engine.process_engine import describe_nodes
+from moeflow.workers.launch import describe_nodes
 from moeflow.messages import WorkerSetup
 from moeflow.workers.launch import free_port
 

@@ -1,0 +1,152 @@
+"""An expert-holding worker's routed-expert slots, and how a live rebalance refills them.
+
+Without live rebalancing (``FixedSlots``) a worker computes from the weights it loaded. With it
+(``ExpertSlots``) the worker keeps two buffers of the same slots, published in the weight store
+(``comm/weights.py``: host shared memory, read one-sidedly by the peers): placement ``epoch`` lives
+in buffer ``epoch % 2``. A rebalance to placement e + 1 fills the other buffer layer by layer on a
+copy thread while the worker goes on serving placement e: a slot whose expert it already holds
+there is left alone, the rest are copied from its own live buffer or read from a peer's. Each
+dispatch carries its placement's parity in the layer word (``dispatch.tag_layer``), so regions
+routed before and after the switch are computed with the buffer they were routed for. The engine
+starts the next rebalance only after every work item routed by the older placement is back, so
+the buffer being filled is never read.
+
+Legend: Lm MoE layers, S slots of this worker, F expert width, H hidden.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from moeflow.messages import ExpertsMoved, MoveExperts
+from moeflow.model.moe import ExpertWeights
+from moeflow.workers.dispatch import untag_layer
+from moeflow.workers.tracer import Tracer
+
+
+class FixedSlots:
+    """The loaded weights, the same for every dispatch (no live rebalancing)."""
+
+    def __init__(self, experts: ExpertWeights):
+        self.experts = experts
+
+    def for_word(self, word: int) -> tuple[int, ExpertWeights]:
+        """(model layer, the weights to compute it with) for a dispatch header's layer word."""
+        return untag_layer(word)[0], self.experts
+
+    def nbytes(self) -> int:
+        return self.experts.w13.nbytes + self.experts.w2.nbytes
+
+    def begin(self, msg: MoveExperts, notify) -> None:
+        raise RuntimeError(f"placement {msg.epoch} asked for, but live rebalancing is off (--enable-eplb)")
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ExpertSlots:
+    def __init__(self, role: str, index: int, experts: ExpertWeights, layers: tuple, store, tracer: Tracer):
+        """``layers``: the deployment's placement (``ExpertMap.layers``), which ``experts`` loaded."""
+        self.role, self.index, self.tracer = role, index, tracer
+        w13, w2 = experts.w13, experts.w2
+        host = {"w13_0": w13.cpu(), "w2_0": w2.cpu(), "w13_1": w13.cpu(), "w2_1": w2.cpu()}
+        self.store, pub = store, store.publish(index, host)  # [Lm, S, 2F, H] and [Lm, S, H, F] each, in shm
+        self.host = [(pub["w13_0"], pub["w2_0"]), (pub["w13_1"], pub["w2_1"])]
+        on_host = w13.device.type == "cpu"  # compute from the published copy; an accelerator keeps its own
+        self.compute = self.host if on_host else [(w13, w2), (w13.clone(), w2.clone())]
+        self.layer_ids = experts.layer_ids
+        self.weights = [ExpertWeights(c[0], c[1], self.layer_ids, experts.slots) for c in self.compute]
+        self.layers = [tuple(layers), tuple(layers)]  # the placement each buffer holds
+        self.peers: dict[int, object] = {}
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def for_word(self, word: int) -> tuple[int, ExpertWeights]:
+        layer, parity = untag_layer(word)
+        return layer, self.weights[parity]
+
+    def nbytes(self) -> int:
+        return 2 * sum(t.nbytes for t in self.host[0])
+
+    # -- a rebalance ----------------------------------------------------------------------------
+
+    def begin(self, msg: MoveExperts, notify: Callable[[ExpertsMoved], None]) -> None:
+        """Fill buffer ``msg.epoch % 2`` with ``msg.layers`` on a copy thread; ``notify`` when done."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"{self.role} {self.index}: placement {msg.epoch} asked for while a move runs")
+
+        def run() -> None:
+            try:
+                t0 = time.monotonic()
+                nbytes = self._move(msg.epoch, tuple(msg.layers))
+                t1 = time.monotonic()
+                self.tracer.add("move-experts", t0, t1, "copy", epoch=msg.epoch, bytes=nbytes)
+                notify(ExpertsMoved(self.role, self.index, msg.epoch, t1 - t0, nbytes))
+            except BaseException as e:  # noqa: BLE001  (the worker's next turn raises it)
+                self.error = e
+
+        self._thread = threading.Thread(target=run, name="move-experts", daemon=True)
+        self._thread.start()
+
+    def _move(self, epoch: int, layers: tuple) -> int:
+        target, live = epoch % 2, 1 - epoch % 2
+        now = self.layers[live]
+        nbytes = 0
+        slots = []
+        for l in range(len(self.layer_ids)):
+            want, have = layers[l][self.index], self.layers[target][l][self.index]
+            for s, e in enumerate(want):
+                if have[s] != e:
+                    nbytes += self._fetch(l, s, e, now[l], target, live)
+            if self.compute is not self.host:  # the accelerator's copy of the layer
+                for i in (0, 1):
+                    self.compute[target][i][l].copy_(self.host[target][i][l])
+            slots.append(tuple(want))
+        self.weights[target] = ExpertWeights(*self.compute[target], self.layer_ids, tuple(slots))
+        self.layers[target] = layers
+        return nbytes
+
+    def _fetch(self, l: int, s: int, e: int, placement: tuple, target: int, live: int) -> int:
+        """Expert ``e`` of MoE layer ``l`` into slot ``s`` of buffer ``target``, from a live buffer:
+        ours if we hold it, else a holder's chosen by (our index + e), so pullers spread."""
+        holders = [(d, ids.index(e)) for d, ids in enumerate(placement) if e in ids]
+        mine = [h for h in holders if h[0] == self.index]
+        d, src = mine[0] if mine else holders[(self.index + e) % len(holders)]
+        n = 0
+        for i, name in enumerate(("w13", "w2")):
+            out = self.host[target][i][l, s]
+            if d == self.index:
+                out.copy_(self.host[live][i][l, src])
+            else:
+                if d not in self.peers:
+                    self.peers[d] = self.store.peer(d)
+                self.peers[d].read(f"{name}_{live}", (l, src), 0, out.reshape(-1).view(torch.uint8))
+            n += out.nbytes
+        return n
+
+    def check(self) -> None:
+        """Raise what the copy thread raised (the worker's loop calls this every turn)."""
+        if self.error is not None:
+            raise RuntimeError(f"{self.role} {self.index}: moving experts failed") from self.error
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        for p in self.peers.values():
+            p.close()
+        self.store.close()
+
+
+def slots_for(setup, transport, experts: ExpertWeights, tracer: Tracer):
+    """The worker's slots: two published buffers under live rebalancing (``--enable-eplb``), else
+    the loaded weights alone."""
+    if not setup.engine.enable_eplb:
+        return FixedSlots(experts)
+    layers = (tuple(setup.experts_held),) * len(experts.layer_ids)
+    return ExpertSlots(setup.role, setup.index, experts, layers, transport.weight_store(), tracer)
