@@ -2,9 +2,13 @@
 colocated reference: real worker processes; a replicated expert's tokens go to one copy each."""
 from __future__ import annotations
 
+import random
+import time
+
 import pytest
 
-from moeflow import LLM
+from moeflow import LLM, SamplingParams
+from moeflow.comm import list_segments
 
 from parity import PARAMS, PROMPTS, assert_same, colocated_outputs
 
@@ -50,3 +54,62 @@ def test_the_engine_counts_every_routed_token(checkpoints):
     assert load.eplb_physical_experts == cfg.num_experts + 2
     assert [layer for layer, _ in load.eplb_balancedness] == [l for l in range(cfg.num_layers) if cfg.sparse_layers[l]]
     assert all(0 < b <= 1 for _, b in load.eplb_balancedness)
+
+
+LIVE = dict(enable_eplb=True, eplb_config={"step_interval": 2, "window_size": 4})
+
+
+@pytest.mark.parametrize("layout", [
+    dict(mode="dep", dp=2, num_redundant_experts=2),
+    dict(mode="asap", attn_dp=2, moe_workers=2, num_redundant_experts=3, min_batch_tokens=8, max_batch_tokens=128),
+    dict(mode="afd", attn_workers=2, ffn_workers=2, topology="all", num_redundant_experts=2),
+    dict(mode="afd", attn_workers=1, ffn_workers=3, topology="all", router="ffn", num_redundant_experts=2),
+])
+def test_outputs_stay_equal_across_live_rebalances(checkpoints, reference, layout):
+    """Rebalances every 2 work items while the same prompts run again and again: every round equals
+    colocated, several placements were switched to and retired, and nothing is left in /dev/shm."""
+    with LLM(checkpoints("qwen3").path, dtype="float32", **LIVE, **layout) as llm:
+        for _ in range(3):
+            assert_same(llm.generate(PROMPTS, PARAMS), reference["qwen3"])
+        history, deployment_id = llm.engine.eplb.history, llm.engine.deployment_id
+    assert sum(r.retired_s is not None for r in history) >= 3
+    assert all(r.balancedness_after > r.balancedness_before for r in history)
+    assert list_segments(deployment_id) == []
+
+
+def test_live_rebalancing_is_refused_where_it_cannot_run(checkpoints):
+    path = checkpoints("qwen3").path
+    with pytest.raises(ValueError, match="mode dwdp has no placement to rebalance"):
+        LLM(path, mode="dwdp", dp=2, enable_eplb=True)
+    with pytest.raises(ValueError, match="it runs on one host with transport shm"):
+        LLM(path, mode="dep", dp=2, transport="dist", enable_eplb=True)
+    with pytest.raises(ValueError, match="eplb_config.step_interval must be a positive int"):
+        LLM(path, mode="dep", dp=2, enable_eplb=True, eplb_config={"step_interval": 0})
+    with pytest.raises(ValueError, match=r"unknown keys \['windw_size'\]"):
+        LLM(path, mode="dep", dp=2, enable_eplb=True, eplb_config={"windw_size": 3})
+
+
+def test_rebalances_under_poisson_load_answer_every_request(checkpoints):
+    """Poisson arrivals (40 rps, ragged prompts) into asap with rebalances every 3 work items: every
+    request finishes without error, placements switch and retire while items are in flight, and
+    every KV block and shared-memory segment comes back."""
+    rng = random.Random(1)
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", attn_dp=2, moe_workers=2,
+             num_redundant_experts=2, min_batch_tokens=8, max_batch_tokens=128, enable_eplb=True,
+             eplb_config={"step_interval": 3, "window_size": 8}) as llm:
+        engine, t, due = llm.engine, time.monotonic(), []
+        for _ in range(40):
+            t += rng.expovariate(40.0)
+            prompt = [rng.randrange(3, 250) for _ in range(rng.choice((1, 5, 20, 60)))]
+            due.append((t, llm.make_request(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))))
+        finished, n = [], len(due)
+        while len(finished) < n:
+            while due and due[0][0] <= time.monotonic():
+                engine.add_request(due.pop(0)[1])
+            finished += engine.step().finished
+        assert all(r.error is None and len(r.output_token_ids) == 8 for r in finished)
+        pools = engine.scheduler.pool.groups
+        assert all(g.allocator.num_free == g.allocator.num_blocks for g in pools)
+        history, deployment_id = engine.eplb.history, engine.deployment_id
+    assert sum(r.retired_s is not None for r in history) >= 2
+    assert list_segments(deployment_id) == []
