@@ -19,7 +19,8 @@ import argparse
 import numpy as np
 
 
-def measure(model: str, prompts: list[list[int]], dtype: str = "float32") -> tuple[int, list[np.ndarray]]:
+def measure(model: str, prompts: list[list[int]], dtype: str = "float32",
+            router_skew: float = 0.0) -> tuple[int, list[np.ndarray]]:
     """(number of experts, per prompt an [L_moe, E] array of pairs per expert)."""
     import torch
 
@@ -28,7 +29,7 @@ def measure(model: str, prompts: list[list[int]], dtype: str = "float32") -> tup
     from moeflow.model.transformer import MoETransformer
     from moeflow.model.weights import load_weights
 
-    cfg, w = load_weights(resolve_model(model), getattr(torch, dtype))
+    cfg, w = load_weights(resolve_model(model), getattr(torch, dtype), router_skew=router_skew)
     net = MoETransformer(cfg, w)
     moe_layers = [lid for lid in range(cfg.num_layers) if cfg.sparse_layers[lid]]
     out = []
@@ -82,6 +83,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", default="2,4", help="expert devices to report, comma-separated")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--router-skew", type=float, default=0.0, help="the benchmarks' Zipf tilt of the routers (0: the model's own)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
 
@@ -92,9 +94,10 @@ def run(args: argparse.Namespace) -> int:
 
     reqs = generate_requests(WorkloadConfig(kind=args.workload, rate_rps=1.0, num_requests=args.num_requests,
                                             length_scale=args.length_scale, seed=args.seed))
-    num_experts, per_prompt = measure(args.model, token_prompts(reqs, args.seed), args.dtype)
+    num_experts, per_prompt = measure(args.model, token_prompts(reqs, args.seed), args.dtype, args.router_skew)
     res = summarize(num_experts, per_prompt, [int(x) for x in args.devices.split(",")], args.seed)
-    res.update(model=args.model, workload=args.workload, length_scale=args.length_scale, seed=args.seed)
+    res.update(model=args.model, workload=args.workload, length_scale=args.length_scale, seed=args.seed,
+               router_skew=args.router_skew)
     print(f"{args.model}: {res['num_prompts']} prompts, {res['pairs']:,} (token, expert) pairs, "
           f"{num_experts} experts; per-expert load CV per layer: "
           + " ".join(f"{x:.2f}" for x in res["expert_cv_per_layer"]) + f" (mean {res['expert_cv_mean']:.2f})")

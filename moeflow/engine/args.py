@@ -85,6 +85,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       help='{"window_size": work items of load (1000), "step_interval": work items between '
                       'rebalances (3000), "num_groups": expert groups, "policy": auto|hierarchical|global, '
                       '"log_balancedness": false}')
+    eplb.add_argument("--router-skew", type=float, default=None, metavar="S",
+                      help="benchmarks only: tilt every router toward a Zipf(S) popularity of experts, a different "
+                      "order per layer, so the load is as skewed as a trained model's (changes the outputs)")
     add_cluster_args(p)
     lay = p.add_argument_group("layout (each applies to the modes named)")
     for side in ("prefill", "decode"):
@@ -145,7 +148,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               cluster=cluster_config(args), enable_eplb=getattr(args, "enable_eplb", False),
               eplb_config=getattr(args, "eplb_config", None))
     for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib",
-                 "stall_timeout_s", "kv_admission"):
+                 "stall_timeout_s", "kv_admission", "router_skew"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     given = layout_kwargs(args)

@@ -34,7 +34,7 @@ class ColocatedEngine(Engine):
         device = worker_device(config.device, 0)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.model_config, weights = load_weights(model_path, dtype, device=device)
+        self.model_config, weights = load_weights(model_path, dtype, device=device, router_skew=config.router_skew)
         mc = self.model_config
         self.max_model_len = context_len(config, mc)
         kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype, device)

@@ -21,6 +21,19 @@ class RouterWeights:
 
     weight: torch.Tensor  # [E, H]
     bias: torch.Tensor | None = None  # [E] float32 selection bias (DeepSeek's e_score_correction_bias)
+    skew: torch.Tensor | None = None  # [E] float32 log-tilt of the selection, for benchmarks only (``skewed``)
+
+
+def skewed(gate: RouterWeights, layer: int, s: float, seed: int = 0) -> RouterWeights:
+    """``gate`` whose selection prefers experts by a Zipf(s) popularity: the expert of rank r (a
+    permutation drawn per layer from ``seed``) has its selection probability scaled by (r + 1)^-s.
+    Weights of the chosen experts stay the model's. For benchmarks that need a router as skewed
+    as a trained model's (``--router-skew``); it changes the model's outputs."""
+    if s == 0:
+        return gate
+    rank = torch.randperm(gate.weight.shape[0], generator=torch.Generator().manual_seed(seed * 100003 + layer))
+    tilt = -s * torch.log1p(rank.to(torch.float32))
+    return RouterWeights(gate.weight, gate.bias, tilt.to(gate.weight.device))
 
 
 class Router(abc.ABC):
@@ -41,7 +54,7 @@ class SoftmaxTopK(Router):
     name = "softmax_topk"
 
     def __call__(self, x: torch.Tensor, gate: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(x, gate.weight, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        return route(x, gate.weight, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, gate.skew)
 
 
 class SigmoidGroupTopK(Router):
@@ -56,7 +69,8 @@ class SigmoidGroupTopK(Router):
     def __call__(self, x: torch.Tensor, gate: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         scores = F.linear(x.float(), gate.weight.float()).sigmoid()  # [T, E]
-        choice = scores if gate.bias is None else scores + gate.bias
+        choice = scores if gate.skew is None else scores * gate.skew.exp()
+        choice = choice if gate.bias is None else choice + gate.bias
         if c.n_group > 1:
             t, per = choice.shape[0], c.num_experts // c.n_group
             group_scores = choice.view(t, c.n_group, per).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
@@ -81,11 +95,15 @@ def router_for(cfg: ModelConfig) -> Router:
     return router(cfg)
 
 
-def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk_prob: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          skew: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k router. x: [T, H]; gate_w: [E, H] -> (ids [T, K] int64, weights [T, K] float32)."""
     probs = F.linear(x, gate_w).float().softmax(dim=-1)  # [T, E]
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if skew is None:
+        weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    else:
+        ids = torch.topk(probs.log() + skew, top_k, dim=-1)[1]
+        weights = probs.gather(1, ids)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights

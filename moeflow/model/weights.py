@@ -17,7 +17,7 @@ from moeflow.model.attention import AttentionKind, AttentionWeights, attention_f
 from moeflow.model.checkpoint import CheckpointError, CheckpointReader
 from moeflow.model.family import Family, family_for, load_families
 from moeflow.model.moe import ExpertWeights
-from moeflow.model.router import RouterWeights, router_for
+from moeflow.model.router import RouterWeights, router_for, skewed
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # EngineConfig.dtype -> torch
@@ -67,9 +67,10 @@ def load_config(path: str) -> tuple[ModelConfig, Family]:
     return family.to_model_config(hf), family
 
 
-def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec(),
-                 device: torch.device | str = "cpu") -> tuple[ModelConfig, ModelWeights]:
-    """``spec``'s part of the checkpoint at ``path`` in ``dtype``, loaded straight onto ``device``."""
+def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec(), device: torch.device | str = "cpu",
+                 router_skew: float = 0.0) -> tuple[ModelConfig, ModelWeights]:
+    """``spec``'s part of the checkpoint at ``path`` in ``dtype``, loaded straight onto ``device``;
+    ``router_skew``: the benchmarks' Zipf tilt of every router's selection (``router.skewed``)."""
     cfg, fam = load_config(path)
     r = CheckpointReader(path, dtype, device)
     layers = tuple(range(cfg.num_layers)) if spec.layers is None else spec.layers
@@ -90,6 +91,7 @@ def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec(),
             _load_attention_side(r, fam, cfg, kind, lid, w)
     elif spec.routers:
         w.routers = {lid: _load_router(r, fam, cfg, lid) for lid in layers if cfg.sparse_layers[lid]}
+    w.routers = {lid: skewed(g, lid, router_skew) for lid, g in w.routers.items()}
     if spec.routed_experts and cfg.num_moe_layers:
         w.experts = _load_experts(r, fam, cfg, [l for l in layers if cfg.sparse_layers[l]], spec.experts)
     return cfg, w

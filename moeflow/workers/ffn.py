@@ -67,7 +67,7 @@ class FfnDaemon:
         self.routes_here = layout.router == "ffn"
         cfg, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
                               LoadSpec(attention=False, experts=setup.experts_held[j], routers=self.routes_here),
-                              setup.device)
+                              setup.device, setup.engine.router_skew)
         self.gates, self.num_experts = w.routers, cfg.num_experts
         self.router = router_for(cfg)
         self.moe_index = {lid: i for i, lid in enumerate(w.experts.layer_ids)}

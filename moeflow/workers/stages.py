@@ -94,7 +94,7 @@ class AttentionStages:
         self.setup, self.tp, self.group, self.member, self.tp_size = setup, tp, group, member, tp_size
         dtype = TORCH_DTYPES[setup.engine.dtype]
         self.device = torch.device(setup.device)
-        cfg, weights = load_weights(setup.model_path, dtype, load_spec, self.device)
+        cfg, weights = load_weights(setup.model_path, dtype, load_spec, self.device, setup.engine.router_skew)
         self.cfg, self.weights = cfg, weights
         mcfg, mweights = shard_attention(cfg, weights, member, tp_size)
         self.model = MoETransformer(mcfg, mweights, attn_reduce=tp.all_reduce if tp else None)

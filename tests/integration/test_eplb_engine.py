@@ -113,3 +113,27 @@ def test_rebalances_under_poisson_load_answer_every_request(checkpoints):
         history, deployment_id = engine.eplb.history, engine.deployment_id
     assert sum(r.retired_s is not None for r in history) >= 2
     assert list_segments(deployment_id) == []
+
+
+def test_the_benchmarks_router_skew_is_applied_wherever_tokens_are_routed(checkpoints):
+    """``router_skew`` tilts every router alike: colocated and afd whose daemons route agree, and the
+    recorded load is more skewed than the model's own."""
+    path = checkpoints("qwen3").path
+    with LLM(path, dtype="float32", router_skew=1.5) as llm:
+        refs = llm.generate(PROMPTS, PARAMS)
+    with LLM(path, dtype="float32", mode="afd", attn_workers=1, ffn_workers=2, topology="all", router="ffn",
+             router_skew=1.5) as llm:
+        assert_same(llm.generate(PROMPTS, PARAMS), refs)
+        skewed = llm.engine.expert_load.total
+    plain = colocated_counts(path)
+    assert _cv(skewed) > _cv(plain) + 0.2
+
+
+def _cv(counts) -> float:
+    share = counts / counts.sum(axis=1, keepdims=True)
+    return float((share.std(axis=1) / share.mean(axis=1)).mean())
+
+
+def colocated_counts(path):
+    from moeflow.bench.router_load import measure
+    return sum(measure(path, PROMPTS)[1])

@@ -35,3 +35,23 @@ def test_metrics_export_the_placement_and_its_balance():
     metrics2 = ServerMetrics(60.0, lambda: 0.0)
     metrics2.watch(lambda: Snapshot(True, None, 0))  # colocated: no expert devices, no gauges
     assert "moeflow_eplb" not in metrics2.render().decode()
+
+
+def test_the_router_skew_tilts_the_choice_not_the_weights():
+    import torch
+
+    from moeflow.model.router import RouterWeights, route, skewed
+    g = torch.Generator().manual_seed(0)
+    gate = RouterWeights(torch.randn(16, 8, generator=g))
+    assert skewed(gate, 3, 0.0) is gate
+    a, b = skewed(gate, 3, 1.0), skewed(gate, 3, 1.0)
+    assert torch.equal(a.skew, b.skew) and not torch.equal(a.skew, skewed(gate, 4, 1.0).skew)  # per layer
+    x = torch.randn(4000, 8, generator=g)
+    ids0, w0 = route(x, gate.weight, 2, False)
+    ids1, w1 = route(x, gate.weight, 2, False, a.skew)
+    probs = torch.softmax(x @ gate.weight.T, dim=-1)
+    assert torch.allclose(w1, probs.gather(1, ids1))  # the chosen experts' own probabilities
+    hot = int(torch.argmax(a.skew))  # rank 0: no tilt; every other expert is tilted down
+    assert (ids1 == hot).sum() > (ids0 == hot).sum()
+    cv = [(c.std() / c.mean()).item() for c in (torch.bincount(i.flatten(), minlength=16).float() for i in (ids0, ids1))]
+    assert cv[1] > cv[0] + 0.3
