@@ -54,4 +54,4 @@ def test_the_router_skew_tilts_the_choice_not_the_weights():
     hot = int(torch.argmax(a.skew))  # rank 0: no tilt; every other expert is tilted down
     assert (ids1 == hot).sum() > (ids0 == hot).sum()
     cv = [(c.std() / c.mean()).item() for c in (torch.bincount(i.flatten(), minlength=16).float() for i in (ids0, ids1))]
-    assert cv[1] > cv[0] + 0.3
+    assert cv[1] > cv[0] + 0.15
