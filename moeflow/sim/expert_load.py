@@ -11,21 +11,25 @@ straggler source of synchronous systems (§1). The model (``SimOptions``):
   placement sums p into per-device shares; each batch's n pairs then fall
   Multinomial(n, shares), independently per layer.
 
-Placements: ``contiguous`` (device d owns experts [d·E/N, (d+1)·E/N), as moeflow places them);
-``eplb``: DeepSeek-V3 §3.4's prefill deployment, one redundant expert per device: the N hottest
-experts of the layer get a second copy (each copy takes half its load), then all copies are
-packed heaviest first onto the least loaded device that has a free slot, knowing p exactly (the
-best EPLB can do with perfect statistics).
+Placements are the engine's (``layout/expert_map.py``), priced the way the engine routes: a
+replicated expert's pairs split evenly over its copies. ``contiguous``: the engine's placement
+before any load is known (device d holds the d-th share of the E + R slots; the R redundant ones
+replicate experts 0..R-1). ``eplb``: the engine's rebalance (``scheduler/eplb.py``, global policy)
+of the layer's popularity p, known exactly (what a live rebalance converges to with perfect
+statistics), with R redundant slots; R = 0 on the system means DeepSeek-V3 §3.4's prefill
+deployment, one redundant expert per device.
 
 NOTE: a token's K experts are distinct, so per-device counts vary slightly less than multinomial.
 """
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 
 import numpy as np
+
+from moeflow.layout.expert_map import ExpertMap
+from moeflow.scheduler.eplb import rebalance
 
 PLACEMENTS = ("contiguous", "eplb")
 
@@ -45,39 +49,27 @@ def popularity(num_experts: int, num_layers: int, cv: float, seed: int) -> np.nd
     return rng.dirichlet(np.full(num_experts, dirichlet_alpha(num_experts, cv)), size=num_layers)
 
 
-def place(pop: np.ndarray, num_devices: int, placement: str) -> np.ndarray:
-    """[L, N] share of each layer's pairs that each device receives."""
+def expert_map(pop: np.ndarray, num_devices: int, placement: str, num_redundant: int = 0) -> ExpertMap:
+    """The engine's placement of ``pop`` [L, E] over ``num_devices``."""
     num_layers, e = pop.shape
     if placement == "contiguous":
-        owner = np.arange(e) * num_devices // e
-        return np.stack([np.bincount(owner, weights=row, minlength=num_devices) for row in pop])
+        return ExpertMap.contiguous(e, num_devices, num_layers, num_redundant)
     if placement == "eplb":
-        return np.stack([_eplb(row, num_devices) for row in pop])
+        return rebalance(pop.tolist(), num_devices, num_redundant or num_devices, policy="global")
     raise ValueError(f"expert_placement must be one of {PLACEMENTS}, got {placement!r}")
 
 
-def _eplb(p: np.ndarray, n: int) -> np.ndarray:
-    units = [float(x) for x in p]
-    for i in np.argsort(-p, kind="stable")[:n]:  # the n hottest experts get a second copy
-        units[i] /= 2
-        units.append(units[i])
-    slots = math.ceil(len(units) / n)
-    load = np.zeros(n)
-    free = [slots] * n
-    heap = [(0.0, d) for d in range(n)]
-    for u in sorted(units, reverse=True):
-        _, d = heapq.heappop(heap)  # least loaded device with a free slot
-        load[d] += u
-        free[d] -= 1
-        if free[d]:
-            heapq.heappush(heap, (load[d], d))
-    return load
+def place(pop: np.ndarray, num_devices: int, placement: str, num_redundant: int = 0) -> np.ndarray:
+    """[L, N] share of each layer's pairs that each device receives."""
+    return np.asarray(expert_map(pop, num_devices, placement, num_redundant).device_load(pop.tolist()))
 
 
 @functools.lru_cache(maxsize=32)
 def _shares(num_experts: int, num_layers: int, num_devices: int, cv: float, placement: str,
-            seed: int) -> np.ndarray:
-    shares = place(popularity(num_experts, num_layers, cv, seed), num_devices, placement)
+            seed: int, num_redundant: int) -> np.ndarray:
+    pop = (np.full((num_layers, num_experts), 1 / num_experts) if cv == 0
+           else popularity(num_experts, num_layers, cv, seed))
+    shares = place(pop, num_devices, placement, num_redundant)
     shares.setflags(write=False)  # cached: shared by every system built with these arguments
     return shares
 
@@ -86,13 +78,15 @@ class ExpertLoads:
     """Per-batch (token, expert) pairs per expert device for every MoE layer of one system."""
 
     def __init__(self, num_experts: int, num_layers: int, num_devices: int, cv: float = 0.0,
-                 placement: str = "contiguous", seed: int = 0):
+                 placement: str = "contiguous", seed: int = 0, num_redundant: int = 0):
         if placement not in PLACEMENTS:
             raise ValueError(f"expert_placement must be one of {PLACEMENTS}, got {placement!r}")
         self.num_devices = num_devices
-        self.balanced = cv == 0 or num_devices == 1  # one device takes every pair, however skewed
+        # one device takes every pair, however skewed; uneven replicas make even a flat popularity uneven
+        self.balanced = (cv == 0 and num_redundant == 0) or num_devices == 1
         if not self.balanced:
-            self.shares = _shares(num_experts, num_layers, num_devices, float(cv), placement, seed)  # [L, N]
+            self.shares = _shares(num_experts, num_layers, num_devices, float(cv), placement, seed,
+                                  num_redundant)  # [L, N]
             self._rng = np.random.default_rng([seed, 1])
         self._imbalance_sum = 0.0
         self._num_draws = 0

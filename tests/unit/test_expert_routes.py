@@ -3,6 +3,7 @@ rows, and without replicas the plan is plan_pairs' (the oracle)."""
 import torch
 
 from moeflow.layout import make_layout
+from moeflow.layout.expert_map import ExpertMap
 from moeflow.model.moe import ExpertWeights, plan_pairs
 from moeflow.workers.dispatch import ExpertRoutes
 
@@ -51,3 +52,25 @@ def test_a_members_share_chooses_as_the_whole_batch_does():
         assert sorted(joined.tolist()) == sorted(whole[w].pair_index.tolist())
         assert [a + b for a, b in zip(parts[0][w].counts, parts[1][w].counts)] == whole[w].counts
     assert set(routes.workers_for(ids)) == {0, 1}
+
+
+def test_the_simulator_prices_the_engines_placement_and_replica_routing():
+    """sim/expert_load.py places with scheduler/eplb.py, and its even split over copies is what
+    ExpertRoutes does to within one pair per copy in every batch."""
+    import numpy as np
+
+    from moeflow.scheduler.eplb import rebalance
+    from moeflow.sim.expert_load import place
+
+    g = torch.Generator().manual_seed(3)
+    pop = np.random.default_rng(3).dirichlet(np.full(8, 0.5), size=2)  # [L, E]
+    m = rebalance(pop.tolist(), 3, 4)
+    assert np.allclose(place(pop, 3, "eplb", 4), m.device_load(pop.tolist()))
+    ids = torch.multinomial(torch.tensor(pop[0]), 2 * 500, replacement=True, generator=g).view(500, 2)
+    ids = ids[ids[:, 0] != ids[:, 1]]  # a token's experts are distinct
+    routes = ExpertRoutes(m.layers[0], 8)
+    got = [len(routes.local_plan(ids, d).pair_index) for d in range(3)]
+    counts = torch.bincount(ids.flatten(), minlength=8).tolist()
+    want = ExpertMap((m.layers[0],), 8).device_load([counts])[0]
+    copies = sum(len(r) for r in m.replicas(0))
+    assert all(abs(a - b) <= copies for a, b in zip(got, want)) and sum(got) == ids.numel()
