@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
 def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dict[str, dict]:
     from moeflow import LLM
     from moeflow.bench.probe import Prober
+    from moeflow.engine.eplb import summary as eplb_summary
 
     seed0 = exp.workload.seed
     llms = {}
@@ -133,7 +134,8 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
                     rep["saturation"] = sat.to_point()
                     print(f"[repeat {k}] {n}: {sat.describe()}", flush=True)
     finally:
-        for llm in llms.values():
+        for n, llm in llms.items():
+            runs[n]["eplb"] = eplb_summary(getattr(llm.engine, "eplb", None))
             llm.shutdown()
     for n in names:
         for rep in runs[n]["repeats"]:
@@ -202,7 +204,8 @@ def _assemble(exp, names, runs, repeats, metric, profile_path, config_path, prov
                       "slo_rps": slo[metric.name]["median"], "slo_rps_at_least": slo[metric.name]["median_at_least"],
                       "slo_rps_by_metric": slo,
                       "points": report.aggregate_points(reps), "repeats": reps,
-                      "saturation": report.saturation_summary(reps, capacity["tok_s"] if capacity else None)}
+                      "saturation": report.saturation_summary(reps, capacity["tok_s"] if capacity else None),
+                      "eplb": runs[n].get("eplb")}
     pairs = exp.compare or tuple((n, names[0]) for n in names[1:])
     comparisons = [report.comparison(a, systems[a], b, systems[b], metric.name) for a, b in pairs
                    if a in systems and b in systems]

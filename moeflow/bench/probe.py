@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moeflow.bench.replay import random_prompts, replay
+from moeflow.engine.eplb import point_report
 from moeflow.measure.metrics import summarize
 from moeflow.measure.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
                                  slo_rps_from_points)
@@ -40,6 +41,8 @@ class Prober:
         rps = rate if rate is not None else recorded_rate(reqs)
         engine = self.llm.engine
         preempted = sum(engine.load().preemptions_per_group)
+        eplb = getattr(engine, "eplb", None)
+        rebalances = len(eplb.history) if eplb is not None else 0
         res = replay(self.llm, reqs, prompts, label=label or f"{rps:g}rps", stop=stop, progress=self.progress)
         p = summarize(rps, res.records, res.start_s, cfg.length_scale, res.num_rejected, res.num_failed,
                       res.num_aborted, self.slo)
@@ -48,6 +51,8 @@ class Prober:
         p["resident_mean"] = res.resident_s / p["duration_s"] if p["duration_s"] > 0 else 0.0
         p["output_tok_s"] = res.output_tokens / p["duration_s"] if p["duration_s"] > 0 else 0.0
         p["output_tok_s_per_process"] = p["output_tok_s"] / self.llm.layout.num_processes
+        if eplb is not None:  # the expert placement: its balance, and the rebalances during this point
+            p.update(point_report(eplb, rebalances, res.records))
         if res.stopped_early:  # it certainly missed the SLO under stop.metric; for the mean only a bound is known
             p.update(stopped_early=True, stopped_by=stop.metric.name, ttft_mean_s=res.mean_ttft_bound_s,
                      ttft_p50_s=None, ttft_p90_s=None, ttft_p99_s=None)
