@@ -186,3 +186,10 @@ def summary(eplb: Eplb | None) -> dict | None:
     bal = eplb.window.balancedness()
     return {"live": eplb.live, "physical_experts": eplb.window.map.num_slots, "epoch": eplb.epoch,
             "balancedness_per_layer": bal, "rebalances": [dataclasses.asdict(r) for r in eplb.history]}
+
+
+def slot_note(layout, config, slots: int) -> str:
+    """What a memory plan says of an expert-holding process's slots (with redundancy or EPLB on)."""
+    if not (getattr(layout, "num_redundant_experts", 0) or config.enable_eplb):
+        return ""
+    return f" ({slots} expert slots{', two buffers for live rebalancing' if config.enable_eplb else ''})"

@@ -201,7 +201,7 @@ def test_abort_waiting_and_running():
 
 
 def test_scheduler_and_core_do_not_import_torch():
-    code = ("import sys, moeflow.scheduler.continuous, moeflow.core, moeflow.config; "
+    code = ("import sys, moeflow.scheduler.continuous, moeflow.scheduler.eplb, moeflow.core, moeflow.config; "
             "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
             "assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
