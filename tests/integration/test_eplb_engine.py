@@ -22,7 +22,8 @@ def reference(checkpoints):
     ("qwen3", dict(mode="dep", dp=3, num_redundant_experts=2)),  # 10 slots over 3 ranks: 3/3/4
     ("qwen3", dict(mode="asap", attn_dp=2, moe_workers=2, num_redundant_experts=3, min_batch_tokens=8,
                    max_batch_tokens=128)),
-    ("deepseek_v3", dict(mode="afd", attn_workers=2, ffn_workers=2, topology="all", num_redundant_experts=2)),
+    pytest.param("deepseek_v3", dict(mode="afd", attn_workers=2, ffn_workers=2, topology="all", num_redundant_experts=2),
+                 marks=pytest.mark.slow),  # make test-slow: the live case below takes afd's attention-side path
     ("qwen3", dict(mode="afd", attn_workers=1, ffn_workers=3, topology="all", router="ffn", num_redundant_experts=4)),
 ])
 def test_redundant_experts_match_colocated(checkpoints, reference, name, layout):
@@ -63,7 +64,8 @@ LIVE = dict(enable_eplb=True, eplb_config={"step_interval": 2, "window_size": 4}
     dict(mode="dep", dp=2, num_redundant_experts=2),
     dict(mode="asap", attn_dp=2, moe_workers=2, num_redundant_experts=3, min_batch_tokens=8, max_batch_tokens=128),
     dict(mode="afd", attn_workers=2, ffn_workers=2, topology="all", num_redundant_experts=2),
-    dict(mode="afd", attn_workers=1, ffn_workers=3, topology="all", router="ffn", num_redundant_experts=2),
+    pytest.param(dict(mode="afd", attn_workers=1, ffn_workers=3, topology="all", router="ffn", num_redundant_experts=2),
+                 marks=pytest.mark.slow),  # the daemons' own replica choice: make test runs it with redundancy above
 ])
 def test_outputs_stay_equal_across_live_rebalances(checkpoints, reference, layout):
     """Rebalances every 2 work items while the same prompts run again and again: every round equals
