@@ -31,7 +31,9 @@ def skewed(gate: RouterWeights, layer: int, s: float, seed: int = 0) -> RouterWe
     as a trained model's (``--router-skew``); it changes the model's outputs."""
     if s == 0:
         return gate
-    rank = torch.randperm(gate.weight.shape[0], generator=torch.Generator().manual_seed(seed * 100003 + layer))
+    # drawn on the CPU, so every process and device gets the same order
+    gen = torch.Generator(device="cpu").manual_seed(seed * 100003 + layer)
+    rank = torch.randperm(gate.weight.shape[0], generator=gen, device="cpu")
     tilt = -s * torch.log1p(rank.to(torch.float32))
     return RouterWeights(gate.weight, gate.bias, tilt.to(gate.weight.device))
 
