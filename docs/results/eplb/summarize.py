@@ -57,7 +57,9 @@ def _latency(system: dict) -> str:
 
 
 def main() -> None:
-    with open(os.path.join(HERE, "compare.json")) as f:
+    # the merged comparison when it is there, else the pair measured (the asap pair: asap.json)
+    path = os.path.join(HERE, "compare.json")
+    with open(path if os.path.exists(path) else os.path.join(HERE, "asap.json")) as f:
         res = json.load(f)
     sim = None
     if os.path.exists(os.path.join(HERE, "sim.json")):
