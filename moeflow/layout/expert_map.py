@@ -3,13 +3,12 @@ expert each of its slots holds. Pure Python (the simulator prices the very same 
 
 A device has the same number of slots in every layer (its weight buffers are sized once); what a
 slot holds may differ by layer and change at a rebalance. A logical expert held by several slots
-is *replicated*: a token routed to it goes to one replica (``replica``), so the replicas share its
+is *replicated*: a token routed to it goes to one replica (``workers/dispatch.ExpertRoutes``), so the replicas share its
 load. Physical slot ids number the slots device by device: device 0's first, then device 1's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 from moeflow.config import ConfigError
 
@@ -83,15 +82,6 @@ class ExpertMap:
     def __len__(self) -> int:
         return self.num_devices
 
-    def held(self, device: int) -> tuple[tuple[int, ...], ...]:
-        """[moe layer] -> the logical experts of ``device``'s slots."""
-        return tuple(layer[device] for layer in self.layers)
-
-    @cached_property
-    def uniform(self) -> bool:
-        """Whether every layer places its experts the same way."""
-        return all(layer == self.layers[0] for layer in self.layers)
-
     def physical(self, layer: int) -> list[int]:
         """Layer ``layer``'s physical-to-logical list (device-major)."""
         return [e for ids in self.layers[layer] for e in ids]
@@ -110,7 +100,7 @@ class ExpertMap:
 
     def device_load(self, load: list[list[float]]) -> list[list[float]]:
         """[layer][device] expected load when each logical expert's ``load[layer][e]`` is split
-        evenly over its replicas (what ``replica`` does over many tokens)."""
+        evenly over its replicas (what ``ExpertRoutes`` does, to within one per copy)."""
         dev = self.device_of_slot()
         out = []
         for l in range(self.num_layers):
@@ -141,8 +131,3 @@ def balancedness(device_loads: list[float]) -> float:
     top = max(device_loads, default=0.0)
     return sum(device_loads) / len(device_loads) / top if top > 0 else 1.0
 
-
-def replica(copies: int, row: int) -> int:
-    """Which of an expert's ``copies`` replicas token ``row`` of a batch uses: consecutive rows take
-    the replicas in turn, so a hot expert's tokens split evenly and the choice needs no state."""
-    return row % copies

@@ -65,6 +65,7 @@ class ExpertSlots:
         self.layers = [tuple(layers), tuple(layers)]  # the placement each buffer holds
         self.peers: dict[int, object] = {}
         self._thread: threading.Thread | None = None
+        self._moving = False
         self.error: BaseException | None = None
 
     def for_word(self, word: int) -> tuple[int, ExpertWeights]:
@@ -78,8 +79,9 @@ class ExpertSlots:
 
     def begin(self, msg: MoveExperts, notify: Callable[[ExpertsMoved], None]) -> None:
         """Fill buffer ``msg.epoch % 2`` with ``msg.layers`` on a copy thread; ``notify`` when done."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._moving:
             raise RuntimeError(f"{self.role} {self.index}: placement {msg.epoch} asked for while a move runs")
+        self._moving = True
 
         def run() -> None:
             try:
@@ -87,6 +89,7 @@ class ExpertSlots:
                 nbytes = self._move(msg.epoch, tuple(msg.layers))
                 t1 = time.monotonic()
                 self.tracer.add("move-experts", t0, t1, "copy", epoch=msg.epoch, bytes=nbytes)
+                self._moving = False  # before the report: the next move may be asked for at once
                 notify(ExpertsMoved(self.role, self.index, msg.epoch, t1 - t0, nbytes))
             except BaseException as e:  # noqa: BLE001  (the worker's next turn raises it)
                 self.error = e
