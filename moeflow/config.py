@@ -203,7 +203,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from moeflow.eplb_config import EplbConfig  # it validates with this module's ConfigError
         object.__setattr__(self, "eplb_config", EplbConfig.parse(self.eplb_config or {}))
-        _require(isinstance(self.enable_eplb, bool), f"EngineConfig.enable_eplb must be a bool, got {self.enable_eplb!r}")
+        _require(isinstance(self.enable_eplb, bool),
+                 f"EngineConfig.enable_eplb must be a bool, got {self.enable_eplb!r}")
         _require(isinstance(self.router_skew, (int, float)) and not isinstance(self.router_skew, bool)
                  and self.router_skew >= 0, f"EngineConfig.router_skew must be a number >= 0, got {self.router_skew!r}")
         if isinstance(self.kv_transfer_config, dict):

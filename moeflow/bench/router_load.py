@@ -83,7 +83,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", default="2,4", help="expert devices to report, comma-separated")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--router-skew", type=float, default=0.0, help="the benchmarks' Zipf tilt of the routers (0: the model's own)")
+    p.add_argument("--router-skew", type=float, default=0.0,
+                   help="the benchmarks' Zipf tilt of the routers (0: the model's own)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
 

@@ -20,7 +20,7 @@ from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, slot_note
+from moeflow.engine.eplb import attach, check_live, expert_process
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AfdLayout
@@ -50,8 +50,14 @@ def _footprints(layout: AfdLayout, mc, config: EngineConfig):
     return layout.max_batch_tokens, lambda fp, block: [
         *(ProcessFootprint(f"attention{i}", fp.attention_side(), spec.combine_buffer_bytes, block)
           for i in range(layout.attn_workers)),
-        *(ProcessFootprint(f"ffn{j}{slot_note(layout, config, len(held[j]))}", fp.experts(len(held[j])) * (1 + config.enable_eplb) + (fp.routers if gates else 0),
-                           spec.dispatch_buffer_bytes) for j in range(layout.ffn_workers))]
+        *(_ffn(layout, config, fp, j, len(held[j]), fp.routers if gates else 0, spec.dispatch_buffer_bytes)
+          for j in range(layout.ffn_workers))]
+
+
+def _ffn(layout: AfdLayout, config: EngineConfig, fp, j: int, slots: int, routers: int,
+         buffers: int) -> ProcessFootprint:
+    name, nbytes = expert_process(layout, config, fp, f"ffn{j}", slots)
+    return ProcessFootprint(name, nbytes + routers, buffers)
 
 
 class AfdEngine(ProcessEngine):

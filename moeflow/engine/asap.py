@@ -11,7 +11,7 @@ import functools
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, slot_note
+from moeflow.engine.eplb import attach, check_live, expert_process
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AsapLayout
@@ -41,7 +41,7 @@ def _footprints(layout: AsapLayout, mc, config: EngineConfig):
     return layout.scheduler.max_batch_tokens, lambda fp, block: [
         *(ProcessFootprint(f"attention{r}", fp.attention_side(t), spec.combine_buffer_bytes, member_block)
           for r in range(layout.num_attention_workers)),
-        *(ProcessFootprint(f"moe{i}{slot_note(layout, config, len(held[i]))}", fp.experts(len(held[i])) * (1 + config.enable_eplb), spec.dispatch_buffer_bytes)
+        *(ProcessFootprint(*expert_process(layout, config, fp, f"moe{i}", len(held[i])), spec.dispatch_buffer_bytes)
           for i in range(layout.moe_workers))]
 
 

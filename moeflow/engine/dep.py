@@ -11,7 +11,7 @@ import time
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, slot_note
+from moeflow.engine.eplb import attach, check_live, expert_process
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DepLayout
@@ -34,9 +34,12 @@ def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
 
 def _footprints(layout: DepLayout, mc, config: EngineConfig):
     spec, experts = _spec(layout, mc, config), layout.experts_held(mc.num_experts)
-    return layout.max_batch_tokens, lambda fp, block: [
-        ProcessFootprint(f"rank{r}{slot_note(layout, config, len(experts[r]))}", fp.attention_side() + fp.experts(len(experts[r])) * (1 + config.enable_eplb),
-                         spec.dispatch_buffer_bytes + spec.combine_buffer_bytes, block) for r in range(layout.dp)]
+
+    def rank(fp, block, r):
+        name, nbytes = expert_process(layout, config, fp, f"rank{r}", len(experts[r]))
+        buffers = spec.dispatch_buffer_bytes + spec.combine_buffer_bytes
+        return ProcessFootprint(name, fp.attention_side() + nbytes, buffers, block)
+    return layout.max_batch_tokens, lambda fp, block: [rank(fp, block, r) for r in range(layout.dp)]
 
 
 class DepEngine(ProcessEngine):

@@ -188,8 +188,10 @@ def summary(eplb: Eplb | None) -> dict | None:
             "balancedness_per_layer": bal, "rebalances": [dataclasses.asdict(r) for r in eplb.history]}
 
 
-def slot_note(layout, config, slots: int) -> str:
-    """What a memory plan says of an expert-holding process's slots (with redundancy or EPLB on)."""
-    if not (getattr(layout, "num_redundant_experts", 0) or config.enable_eplb):
-        return ""
-    return f" ({slots} expert slots{', two buffers for live rebalancing' if config.enable_eplb else ''})"
+def expert_process(layout, config, fp, name: str, slots: int) -> tuple[str, int]:
+    """An expert-holding process's name in a memory plan and the bytes of its routed experts:
+    ``slots`` of them, twice under live rebalancing (its second buffer)."""
+    nbytes = fp.experts(slots) * (2 if config.enable_eplb else 1)
+    if getattr(layout, "num_redundant_experts", 0) or config.enable_eplb:
+        name += f" ({slots} expert slots{', two buffers for live rebalancing' if config.enable_eplb else ''})"
+    return name, nbytes

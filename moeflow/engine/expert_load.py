@@ -18,7 +18,8 @@ HOTTEST = 3  # experts per layer /metrics names
 
 
 class ExpertLoadWindow:
-    def __init__(self, expert_map: ExpertMap, moe_layer_ids: list[int], window_size: int = 1000):
+    def __init__(self, expert_map: ExpertMap, moe_layer_ids: list[int], window_size: int = 1000,
+                 computes: bool = True):
         if not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"the expert load window must be a positive number of steps, got {window_size!r}")
         self.map, self.layer_ids, self.window_size = expert_map, list(moe_layer_ids), window_size
@@ -26,7 +27,7 @@ class ExpertLoadWindow:
         self.window = np.zeros(shape, dtype=np.int64)  # [Lm, E] tokens over the window
         self.total = np.zeros(shape, dtype=np.int64)  # since the deployment started
         self._buckets: deque[np.ndarray] = deque()
-        self.computes = True  # whether a device computes the experts it holds (see window_for)
+        self.computes = computes  # whether a device computes the experts it holds (see window_for)
 
     def add(self, counts: np.ndarray | None) -> None:
         """One work item's report ([Lm, E] tokens; None: it routed nothing)."""
@@ -38,10 +39,6 @@ class ExpertLoadWindow:
         self.total += counts
         if len(self._buckets) > self.window_size:
             self.window -= self._buckets.popleft()
-
-    def device_load(self) -> np.ndarray:
-        """[Lm, devices] tokens each expert device computed over the window, per layer."""
-        return np.asarray(self.map.device_load(self.window.tolist()), dtype=float)
 
     def balancedness(self) -> list[float]:
         """Per MoE layer, mean / max device load over the window (1.0 before any token); none where
@@ -59,12 +56,11 @@ class ExpertLoadWindow:
         return out
 
 
-def window_for(mc, held: tuple[tuple[int, ...], ...], computes: bool = True, window_size: int = 1000) -> ExpertLoadWindow:
+def window_for(mc, held: tuple[tuple[int, ...], ...], computes: bool = True,
+               window_size: int = 1000) -> ExpertLoadWindow:
     """The window of a deployment whose expert-holding processes hold ``held`` in every MoE layer.
     ``computes``: each process computes the pairs of the experts it holds (dep, asap, afd with
     topology all), so the placement decides its load; False (dwdp ranks, which pull what they lack
     and compute their own tokens; afd's blocks) keeps the window without a device balance."""
     moe = [lid for lid in range(mc.num_layers) if mc.sparse_layers[lid]]
-    w = ExpertLoadWindow(ExpertMap((held,) * len(moe), mc.num_experts), moe, window_size)
-    w.computes = computes
-    return w
+    return ExpertLoadWindow(ExpertMap((held,) * len(moe), mc.num_experts), moe, window_size, computes)

@@ -107,7 +107,8 @@ class ProcessEngine(Engine):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    kv_members = lambda self, group: getattr(self.layout, "attn_tp", 1)  # noqa: E731
+    def kv_members(self, group: int) -> int:
+        return getattr(self.layout, "attn_tp", 1)
 
     def send_kv(self, group: int, message) -> None:
         t = self.kv_members(group)

@@ -58,8 +58,8 @@ class ExpertWeights:
         if len(self.slots) != len(self.layer_ids) or len({len(s) for s in self.slots}) > 1:
             raise ValueError(f"ExpertWeights: {len(self.layer_ids)} layers need as many slot lists of one length, "
                              f"got {[len(s) for s in self.slots]}")
-        self._indexes: dict[tuple[int, ...], ExpertIndex] = {}
-        self.index = self.index_of(self.layer_ids[0]) if self.layer_ids else ExpertIndex(())
+        # layer 0's lookup (plan_pairs); where slots differ by layer, workers.dispatch.ExpertRoutes routes
+        self.index = ExpertIndex(self.slots[0] if self.slots else ())
 
     @property
     def num_local(self) -> int:
@@ -71,15 +71,8 @@ class ExpertWeights:
         except KeyError:
             raise KeyError(f"experts of layer {layer} are not held here (held: {self.layer_ids})") from None
 
-    def index_of(self, layer: int) -> ExpertIndex:
-        """Layer ``layer``'s global -> local lookup (one per distinct slot list)."""
-        ids = self.slots[self.layer_slot(layer)]
-        if ids not in self._indexes:
-            self._indexes[ids] = ExpertIndex(ids)
-        return self._indexes[ids]
-
-    def local_ids(self, global_ids: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        return (self.index if layer is None else self.index_of(layer)).local_ids(global_ids)
+    def local_ids(self, global_ids: torch.Tensor) -> torch.Tensor:
+        return self.index.local_ids(global_ids)
 
 
 def experts_grouped(w: ExpertWeights, layer: int, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -168,14 +161,14 @@ class ExpertPlan:
     counts: torch.Tensor  # [El] int64 rows per local expert
 
 
-def plan_pairs(topk_ids: torch.Tensor, w: ExpertWeights | ExpertIndex, layer: int | None = None) -> ExpertPlan:
+def plan_pairs(topk_ids: torch.Tensor, w: ExpertWeights | ExpertIndex) -> ExpertPlan:
     """Group the pairs whose expert is held locally by local expert id (stable order).
 
-    topk_ids: [T, K] global ids. Pairs of experts not held here are left out. ``layer``: whose
-    slots to look up, where they differ by layer.
+    topk_ids: [T, K] global ids. Pairs of experts not held here are left out. (Slots that differ
+    by layer are routed by ``workers.dispatch.ExpertRoutes``, not here.)
     """
     k = topk_ids.shape[1]
-    index = w if isinstance(w, ExpertIndex) or layer is None else w.index_of(layer)
+    index = w if isinstance(w, ExpertIndex) else w.index
     local = index.local_ids(topk_ids.reshape(-1))  # [P]
     held = torch.nonzero(local >= 0).squeeze(1)  # [N]
     local_held = local[held]

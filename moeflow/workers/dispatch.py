@@ -58,7 +58,8 @@ class ExpertRoutes:
         """The workers a whole batch activates (sorted). topk_ids: [n, K] of the whole batch."""
         return torch.unique(self.assign(topk_ids)[0]).tolist()
 
-    def split(self, topk_ids: torch.Tensor, workers: list[int], rows: tuple[int, int] | None = None) -> list[WorkerShare]:
+    def split(self, topk_ids: torch.Tensor, workers: list[int],
+              rows: tuple[int, int] | None = None) -> list[WorkerShare]:
         """One share per listed worker (possibly empty) of the batch's rows [lo, hi) (default all),
         pairs ordered by (worker, local slot); pair indices count from row lo. topk_ids: [n, K]."""
         worker, local = self.assign(topk_ids)

@@ -45,7 +45,8 @@ class ExpertCompute:
             layer, experts = self.slots.for_word(row.layer_id)
             y = experts_grouped(experts, layer, row.payload, counts)  # [n, H]
             replies.append(Reply(msg.region, row.lane, y, row.layer_id, row.batch_id))
-        self.tracer.add("experts", t0, time.monotonic(), thread, group=msg.region, layer=untag_layer(msg.rows[0].layer_id)[0],
+        self.tracer.add("experts", t0, time.monotonic(), thread, group=msg.region,
+                        layer=untag_layer(msg.rows[0].layer_id)[0],
                         tokens=sum(r.payload.shape[0] for r in msg.rows))
         return replies
 

@@ -215,7 +215,8 @@ class AttentionStages:
         k = ids.shape[1]
         for sh in f.shares:
             tpe = sh.counts + [0] * (self.epw - len(sh.counts))
-            self.sender.send(sh.worker, x[sh.pair_index // k], tag_layer(layer, self.expert_epoch), f.batch.batch_id, tpe)
+            word = tag_layer(layer, self.expert_epoch)
+            self.sender.send(sh.worker, x[sh.pair_index // k], word, f.batch.batch_id, tpe)
         return c2
 
     def _receive(self, f: InFlight) -> dict[int, torch.Tensor]:

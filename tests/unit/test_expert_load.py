@@ -16,7 +16,7 @@ def test_the_window_keeps_the_last_reports_and_prices_devices_by_the_placement()
     w.add(np.array([[2, 2, 2, 2]]))
     w.add(np.array([[4, 0, 0, 4]]))
     assert w.window.tolist() == [[6, 2, 2, 6]] and w.total.tolist() == [[16, 2, 2, 6]]
-    assert w.device_load().tolist() == [[3 + 2, 3 + 2 + 6]]  # expert 0's 6 split over its two copies
+    assert w.map.device_load(w.window.tolist()) == [[3 + 2, 3 + 2 + 6]]  # expert 0's 6 split over its two copies
     assert w.balancedness() == [pytest.approx(8 / 11)]
     assert w.hottest(2) == [(3, 0, 6 / 16), (3, 3, 6 / 16)]
     with pytest.raises(ValueError, match="positive number of steps, got 0"):
