@@ -3,6 +3,7 @@
 Until ``Shutdown``: ``DumpSpans`` is answered with the tracer's spans, any other message (a
 ``RunWork``) goes to the role's handler. An expert-side worker has no work messages: between polls
 of the pipe it runs ``turn`` (one look at its buffers); an attention-side worker blocks on the pipe.
+Every few seconds, between messages, the freed heap goes back to the OS (``heap.py``).
 """
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import threading
 from typing import Callable
 
 from moeflow.messages import DumpSpans, Shutdown, Spans
+from moeflow.workers.heap import HeapTrimmer
 from moeflow.workers.tracer import Tracer
 
 
 def serve_control(conn, role: str, index: int, tracer: Tracer, on_message: Callable[[object], None] | None = None,
                   turn: Callable[[], bool] | None = None) -> None:
     """``turn()`` returns False to stop (its loop failed); without ``turn`` the loop blocks on ``conn``."""
+    heap = HeapTrimmer()
     while True:
+        heap.maybe()
         if turn is None or conn.poll():
             msg = conn.recv()
             if isinstance(msg, Shutdown):

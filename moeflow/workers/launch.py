@@ -9,6 +9,7 @@ nobody called it. A deployment starts by unlinking the segments of dead ones (``
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -62,6 +63,7 @@ def process_state(pid: int) -> str | None:
 def worker_main(setup: WorkerSetup, conn: Connection) -> None:
     """Entry point of every worker process."""
     lifecycle.die_with_parent()
+    faulthandler.enable()  # a crash in native code (a kernel, a signal) still leaves its Python stack on stderr
     parent = mp.parent_process()
     if parent is not None and os.getppid() != parent.pid:  # it died before the line above
         os._exit(1)
@@ -267,7 +269,8 @@ class Deployment:
         try:
             w.conn.send(msg)
         except (BrokenPipeError, OSError):
-            raise WorkerDied(f"{w.name} is gone (control pipe closed)", w) from None
+            w.process.join(1.0)
+            raise WorkerDied(f"{w.name} is gone (control pipe closed; exit code {w.process.exitcode})", w) from None
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         with lifecycle.shielded():  # a signal meanwhile would leave processes or segments behind
