@@ -159,7 +159,7 @@ class ClusterConfig:
         return self.nnodes > 1
 
 
-TRANSPORTS = ("shm", "dist")
+TRANSPORTS = ("shm", "dist", "cuda-ipc")  # cuda-ipc: shm with payloads and published weights on the GPU
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_ADMISSIONS = ("on-demand", "reserve")  # scheduler/pool.py  # "auto": resolved once per deployment (hardware/dtype.py)
 

@@ -28,6 +28,7 @@ export MOEFLOW_CACHE_DIR=${MOEFLOW_CACHE_DIR:-${TMPDIR:-/tmp}/moeflow-gpu-check-
 BENCH=(bench decode --model tiny --device cuda --context 512 --batch 16 --steps 32 --repeats 2)
 TESTS=(tests/gpu/cuda_support.py tests/gpu/test_hf_parity_cuda.py tests/gpu/test_paged_decode_cuda.py
        tests/gpu/test_experts_cuda.py tests/gpu/test_sampling_cuda.py tests/gpu/test_speed_vs_transformers_cuda.py
+       tests/gpu/test_transport_cuda.py tests/integration/comm_harness.py tests/integration/comm_deploy.py
        tests/conftest.py verify/mini_pytest.py verify/gpu_check.py docs/gpu.md)
 
 cd "$ROOT" || exit 2

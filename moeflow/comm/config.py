@@ -23,7 +23,9 @@ class CommConfig:
     stream_chunk_bytes: int = 1 << 20  # shm: payloads larger than this are written (and read) in
     # chunks of about this size, so the receiver's copy overlaps the sender's; 0: one copy each
     rank_nodes: tuple[int, ...] = ()  # links: the host of each world rank; (): all on one host
-
+    # shm: where the mailboxes' payload bytes live (comm/arena.py): host (the shared segment),
+    # cuda_ipc (device memory on compute_device, shared by CUDA IPC), deferred (its CPU fake)
+    arena: str = "host"
 
     def __post_init__(self) -> None:
         if self.spec is not None and not isinstance(self.spec, CommSpec):
@@ -41,5 +43,16 @@ class CommConfig:
         if self.rank_nodes and self.spec is not None and len(self.rank_nodes) != self.spec.world_size:
             raise ConfigError(f"CommConfig.rank_nodes names {len(self.rank_nodes)} ranks; the world has "
                               f"{self.spec.world_size}")
+        from moeflow.comm.arena import ARENAS
+
+        if self.arena not in ARENAS:
+            raise ConfigError(f"CommConfig.arena must be one of {sorted(ARENAS)}, got {self.arena!r}")
+        if self.arena != "host" and self.transport not in ("shm", "shm-handshake", "cuda-ipc"):
+            raise ConfigError(f"CommConfig.arena {self.arena!r} is for the one-host mailboxes (transport shm, "
+                              f"shm-handshake or cuda-ipc); transport {self.transport!r} moves payloads through "
+                              f"host memory")
+        if self.arena == "cuda_ipc" and not self.compute_device.startswith("cuda"):
+            raise ConfigError(f"CommConfig.arena 'cuda_ipc' keeps payloads in device memory: compute_device must "
+                              f"be a CUDA device, got {self.compute_device!r}")
         if not self.attach_timeout_s > 0:
             raise ConfigError(f"CommConfig.attach_timeout_s must be > 0, got {self.attach_timeout_s}")

@@ -12,7 +12,9 @@ Layout (bytes; every part aligned so that no two writers share a cache line):
                         word s     flag of slot s: seq of the complete message in it, 0 = empty
                         word 8 + s progress of slot s: seq << 32 | rows written so far
     128 + 128 L       headers [L, S, W'] int64, W' = W rounded up to a 64 B line
-    4096-aligned      payload [L, S, R, H] dtype, every slot 4096-aligned
+    64-aligned        the payload arena's handle, if it has one (``arena.py``; host: none)
+    4096-aligned      payload [L, S, R, H] dtype, every slot 4096-aligned (host arena only: other
+                      arenas keep the payload elsewhere, e.g. in device memory)
 
 Slot protocol (single producer, single consumer per lane; seq counts a lane's messages from 1):
 message ``seq`` goes to slot ``seq % S``. The writer waits until the flag is 0, writes header
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.comm.arena import ARENAS, PayloadArena
 from moeflow.comm.doorbell import FutexDoorbell
 from moeflow.comm.segment import Segment, pid_alive
 from moeflow.comm.spec import DTYPE_BYTES
@@ -74,8 +77,11 @@ class MailboxLayout:
     rows: int  # R: payload capacity of one slot, rows of `hidden`
     hidden: int  # H
     dtype: str  # payload element type
+    arena: str = "host"  # where the payload lives: a key of arena.ARENAS
 
     def __post_init__(self) -> None:
+        if self.arena not in ARENAS:
+            raise ValueError(f"arena must be one of {sorted(ARENAS)}, got {self.arena!r}")
         if not 1 <= self.num_slots <= _FLAG_WORDS:
             raise ValueError(f"num_slots must be in [1, {_FLAG_WORDS}], got {self.num_slots}")
         if min(self.num_lanes, self.header_words, self.rows, self.hidden) < 1:
@@ -98,8 +104,12 @@ class MailboxLayout:
         return self.flags_offset + self.num_lanes * 2 * _LINE
 
     @property
+    def handle_offset(self) -> int:
+        return _round_up(self.headers_offset + self.num_lanes * self.num_slots * self.header_stride, _LINE)
+
+    @property
     def payload_offset(self) -> int:
-        return _round_up(self.headers_offset + self.num_lanes * self.num_slots * self.header_stride, _PAGE)
+        return _round_up(self.handle_offset + ARENAS[self.arena].handle_bytes, _PAGE)
 
     @property
     def slot_bytes(self) -> int:
@@ -107,46 +117,46 @@ class MailboxLayout:
 
     @property
     def size_bytes(self) -> int:
-        return self.payload_offset + self.num_lanes * self.num_slots * self.slot_bytes
+        """The shared segment's bytes (an arena outside the segment adds none)."""
+        payload = self.num_lanes * self.num_slots * self.slot_bytes if ARENAS[self.arena].in_segment else 0
+        return self.payload_offset + payload
 
     @property
     def key(self) -> int:
         """Fingerprint of the geometry: a sender built from another config refuses to attach."""
         return zlib.crc32(repr((VERSION, self.num_lanes, self.num_slots, self.header_words, self.rows,
-                                self.hidden, self.dtype)).encode())
+                                self.hidden, self.dtype, self.arena)).encode())
 
 
 class Mailbox:
     """A mapped mailbox with its doorbell. The owner reads (and created it); others write."""
 
-    def __init__(self, segment: Segment, layout: MailboxLayout):
-        self.segment, self.layout = segment, layout
+    def __init__(self, segment: Segment, layout: MailboxLayout, arena: PayloadArena):
+        self.segment, self.layout, self.arena = segment, layout, arena
         self.bell = FutexDoorbell(segment.buf, layout.bell_offset)
-        self._raw = memoryview(segment.buf)[:layout.payload_offset]
+        self._raw = memoryview(segment.buf)[:layout.handle_offset]
         self._words = self._raw.cast("q")  # control + flags + headers as int64
         self._flag0 = layout.flags_offset // 8
         self._hdr0, self._hdr_stride = layout.headers_offset // 8, layout.header_stride // 8
-        dtype = getattr(torch, layout.dtype)
-        elems = layout.num_lanes * layout.num_slots * layout.slot_bytes // DTYPE_BYTES[layout.dtype]
-        base = torch.frombuffer(segment.buf, dtype=dtype, count=elems, offset=layout.payload_offset)
-        base = base.view(layout.num_lanes, layout.num_slots, -1)  # [L, S, slot elems]
-        n = layout.rows * layout.hidden
-        self._payload = [[base[lane, s, :n].view(layout.rows, layout.hidden) for s in range(layout.num_slots)]
-                         for lane in range(layout.num_lanes)]  # [L][S] -> [R, H]
 
     @classmethod
-    def create(cls, path: str, layout: MailboxLayout) -> "Mailbox":
-        """Create (or atomically replace a stale) mailbox at ``path``; the caller owns and reads it."""
+    def create(cls, path: str, layout: MailboxLayout, device: str = "cpu") -> "Mailbox":
+        """Create (or atomically replace a stale) mailbox at ``path``; the caller owns and reads it.
+        ``device``: where an arena outside the segment allocates the payload."""
+        arena = ARENAS[layout.arena].allocate(layout, device)
+
         def init(buf) -> None:
             ctrl = memoryview(buf)[:64].cast("q")
             ctrl[0], ctrl[1], ctrl[2], ctrl[3], ctrl[4] = (MAGIC, VERSION, layout.key, os.getpid(),
                                                            random.getrandbits(63))
             ctrl.release()
+            arena.publish(buf, layout)  # before the segment appears: a writer finds it complete
 
-        return cls(Segment.create(path, layout.size_bytes, init), layout)
+        segment = Segment.create(path, layout.size_bytes, init)
+        return cls(segment, layout, arena.map(segment.buf, layout))
 
     @classmethod
-    def attach(cls, path: str, layout: MailboxLayout, timeout_s: float) -> "Mailbox":
+    def attach(cls, path: str, layout: MailboxLayout, timeout_s: float, device: str = "cpu") -> "Mailbox":
         """Attach as a writer once the owner has published a live mailbox of this layout."""
 
         def accept(buf) -> bool:
@@ -157,7 +167,8 @@ class Mailbox:
             ctrl.release()
             return ok
 
-        return cls(Segment.attach(path, accept, timeout_s), layout)
+        segment = Segment.attach(path, accept, timeout_s)
+        return cls(segment, layout, ARENAS[layout.arena].open(segment.buf, layout, device))
 
     # --- flags, headers, payload (the hot path: plain index arithmetic, no allocation) ----------
 
@@ -166,11 +177,14 @@ class Mailbox:
 
     def set_flag(self, lane: int, slot: int, seq: int) -> None:
         # NOTE: the release point. Payload and header must be written before this store (TSO keeps
-        # program order on x86; see the module docstring for other CPUs).
+        # program order on x86; see the module docstring for other CPUs; an asynchronous arena's
+        # copies are synchronised by its release()).
+        self.arena.release()
         self._words[self._flag0 + lane * _LANE_WORDS + slot] = seq
 
     def clear_flag(self, lane: int, slot: int) -> None:
         # NOTE: only after the payload was copied out: the writer may overwrite it from now on.
+        self.arena.release()
         self._words[self._flag0 + lane * _LANE_WORDS + slot] = 0
 
     def progress(self, lane: int, slot: int, seq: int) -> int:
@@ -180,6 +194,7 @@ class Mailbox:
 
     def set_progress(self, lane: int, slot: int, seq: int, rows: int) -> None:
         # NOTE: a release point like the flag: rows [0, rows) must be written before this store.
+        self.arena.release()
         self._words[self._flag0 + lane * _LANE_WORDS + _FLAG_WORDS + slot] = (seq << 32) | rows
 
     def occupied(self, lane: int) -> int:
@@ -197,8 +212,8 @@ class Mailbox:
             self._words[i + k] = w
 
     def payload(self, lane: int, slot: int) -> torch.Tensor:
-        """The slot's payload area, [R, H], viewing shared memory."""
-        return self._payload[lane][slot]
+        """The slot's payload area, [R, H], in the arena (shared memory for the host arena)."""
+        return self.arena.slot(lane, slot)
 
     @property
     def owner_pid(self) -> int:
@@ -206,7 +221,7 @@ class Mailbox:
 
     def close(self) -> None:
         """Release the views and the mapping; the owner also unlinks the segment."""
-        self._payload = []
+        self.arena.close()
         self._words.release()
         self._raw.release()
         self.bell.close()

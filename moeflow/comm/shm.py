@@ -24,14 +24,14 @@ from moeflow.comm.weights import ShmWeightStore
 _OWNER_CHECK_S = 0.5  # a sender under backpressure checks this often that its reader still lives
 
 
-def dispatch_layout(spec) -> MailboxLayout:
+def dispatch_layout(spec, arena: str = "host") -> MailboxLayout:
     return MailboxLayout(spec.num_lanes, spec.num_slots, spec.dispatch_header_words,
-                         spec.dispatch_rows, spec.hidden_size, spec.dtype)
+                         spec.dispatch_rows, spec.hidden_size, spec.dtype, arena)
 
 
-def combine_layout(spec) -> MailboxLayout:
+def combine_layout(spec, arena: str = "host") -> MailboxLayout:
     return MailboxLayout(spec.num_expert_ranks, spec.num_slots, spec.combine_header_words,
-                         spec.segment_rows, spec.hidden_size, spec.dtype)
+                         spec.segment_rows, spec.hidden_size, spec.dtype, arena)
 
 
 def dispatch_path(deployment_id: str, rank: int) -> str:
@@ -77,11 +77,11 @@ class LaneWriter:
         n, out = payload.shape[0], mb.payload(lane, slot)
         step = self.chunk_rows or n
         if 0 < n <= step:
-            out[:n].copy_(payload)
+            mb.arena.copy_in(out[:n], payload)
         elif n:
             for start in range(0, n, step):  # stream: the reader may copy each chunk as it lands
                 end = min(n, start + step)
-                out[start:end].copy_(payload[start:end])
+                mb.arena.copy_in(out[start:end], payload[start:end])
                 mb.set_progress(lane, slot, seq, end)
                 mb.bell.ring()
         mb.set_flag(lane, slot, seq)  # publishes the message (release point)
@@ -111,7 +111,7 @@ class LaneReader:
         slot, done = seq % self.num_slots, self.streamed[lane]
         ready = self.mb.progress(lane, slot, seq)
         if ready > done:
-            out[done:ready].copy_(self.mb.payload(lane, slot)[done:ready])
+            self.mb.arena.copy_out(out[done:ready], self.mb.payload(lane, slot)[done:ready])
             self.streamed[lane] = ready
             self.num_streamed_rows += ready - done
 
@@ -122,7 +122,7 @@ class LaneReader:
         words = self.mb.read_header(lane, slot)
         n = words[2]
         if n > done:
-            out[done:n].copy_(self.mb.payload(lane, slot)[done:n])
+            self.mb.arena.copy_out(out[done:n], self.mb.payload(lane, slot)[done:n])
         self.streamed[lane] = 0
         return words, out[:n]
 
@@ -130,8 +130,9 @@ class LaneReader:
 class ShmDispatchSender(DispatchSender):
     def __init__(self, config, region: int, lane: int):
         super().__init__(config, region, lane)
-        layout = dispatch_layout(self.spec)
-        boxes = [Mailbox.attach(dispatch_path(config.deployment_id, e), layout, config.attach_timeout_s)
+        layout = dispatch_layout(self.spec, config.arena)
+        boxes = [Mailbox.attach(dispatch_path(config.deployment_id, e), layout, config.attach_timeout_s,
+                                config.compute_device)
                  for e in range(self.spec.num_expert_ranks)]
         self.writer = LaneWriter(boxes, self.lane_id, config, self.stats)
 
@@ -145,7 +146,8 @@ class ShmDispatchSender(DispatchSender):
 class ShmDispatchReceiver(DispatchReceiver):
     def __init__(self, config, rank: int):
         super().__init__(config, rank)
-        self.mailbox = Mailbox.create(dispatch_path(config.deployment_id, rank), dispatch_layout(self.spec))
+        self.mailbox = Mailbox.create(dispatch_path(config.deployment_id, rank),
+                                      dispatch_layout(self.spec, config.arena), config.compute_device)
         self.bell = self.mailbox.bell
         self.reader = LaneReader(self.mailbox)
         self._expect = [1] * self.spec.num_regions  # next seq of each region
@@ -192,8 +194,9 @@ class ShmDispatchReceiver(DispatchReceiver):
 class ShmCombineSender(CombineSender):
     def __init__(self, config, rank: int):
         super().__init__(config, rank)
-        layout = combine_layout(self.spec)
-        boxes = [Mailbox.attach(combine_path(config.deployment_id, i), layout, config.attach_timeout_s)
+        layout = combine_layout(self.spec, config.arena)
+        boxes = [Mailbox.attach(combine_path(config.deployment_id, i), layout, config.attach_timeout_s,
+                                config.compute_device)
                  for i in range(self.spec.num_lanes)]
         self.writer = LaneWriter(boxes, rank, config, self.stats)
 
@@ -207,7 +210,8 @@ class ShmCombineSender(CombineSender):
 class ShmCombineReceiver(CombineReceiver):
     def __init__(self, config, region: int, lane: int):
         super().__init__(config, region, lane)
-        self.mailbox = Mailbox.create(combine_path(config.deployment_id, self.lane_id), combine_layout(self.spec))
+        self.mailbox = Mailbox.create(combine_path(config.deployment_id, self.lane_id),
+                                      combine_layout(self.spec, config.arena), config.compute_device)
         self.bell = self.mailbox.bell
         self.reader = LaneReader(self.mailbox)
         self._expect = [1] * self.spec.num_expert_ranks  # next seq of each segment
@@ -254,5 +258,5 @@ class ShmTransport(Transport):
     @classmethod
     def mailbox_bytes(cls, config, node: int = 0) -> int:
         s = config.spec  # one host: every expert rank's dispatch mailbox, every lane writer's combine one
-        return 0 if s is None else (s.num_expert_ranks * dispatch_layout(s).size_bytes +
-                                    s.num_lanes * combine_layout(s).size_bytes)
+        return 0 if s is None else (s.num_expert_ranks * dispatch_layout(s, config.arena).size_bytes +
+                                    s.num_lanes * combine_layout(s, config.arena).size_bytes)

@@ -68,11 +68,7 @@ class ShmWeightStore(WeightStore):
         return segment_path(self.config.deployment_id, f"weights{rank}")
 
     def publish(self, rank, tensors):
-        layout, offset = {}, 0
-        for name, t in tensors.items():
-            offset = -(-offset // _ALIGN) * _ALIGN
-            layout[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset}
-            offset += t.numel() * t.element_size()
+        layout, offset = pack(tensors, _ALIGN)
         header = json.dumps({"tensors": layout, "owner_pid": os.getpid()}).encode()
         data0 = -(-(_HEAD.size + len(header)) // _ALIGN) * _ALIGN
 
@@ -103,6 +99,17 @@ class ShmWeightStore(WeightStore):
         for seg in self._segments:
             seg.close()
         self._segments.clear()
+
+
+def pack(tensors: dict[str, torch.Tensor], align: int) -> tuple[dict[str, dict], int]:
+    """Where each tensor goes in one flat allocation (dtype, shape, byte offset, each ``align``-ed),
+    and the bytes it takes."""
+    layout, offset = {}, 0
+    for name, t in tensors.items():
+        offset = -(-offset // align) * align
+        layout[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset}
+        offset += t.numel() * t.element_size()
+    return layout, offset
 
 
 def _view(buf: mmap.mmap, data0: int, spec: dict) -> torch.Tensor:

@@ -46,7 +46,7 @@ class DwdpEngine(ProcessEngine):
         mc = self.model_config
         if not mc.num_moe_layers:
             raise ConfigError("mode 'dwdp' needs a model with MoE layers")
-        if config.transport != "shm":
+        if config.transport not in ("shm", "cuda-ipc"):
             raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over {config.transport!r}")
         check_live(config, "dwdp", computes=False)
         self.experts_held = layout.experts_held(mc.num_experts)
@@ -57,7 +57,7 @@ class DwdpEngine(ProcessEngine):
         comm = CommConfig(None, transport, self.deployment_id, rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
-        world = self._world(layout.dp) if transport != "shm" else None
+        world = self._world(layout.dp) if transport not in ("shm", "cuda-ipc") else None
         fp = weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype])
         self._published = [fp.experts(len(ids)) for ids in self.experts_held]  # each rank's experts in /dev/shm
         self._launch([self._setup(model_path, comm, self.experts_held, world, "dwdp", r, r, r % nnodes)

@@ -10,6 +10,7 @@ import os
 import uuid
 from collections import deque
 
+from moeflow.comm.cuda_ipc import check_engine as check_cuda_ipc
 from moeflow.config import EngineConfig
 from moeflow.core import Batch, Request, Work
 from moeflow.engine.base import Engine, StepResult, clock, validate_request
@@ -81,6 +82,7 @@ class ProcessEngine(Engine):
         """(transport, its ``rank_nodes``) for world ranks on these hosts: the configured one on one
         host; across hosts shm or gloo per link (``links``), unless gloo everywhere was asked for."""
         c = self.config
+        check_cuda_ipc(c)
         if c.cluster.is_multinode and c.transport == "shm":
             return "links", tuple(rank_nodes)
         return c.transport, ()

@@ -58,8 +58,10 @@ class ExpertSlots:
         host = {"w13_0": w13.cpu(), "w2_0": w2.cpu(), "w13_1": w13.cpu(), "w2_1": w2.cpu()}
         self.store, pub = store, store.publish(index, host)  # [Lm, S, 2F, H] and [Lm, S, H, F] each, in shm
         self.host = [(pub["w13_0"], pub["w2_0"]), (pub["w13_1"], pub["w2_1"])]
-        on_host = w13.device.type == "cpu"  # compute from the published copy; an accelerator keeps its own
-        self.compute = self.host if on_host else [(w13, w2), (w13.clone(), w2.clone())]
+        # compute from the published copy where it is on the compute device (the host, or a GPU under
+        # cuda-ipc); an accelerator over host shared memory keeps its own
+        same = self.host[0][0].device == w13.device
+        self.compute = self.host if same else [(w13, w2), (w13.clone(), w2.clone())]
         self.layer_ids = experts.layer_ids
         self.weights = [ExpertWeights(c[0], c[1], self.layer_ids, experts.slots) for c in self.compute]
         self.layers = [tuple(layers), tuple(layers)]  # the placement each buffer holds
@@ -111,6 +113,9 @@ class ExpertSlots:
                 for i in (0, 1):
                     self.compute[target][i][l].copy_(self.host[target][i][l])
             slots.append(tuple(want))
+        dev = self.compute[target][0].device
+        if dev.type == "cuda":  # the copies were queued: in place before the report goes out
+            torch.cuda.synchronize(dev)
         self.weights[target] = ExpertWeights(*self.compute[target], self.layer_ids, tuple(slots))
         self.layers[target] = layers
         return nbytes

@@ -46,6 +46,11 @@ class ExpertPrefetcher:
         self._gen = 0  # bumped by a resync: a pull started before it is thrown away
         self._stop = False
         self.error: BaseException | None = None
+        # on a GPU: pulls on a side stream; a slot is refilled only after the experts op that read
+        # it has run (an event recorded at release), and marked ready once its pulls are complete
+        dev = w13.device
+        self.stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self._freed: list = [None, None]  # per slot: the event after its last reader, or None
         self._thread = threading.Thread(target=self._run, name="copy", daemon=True)
         if m:
             self._thread.start()
@@ -63,7 +68,7 @@ class ExpertPrefetcher:
                     k, gen = self._k, self._gen
                 slot, layer = k % 2, self.moe_layers[k % len(self.moe_layers)]
                 t0 = time.monotonic()
-                self._pull(layer, self.slots[slot])
+                self._pull_on_stream(slot, layer)
                 self.tracer.add("pull", t0, time.monotonic(), "copy", layer=layer)
                 with self._cond:
                     if gen == self._gen:
@@ -74,6 +79,15 @@ class ExpertPrefetcher:
             with self._cond:
                 self.error = e
                 self._cond.notify_all()
+
+    def _pull_on_stream(self, slot: int, layer: int) -> None:
+        if self.stream is None:
+            return self._pull(layer, self.slots[slot])
+        if self._freed[slot] is not None:
+            self.stream.wait_event(self._freed[slot])
+        with torch.cuda.stream(self.stream):
+            self._pull(layer, self.slots[slot])
+        self.stream.synchronize()
 
     def _pull(self, layer: int, buf: tuple[torch.Tensor, torch.Tensor]) -> None:
         l_slot = self.moe_layers.index(layer)
@@ -110,7 +124,11 @@ class ExpertPrefetcher:
         """``layer``'s experts have run: its slot may take the layer after next."""
         with self._cond:
             if layer in self._holds:
-                self._holds[self._holds.index(layer)] = None
+                slot = self._holds.index(layer)
+                if self.stream is not None:  # the experts op may still be running on the compute stream
+                    self._freed[slot] = torch.cuda.Event()
+                    self._freed[slot].record()
+                self._holds[slot] = None
                 self._cond.notify_all()
 
     def close(self) -> None:

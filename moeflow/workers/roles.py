@@ -71,11 +71,10 @@ def _dwdp_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWo
                              dispatch=False)
     store = transport.weight_store()
     w = stages.weights.experts
-    shared = store.publish(rank, {"w13": w.w13, "w2": w.w2})  # in host shared memory, for the peers
-    if stages.device.type == "cpu":  # compute from the published copy; drop ours
+    shared = store.publish(rank, {"w13": w.w13, "w2": w.w2})  # shared memory (cuda-ipc: device memory), for the peers
+    if shared["w13"].device == stages.device:  # compute from the published copy; drop ours
         stages.weights.experts = dataclasses.replace(w, w13=shared["w13"], w2=shared["w2"])
-    # NOTE: on an accelerator the resident experts stay on it and each pull copies host -> device
-    # (the device-to-device weight store is the CUDA transports' work)
+    # NOTE: an accelerator over the shm store keeps its own resident copy and each pull copies host -> device
     peers = {r: store.peer(r) for r in range(len(setup.experts_held)) if r != rank}
     w = stages.weights.experts
     prefetcher = ExpertPrefetcher(rank, setup.experts_held, list(w.layer_ids), (w.w13, w.w2), peers,

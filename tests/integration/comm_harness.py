@@ -29,6 +29,7 @@ class Plan:
     delay_prob: float = 0.1  # chance of a random pause around any send or receive
     max_delay_s: float = 2e-3
     num_layers: int = 4
+    device: str = "cpu"  # where payloads are made and compared (the receivers' compute device)
 
 
 def batch_plan(spec, plan: Plan, region: int, batch: int):
@@ -50,11 +51,18 @@ def batch_plan(spec, plan: Plan, region: int, batch: int):
 
 def payload(spec, plan: Plan, region: int, lane: int, rank: int, batch: int, n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(zlib.crc32(f"{plan.seed}/{region}/{lane}/{rank}/{batch}".encode()))
-    return torch.randn(n, spec.hidden_size, generator=g).to(getattr(torch, spec.dtype))  # [n, H]
+    return torch.randn(n, spec.hidden_size, generator=g).to(plan.device, getattr(torch, spec.dtype))  # [n, H]
 
 
 def crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+    return zlib.crc32(t.cpu().contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+
+
+def deferred_copies(*ends) -> int:
+    """Copies the deferred arena (the CUDA arena's CPU fake) queued in these ends' mailboxes."""
+    boxes = [mb for end in ends for mb in ([end.mailbox] if hasattr(end, "mailbox") else
+                                           getattr(getattr(end, "writer", None), "mailboxes", []))]
+    return sum(getattr(mb.arena, "num_deferred", 0) for mb in boxes)
 
 
 def _maybe_pause(rng: random.Random, plan: Plan) -> None:
@@ -93,6 +101,7 @@ def writer_loop(transport, spec, plan: Plan, region: int, lane: int, timeout_s: 
     while inflight:
         collect()
     stats = asdict(tx.stats)
+    stats["deferred_copies"] = deferred_copies(rx, tx)
     tx.close()
     rx.close()
     return {"log": log, "errors": errors, "stats": stats}
@@ -123,6 +132,7 @@ def expert_loop(transport, spec, plan: Plan, rank: int, timeout_s: float = 60.0)
             tx.send(msg.region, row.lane, row.payload * 2, row.layer_id, row.batch_id)
     stats = asdict(tx.stats)
     stats["streamed_rows"] = rx.reader.num_streamed_rows if hasattr(rx, "reader") else 0
+    stats["deferred_copies"] = deferred_copies(rx, tx)
     tx.close()
     rx.close()
     return {"log": log, "errors": errors, "stats": stats}

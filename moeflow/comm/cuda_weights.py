@@ -1,0 +1,79 @@
+"""One-sided weight pulls between CUDA processes (DWDP on a GPU; the expert mover's peers).
+
+``CudaIpcWeightStore`` is ``ShmWeightStore``'s sibling: a rank's published tensors live in one
+device allocation, and what a peer needs to map it (the CUDA-IPC handle and the tensors' layout)
+is published in a small shared-memory segment (``weights<rank>``); a pull is a device-to-device
+copy out of the mapped allocation, on whatever stream the puller has made current (the
+prefetcher's side stream). The owner keeps the allocation alive as long as its store is open.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import struct
+
+import torch
+
+from moeflow.comm.segment import Segment, segment_path
+from moeflow.comm.weights import PeerWeights, WeightStore, pack
+
+_MAGIC = 0x6D6F65666C6F7743  # "moeflowC"
+_ALIGN = 256  # bytes: every tensor starts where a vectorised device copy may
+_HEAD = struct.Struct("<QQ")  # magic, length of the pickled (handle, layout)
+
+
+class CudaIpcWeightStore(WeightStore):
+    def __init__(self, config):
+        super().__init__(config)
+        self._segments: list[Segment] = []
+        self._owned: list[torch.Tensor] = []  # published allocations: alive while peers may map them
+        self.device = torch.device(config.compute_device)
+        if self.device.type != "cuda":
+            raise ValueError(f"the CUDA-IPC weight store needs a CUDA compute device, got {config.compute_device!r}")
+
+    def _path(self, rank: int) -> str:
+        return segment_path(self.config.deployment_id, f"weights{rank}")
+
+    def publish(self, rank, tensors):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        layout, offset = pack(tensors, _ALIGN)
+        base = torch.empty(max(offset, 1), dtype=torch.uint8, device=self.device)
+        views = {name: _view(base, spec) for name, spec in layout.items()}
+        for name, t in tensors.items():
+            views[name].copy_(t)
+        torch.cuda.synchronize(self.device)  # every byte in place before a peer can map it
+        blob = pickle.dumps((reduce_tensor(base), layout, os.getpid()))
+
+        def init(buf) -> None:
+            _HEAD.pack_into(buf, 0, _MAGIC, len(blob))
+            buf[_HEAD.size:_HEAD.size + len(blob)] = blob
+
+        self._segments.append(Segment.create(self._path(rank), _HEAD.size + len(blob), init))
+        self._owned.append(base)
+        return views
+
+    def peer(self, rank, timeout_s=None):
+        def published(buf) -> bool:
+            return len(buf) >= _HEAD.size and _HEAD.unpack_from(buf, 0)[0] == _MAGIC
+
+        seg = Segment.attach(self._path(rank), published, timeout_s or self.config.attach_timeout_s, writable=False)
+        self._segments.append(seg)
+        n = _HEAD.unpack_from(seg.buf, 0)[1]
+        (rebuild, args), layout, _pid = pickle.loads(bytes(seg.buf[_HEAD.size:_HEAD.size + n]))
+        base = rebuild(*args)
+        return PeerWeights({name: _view(base, spec) for name, spec in layout.items()})
+
+    def close(self):
+        for seg in self._segments:
+            seg.close()
+        self._segments.clear()
+        self._owned.clear()
+
+
+def _view(base: torch.Tensor, spec: dict) -> torch.Tensor:
+    dtype = getattr(torch, spec["dtype"])
+    nbytes = math.prod(spec["shape"]) * dtype.itemsize
+    return base[spec["offset"]:spec["offset"] + nbytes].view(dtype).view(spec["shape"])
