@@ -15,7 +15,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", 
 # (file, enclosing function, factory) -> why it may make a host tensor without saying so
 # (frombuffer has no device argument: it views host memory)
 ALLOWED = {
-    ("comm/mailbox.py", "__init__", "frombuffer"): "a mailbox's payload arena is host shared memory",
+    ("comm/arena.py", "map", "frombuffer"): "the host payload arena is the mailbox's shared memory",
     ("comm/weights.py", "_view", "frombuffer"): "dwdp's weight store is host shared memory",
     ("comm/kv_arena.py", "__init__", "frombuffer"): "the KV handoff's flag table is host shared memory",
     ("comm/kv_arena.py", "views", "frombuffer"): "the KV handoff's staging heap is host shared memory",
