@@ -117,7 +117,6 @@ class DeferredArena(HostArena):
         super().__init__()
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_deferred = 0
-        self.num_releases = 0
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._pending.append((dst, src))
@@ -129,7 +128,6 @@ class DeferredArena(HostArena):
         for dst, src in self._pending:
             dst.copy_(src)
         self._pending.clear()
-        self.num_releases += 1
 
 
 @register

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
 import struct
 
@@ -45,7 +44,7 @@ class CudaIpcWeightStore(WeightStore):
         for name, t in tensors.items():
             views[name].copy_(t)
         torch.cuda.synchronize(self.device)  # every byte in place before a peer can map it
-        blob = pickle.dumps((reduce_tensor(base), layout, os.getpid()))
+        blob = pickle.dumps((reduce_tensor(base), layout))
 
         def init(buf) -> None:
             _HEAD.pack_into(buf, 0, _MAGIC, len(blob))
@@ -62,7 +61,7 @@ class CudaIpcWeightStore(WeightStore):
         seg = Segment.attach(self._path(rank), published, timeout_s or self.config.attach_timeout_s, writable=False)
         self._segments.append(seg)
         n = _HEAD.unpack_from(seg.buf, 0)[1]
-        (rebuild, args), layout, _pid = pickle.loads(bytes(seg.buf[_HEAD.size:_HEAD.size + n]))
+        (rebuild, args), layout = pickle.loads(bytes(seg.buf[_HEAD.size:_HEAD.size + n]))
         base = rebuild(*args)
         return PeerWeights({name: _view(base, spec) for name, spec in layout.items()})
 
