@@ -2,9 +2,9 @@
 
 The receiver plays the shared buffer's part with pre-posted receives: every lane has ``num_slots``
 private receive buffers with an ``irecv`` posted on each, so a sender's ``isend`` lands without the
-receiver's involvement, and the send returns after staging its copy. A message
-is one uint8 tensor: header [seq, *words] int64 (padded to 64 B), then the payload bytes; gloo
-accepts a receive buffer larger than the message, so slots are posted at full capacity.
+receiver's involvement, and the send returns after staging its copy (pinned when the payloads are
+a GPU's). A message is one uint8 tensor: header [seq, *words] int64 (padded to 64 B), then the
+payload bytes; gloo accepts a receive buffer larger than the message, so slots are posted whole.
 
 Message ``seq`` of a lane uses slot ``seq % num_slots`` and tag ``base + slot`` on both sides. A
 sender reuses a staging slot once its previous isend completed (else it waits: backpressure);
@@ -13,16 +13,15 @@ a receiver re-posts a slot once it copied the message out.
 A lane from a process to itself (dep's ``shared_ranks``: a rank and its experts) is a
 ``Loopback`` in process memory: gloo cannot send to its own rank.
 
-NOTE: gloo marks a work completed only for a thread that waits on it (``is_completed()`` stays
-False otherwise, and ``get_future`` is not implemented), so one ``Completer`` thread per peer
-waits on that peer's works in order and counts them; it releases the GIL while it waits.
-With NCCL (``device="cuda"``) ``wait()`` only orders a stream, so the thread also synchronizes
-it; that path is untested here (no two GPUs on the development machines).
+NOTE: gloo marks a work completed only for a thread that waits on it (``get_future`` is not
+implemented), so one ``Completer`` thread per peer waits on that peer's works in order and counts
+them, the GIL released. With NCCL (``device="cuda"``, untested: no two GPUs here) ``wait()`` only
+orders a stream, so the thread also synchronizes it.
 
 The process group is the caller's: ``dist.init_process_group`` before, destroy after closing.
 Closing is collective: every process closes its senders (each fills its peers' pre-posted
-receives with goodbye headers, so no thread is left waiting on a receive that never comes),
-then its receivers (which wait for those goodbyes), then destroys the group.
+receives with goodbye headers: no thread waits on a receive that never comes), then its
+receivers (which wait for those goodbyes), then destroys the group.
 """
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ import torch.distributed as dist
 
 from moeflow.comm.doorbell import Doorbell, EventDoorbell
 from moeflow.comm.loopback import loopback
-from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, ProtocolError,
-                                  SendStats)
+from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage, ProtocolError, SendStats
 from moeflow.comm.transport import (CombineReceiver, CombineSender, DispatchReceiver, DispatchSender, Transport,
                                     private_rows, register)
 from moeflow.comm.wait import POLICIES, wait_for
@@ -49,8 +47,7 @@ class Completer:
     """Waits on one peer's works, in posting order, in a daemon thread; ``done`` counts them."""
 
     def __init__(self, bell: Doorbell | None, device: str = "cpu"):
-        self.bell, self.done, self.error = bell, 0, None
-        self.is_cuda = device.startswith("cuda")
+        self.bell, self.done, self.error, self.is_cuda = bell, 0, None, device.startswith("cuda")
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -85,6 +82,11 @@ def _header_bytes(header_words: int) -> int:
     return (8 * (1 + header_words) + 63) // 64 * 64
 
 
+def _staging(config, size: int) -> torch.Tensor:  # pinned when gloo carries a GPU's payloads: one DMA each
+    return torch.empty(size, dtype=torch.uint8, device=config.device,
+                       pin_memory=config.device == "cpu" and config.compute_device.startswith("cuda"))
+
+
 class LaneSender:
     """One lane's messages to several peers: staging slots and isends per peer."""
 
@@ -95,8 +97,7 @@ class LaneSender:
         self.row_bytes = spec.hidden_size * spec.dtype_bytes
         self.hdr_bytes = _header_bytes(header_words)
         size = self.hdr_bytes + rows * spec.hidden_size * spec.dtype_bytes
-        self.staging = [[torch.empty(size, dtype=torch.uint8, device=config.device) for _ in range(spec.num_slots)]
-                        for _ in peers]  # [peer][slot] -> [message bytes]
+        self.staging = [[_staging(config, size) for _ in range(spec.num_slots)] for _ in peers]  # [peer][slot]
         self.bell = EventDoorbell()
         self.completers = [Completer(self.bell, config.device) for _ in peers]
         self.seq = [0] * len(peers)
@@ -160,8 +161,7 @@ class LaneReceiver:
         self.row_bytes = spec.hidden_size * spec.dtype_bytes
         self.hdr_bytes = _header_bytes(header_words)
         size = self.hdr_bytes + rows * spec.hidden_size * spec.dtype_bytes
-        self.bufs = [[torch.empty(size, dtype=torch.uint8, device=config.device) for _ in range(spec.num_slots)]
-                     for _ in peers]  # [lane][slot] -> [message bytes]
+        self.bufs = [[_staging(config, size) for _ in range(spec.num_slots)] for _ in peers]  # [lane][slot]
         self.completers = [Completer(bell, config.device) for _ in peers]
         self.consumed = [0] * len(peers)
         self.closed = [False] * len(peers)
