@@ -137,6 +137,7 @@ class ExpertsMoved:
     epoch: int
     seconds: float  # the move's wall time on this worker
     nbytes: int  # weight bytes copied (from peers and locally)
+    peer_bytes: int = 0  # of which read from peers (over gloo when they are on other hosts)
 
 
 @dataclass

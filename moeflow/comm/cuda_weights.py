@@ -24,8 +24,8 @@ _HEAD = struct.Struct("<QQ")  # magic, length of the pickled (handle, layout)
 
 
 class CudaIpcWeightStore(WeightStore):
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, publishers=None):
+        super().__init__(config, publishers)
         self._segments: list[Segment] = []
         self._owned: list[torch.Tensor] = []  # published allocations: alive while peers may map them
         self.device = torch.device(config.compute_device)

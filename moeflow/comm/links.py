@@ -171,7 +171,7 @@ class LinksTransport(Transport):
     dispatch_receiver_cls = LinksDispatchReceiver
     combine_sender_cls = LinksCombineSender
     combine_receiver_cls = LinksCombineReceiver
-    weight_store_cls = LinksWeightStore  # dwdp: a peer's experts from its shm on this host, its server elsewhere
+    weight_store_cls = LinksWeightStore  # dwdp's pulls, EPLB's moves: shm on this host, a weight server elsewhere
 
     @classmethod
     def mailbox_bytes(cls, config, node: int = 0) -> int:

@@ -1,4 +1,4 @@
-"""Weight pulls across hosts (DWDP over gloo): what ``ShmWeightStore`` does one-sidedly within a
+"""Weight pulls across hosts (dwdp's, and a live rebalance's expert moves, over gloo): what ``ShmWeightStore`` does one-sidedly within a
 host, a peer on another host answers for it.
 
 gloo has no one-sided read, so every rank with peers on other hosts runs a ``WeightServer``
@@ -73,8 +73,8 @@ class RemotePeerWeights(PeerWeights):
 class LinksWeightStore(WeightStore):
     """Per peer: shared memory on this host, a ``WeightServer`` away."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, publishers=None):
+        super().__init__(config, publishers)
         self.shm = ShmWeightStore(config)
         self.nodes = config.rank_nodes
         self.rank: int | None = None
@@ -82,7 +82,9 @@ class LinksWeightStore(WeightStore):
         self.server: WeightServer | None = None
 
     def _remote(self, rank: int) -> list[int]:
-        return [r for r in range(len(self.nodes)) if self.nodes[r] != self.nodes[rank]]
+        """The publishers on other hosts than ``rank``'s: whom its server answers and it says goodbye to."""
+        ranks = range(len(self.nodes)) if self.publishers is None else self.publishers
+        return [r for r in ranks if self.nodes[r] != self.nodes[rank]]
 
     def publish(self, rank, tensors):
         self.rank, self.names = rank, list(tensors)

@@ -202,9 +202,10 @@ class Transport:
     def combine_receiver(self, region: int, lane: int) -> CombineReceiver:
         return self.endpoint("combine_receiver", region, lane)
 
-    def weight_store(self):
-        """One-sided weight pulls (``comm/weights.py``): publish this rank's tensors, read peers'."""
-        return self.endpoint("weight_store")
+    def weight_store(self, publishers: tuple[int, ...] | None = None):
+        """One-sided weight pulls (``comm/weights.py``): publish this rank's tensors, read peers'.
+        ``publishers``: the world ranks that publish, when not all do (expert workers under EPLB)."""
+        return self.endpoint("weight_store", publishers=publishers)
 
     @classmethod
     def mailbox_bytes(cls, config, node: int = 0) -> int:

@@ -44,8 +44,10 @@ class PeerWeights(ABC):
 
 
 class WeightStore(ABC):
-    def __init__(self, config):
-        self.config = config
+    def __init__(self, config, publishers: tuple[int, ...] | None = None):
+        """``publishers``: the world ranks that publish (None: every rank of the world); a store that
+        serves peers on other hosts answers and says goodbye to those alone."""
+        self.config, self.publishers = config, publishers
 
     @abstractmethod
     def publish(self, rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -60,8 +62,8 @@ class WeightStore(ABC):
 
 
 class ShmWeightStore(WeightStore):
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, publishers=None):
+        super().__init__(config, publishers)
         self._segments: list[Segment] = []
 
     def _path(self, rank: int) -> str:
@@ -121,8 +123,8 @@ def _view(buf: mmap.mmap, data0: int, spec: dict) -> torch.Tensor:
 class RefWeightStore(WeightStore):
     """One process: publishing keeps the tensors; a peer reads them in place."""
 
-    def __init__(self, config, hub=None):
-        super().__init__(config)
+    def __init__(self, config, hub=None, publishers=None):
+        super().__init__(config, publishers)
         self.hub = {} if hub is None else hub.weights  # the reference transport's hub: one per process
 
     def publish(self, rank, tensors):

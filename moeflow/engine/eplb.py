@@ -39,6 +39,7 @@ class Rebalance:
     retired_s: float | None = None
     move_s: float = 0.0  # slowest worker's copy time
     moved_bytes: int = 0  # summed over workers
+    peer_bytes: int = 0  # of which read from peers (over gloo between hosts)
 
 
 class Eplb:
@@ -119,7 +120,8 @@ class Eplb:
             return True
         self._waiting.discard((m.role, m.index))
         r = self.history[-1]
-        r.move_s, r.moved_bytes = max(r.move_s, m.seconds), r.moved_bytes + m.nbytes
+        r.move_s = max(r.move_s, m.seconds)
+        r.moved_bytes, r.peer_bytes = r.moved_bytes + m.nbytes, r.peer_bytes + m.peer_bytes
         if not self._waiting:
             self._switch()
         return False
@@ -141,10 +143,10 @@ def check_live(config, mode: str, computes: bool = True) -> None:
     if not computes:
         raise ConfigError(f"--enable-eplb: mode {mode} has no placement to rebalance (dwdp ranks compute their own "
                           f"tokens with every expert; afd's topology 'block' gives every daemon all of them)")
-    if config.cluster.is_multinode or config.transport != "shm":
-        raise ConfigError("--enable-eplb moves expert weights through one host's shared memory: it runs on one "
-                          f"host with transport shm (this deployment: {config.cluster.nnodes} hosts, transport "
-                          f"{config.transport!r})")
+    if config.transport not in ("shm", "cuda-ipc"):
+        raise ConfigError("--enable-eplb moves expert weights through a weight store: shared memory within a host "
+                          "and gloo across hosts (transport shm), or device memory (transport cuda-ipc); transport "
+                          f"{config.transport!r} has none")
 
 
 def attach(engine, mc, held, expert_workers: list, attention_workers: list, polls: bool, computes: bool = True) -> None:

@@ -2,14 +2,15 @@
 
 Without live rebalancing (``FixedSlots``) a worker computes from the weights it loaded. With it
 (``ExpertSlots``) the worker keeps two buffers of the same slots, published in the weight store
-(``comm/weights.py``: host shared memory, read one-sidedly by the peers): placement ``epoch`` lives
-in buffer ``epoch % 2``. A rebalance to placement e + 1 fills the other buffer layer by layer on a
-copy thread while the worker goes on serving placement e: a slot whose expert it already holds
-there is left alone, the rest are copied from its own live buffer or read from a peer's. Each
-dispatch carries its placement's parity in the layer word (``dispatch.tag_layer``), so regions
-routed before and after the switch are computed with the buffer they were routed for. The engine
-starts the next rebalance only after every work item routed by the older placement is back, so
-the buffer being filled is never read.
+(``comm/weights.py``: host shared memory, read one-sidedly by the peers on its host; a peer on
+another host reads through the owner's weight server, ``comm/remote_weights.py``): placement
+``epoch`` lives in buffer ``epoch % 2``. A rebalance to placement e + 1 fills the other buffer
+layer by layer on a copy thread while the worker goes on serving placement e: a slot whose expert
+it already holds there is left alone, the rest are copied from its own live buffer or read from a
+peer's. Each dispatch carries its placement's parity in the layer word (``dispatch.tag_layer``), so
+regions routed before and after the switch are computed with the buffer they were routed for. The
+engine starts the next rebalance only after every work item routed by the older placement is
+back, so the buffer being filled is never read.
 
 Legend: Lm MoE layers, S slots of this worker, F expert width, H hidden.
 """
@@ -51,12 +52,15 @@ class FixedSlots:
 
 
 class ExpertSlots:
-    def __init__(self, role: str, index: int, experts: ExpertWeights, layers: tuple, store, tracer: Tracer):
-        """``layers``: the deployment's placement (``ExpertMap.layers``), which ``experts`` loaded."""
-        self.role, self.index, self.tracer = role, index, tracer
+    def __init__(self, role: str, index: int, experts: ExpertWeights, layers: tuple, store, tracer: Tracer,
+                 world_rank: Callable[[int], int] = lambda d: d):
+        """``layers``: the deployment's placement (``ExpertMap.layers``), which ``experts`` loaded;
+        ``world_rank``: an expert device's rank in the world, under which the store publishes it
+        (and serves it to hosts whose moves read it over gloo)."""
+        self.role, self.index, self.tracer, self.world_rank = role, index, tracer, world_rank
         w13, w2 = experts.w13, experts.w2
         host = {"w13_0": w13.cpu(), "w2_0": w2.cpu(), "w13_1": w13.cpu(), "w2_1": w2.cpu()}
-        self.store, pub = store, store.publish(index, host)  # [Lm, S, 2F, H] and [Lm, S, H, F] each, in shm
+        self.store, pub = store, store.publish(world_rank(index), host)  # [Lm, S, 2F, H], [Lm, S, H, F] each
         self.host = [(pub["w13_0"], pub["w2_0"]), (pub["w13_1"], pub["w2_1"])]
         # compute from the published copy where it is on the compute device (the host, or a GPU under
         # cuda-ipc); an accelerator over host shared memory keeps its own
@@ -88,27 +92,30 @@ class ExpertSlots:
         def run() -> None:
             try:
                 t0 = time.monotonic()
-                nbytes = self._move(msg.epoch, tuple(msg.layers))
+                nbytes, peer_bytes = self._move(msg.epoch, tuple(msg.layers))
                 t1 = time.monotonic()
                 self.tracer.add("move-experts", t0, t1, "copy", epoch=msg.epoch, bytes=nbytes)
                 self._moving = False  # before the report: the next move may be asked for at once
-                notify(ExpertsMoved(self.role, self.index, msg.epoch, t1 - t0, nbytes))
+                notify(ExpertsMoved(self.role, self.index, msg.epoch, t1 - t0, nbytes, peer_bytes))
             except BaseException as e:  # noqa: BLE001  (the worker's next turn raises it)
                 self.error = e
 
         self._thread = threading.Thread(target=run, name="move-experts", daemon=True)
         self._thread.start()
 
-    def _move(self, epoch: int, layers: tuple) -> int:
+    def _move(self, epoch: int, layers: tuple) -> tuple[int, int]:
+        """(bytes copied, of which read from peers)."""
         target, live = epoch % 2, 1 - epoch % 2
         now = self.layers[live]
-        nbytes = 0
+        nbytes = [0, 0]
         slots = []
         for l in range(len(self.layer_ids)):
             want, have = layers[l][self.index], self.layers[target][l][self.index]
             for s, e in enumerate(want):
                 if have[s] != e:
-                    nbytes += self._fetch(l, s, e, now[l], target, live)
+                    n, from_peer = self._fetch(l, s, e, now[l], target, live)
+                    nbytes[0] += n
+                    nbytes[1] += n if from_peer else 0
             if self.compute is not self.host:  # the accelerator's copy of the layer
                 for i in (0, 1):
                     self.compute[target][i][l].copy_(self.host[target][i][l])
@@ -118,11 +125,12 @@ class ExpertSlots:
             torch.cuda.synchronize(dev)
         self.weights[target] = ExpertWeights(*self.compute[target], self.layer_ids, tuple(slots))
         self.layers[target] = layers
-        return nbytes
+        return nbytes[0], nbytes[1]
 
-    def _fetch(self, l: int, s: int, e: int, placement: tuple, target: int, live: int) -> int:
+    def _fetch(self, l: int, s: int, e: int, placement: tuple, target: int, live: int) -> tuple[int, bool]:
         """Expert ``e`` of MoE layer ``l`` into slot ``s`` of buffer ``target``, from a live buffer:
-        ours if we hold it, else a holder's chosen by (our index + e), so pullers spread."""
+        ours if we hold it, else a holder's chosen by (our index + e), so pullers spread. Returns
+        (bytes, whether a peer's)."""
         holders = [(d, ids.index(e)) for d, ids in enumerate(placement) if e in ids]
         mine = [h for h in holders if h[0] == self.index]
         d, src = mine[0] if mine else holders[(self.index + e) % len(holders)]
@@ -133,10 +141,10 @@ class ExpertSlots:
                 out.copy_(self.host[live][i][l, src])
             else:
                 if d not in self.peers:
-                    self.peers[d] = self.store.peer(d)
+                    self.peers[d] = self.store.peer(self.world_rank(d))
                 self.peers[d].read(f"{name}_{live}", (l, src), 0, out.reshape(-1).view(torch.uint8))
             n += out.nbytes
-        return n
+        return n, d != self.index
 
     def check(self) -> None:
         """Raise what the copy thread raised (the worker's loop calls this every turn)."""
@@ -157,4 +165,7 @@ def slots_for(setup, transport, experts: ExpertWeights, tracer: Tracer):
     if not setup.engine.enable_eplb:
         return FixedSlots(experts)
     layers = (tuple(setup.experts_held),) * len(experts.layer_ids)
-    return ExpertSlots(setup.role, setup.index, experts, layers, transport.weight_store(), tracer)
+    spec = transport.config.spec
+    publishers = tuple(spec.expert_world_rank(d) for d in range(spec.num_expert_ranks))
+    return ExpertSlots(setup.role, setup.index, experts, layers, transport.weight_store(publishers), tracer,
+                       spec.expert_world_rank)

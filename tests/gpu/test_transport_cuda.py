@@ -3,8 +3,9 @@
 A two-process-per-role stress of the ``cuda-ipc`` transport with checksums against the in-process
 reference (the CPU suite runs the same plan over host and deferred arenas), then the modes whose
 processes exchange activations or weights, on one GPU, against colocated on that GPU: asap with
-one attention and one MoE process, dep with two ranks, dwdp with two ranks pulling each other's
-experts device to device (greedy tokens equal, prompt logprobs within 1e-3 in float32).
+one attention and one MoE process, dep with two ranks (and with live rebalances moving experts
+device to device), dwdp with two ranks pulling each other's experts device to device (greedy
+tokens equal, prompt logprobs within 1e-3 in float32).
 """
 from __future__ import annotations
 
@@ -45,16 +46,24 @@ def colocated():
         return params, llm.generate(PROMPTS, params)
 
 
+EPLB = dict(num_redundant_experts=2, enable_eplb=True, eplb_config={"step_interval": 2, "window_size": 4})
+
+
 @pytest.mark.parametrize("mode,layout", [("asap", dict(attn_dp=1, moe_workers=1)), ("dep", dict(dp=2)),
-                                         ("dwdp", dict(dp=2))])
+                                         ("dwdp", dict(dp=2)),
+                                         ("dep", dict(dp=2, **EPLB))])  # live rebalances: moves device to device
 def test_modes_over_cuda_ipc_match_colocated(colocated, mode, layout):
     from moeflow import LLM
 
     params, refs = colocated
     with LLM("tiny", mode=mode, device=DEVICE, dtype="float32", num_kv_blocks=64, transport="cuda-ipc",
              **layout) as llm:
-        outs = llm.generate(PROMPTS, params)
-    for o, r in zip(outs, refs, strict=True):
-        assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids
-        for x, y in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
-            assert x.keys() == y.keys() and max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
+        rounds = [llm.generate(PROMPTS, params) for _ in range(3 if "enable_eplb" in layout else 1)]
+        history = llm.engine.eplb.history if llm.engine.eplb is not None else []
+    for outs in rounds:
+        for o, r in zip(outs, refs, strict=True):
+            assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids
+            for x, y in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+                assert x.keys() == y.keys() and max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
+    if "enable_eplb" in layout:
+        assert sum(r.retired_s is not None for r in history) >= 2, history

@@ -1,10 +1,10 @@
 """Node 0 of the multi-host tests, run inside host A's namespace (test_multihost.py):
 ``python multihost_node0.py <checkpoint> <request.json> <out.pkl>``.
 
-It builds the deployment across the two hosts, generates the parity prompts, then (``kill``)
-kills the MoE-side workers on the other host by pid (one pid namespace: network namespaces only
-separate the network), times how long a request takes to fail, and generates again on the
-deployment the restart rebuilt. Outputs are written as plain data for the test to compare.
+It builds the deployment across the two hosts, generates the parity prompts (``rounds`` times),
+then (``kill``) kills the MoE-side workers on the other host by pid (one pid namespace: network
+namespaces only separate the network), times how long a request takes to fail, and generates
+again on the deployment the restart rebuilt. Outputs are written as plain data for the test to compare.
 """
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ def main(argv: list[str]) -> int:
             t0 = time.monotonic()
             result["outputs"] = _plain(llm.generate(PROMPTS, PARAMS))
             result["generate_s"] = time.monotonic() - t0
+            # more rounds of the same prompts (live rebalancing: each round across placements)
+            result["rounds"] = [_plain(llm.generate(PROMPTS, PARAMS)) for _ in range(req.get("rounds", 1) - 1)]
+            eplb = getattr(llm.engine, "eplb", None)
+            result["rebalances"] = [] if eplb is None else [(r.retired_s is not None, r.moved_bytes, r.peer_bytes)
+                                                            for r in eplb.history]
             if req.get("kill"):
                 remote = [w for w in llm.engine.deployment.workers if getattr(w.process, "node", None) is not None]
                 for w in remote:

@@ -45,7 +45,7 @@ def _assert_same(outs: list, refs: list) -> None:
             assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-3
 
 
-def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, tag: str = "") -> dict:
+def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, tag: str = "", rounds: int = 1) -> dict:
     """Node 0 (the engine) in host A and a worker node in host B; returns node 0's result."""
     port = 29400  # node 0 is in a namespace of its own: every port is free there
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -54,7 +54,7 @@ def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, t
         cluster = dict(nnodes=2, node_rank=0, master_addr=a.addr, master_port=port, connect_timeout_s=60.0,
                        heartbeat_timeout_s=3.0)
         req = tmp_path / "request.json"
-        req.write_text(json.dumps({"cluster": cluster, "layout": layout, "kill": kill}))
+        req.write_text(json.dumps({"cluster": cluster, "layout": layout, "kill": kill, "rounds": rounds}))
         out = tmp_path / "node0.pkl"
         procs = []
         try:
@@ -105,16 +105,30 @@ def test_asap_attention_on_one_host_experts_on_the_other(checkpoints, reference,
         _assert_same(r["healed_outputs"], reference)
 
 
-@pytest.mark.parametrize("dp,kill", [
-    (2, True),  # one rank per host: every link but a rank's own crosses hosts
-    pytest.param(4, False, marks=pytest.mark.slow),  # two per host: shm within a host, gloo across
+EPLB = dict(num_redundant_experts=2, enable_eplb=True, eplb_config={"step_interval": 2, "window_size": 4})
+
+
+@pytest.mark.parametrize("dp,kill,eplb", [
+    # one rank per host: every link but a rank's own crosses hosts, and so does every expert a
+    # live rebalance reads from the other rank (its weight server answers over gloo)
+    (2, True, True),
+    pytest.param(2, True, False, marks=pytest.mark.slow),
+    pytest.param(4, False, False, marks=pytest.mark.slow),  # two per host: shm within a host, gloo across
 ])
-def test_dep_across_two_hosts(checkpoints, reference, tmp_path, dp, kill):
-    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, dict(mode="dep", dp=dp), kill=kill, tag=f"d{dp}")
+def test_dep_across_two_hosts(checkpoints, reference, tmp_path, dp, kill, eplb):
+    layout = dict(mode="dep", dp=dp, **(EPLB if eplb else {}))
+    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, layout, kill=kill, tag=f"d{dp}{'e' * eplb}",
+                      rounds=3 if eplb else 1)
+    moves = r["rebalances"]
     print(f"dep {dp} ranks on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s" +
-          _kill_line(r))
+          _kill_line(r) + (f", {len(moves)} rebalances read {sum(m[2] for m in moves)} bytes from the other "
+                           f"host" if eplb else ""))
     assert sum(r["nodes"].values()) == dp // 2, r["nodes"]  # the odd ranks on host B
     _assert_same(r["outputs"], reference)
+    for outs in r["rounds"]:  # each across live rebalances
+        _assert_same(outs, reference)
+    if eplb:
+        assert sum(retired for retired, _, _ in moves) >= 2 and sum(m[2] for m in moves) > 0, moves
     if kill:
         assert r["fail_error"] and r["fail_s"] < 10, r["fail_error"]
         assert r["restarts"] == 1
