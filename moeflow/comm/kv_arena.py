@@ -1,6 +1,11 @@
 """The KV handoff's staging arena: one shared-memory segment between the processes of one host, a
 flag table and a byte heap, and the block copies in and out of it.
 
+The heap lives in the segment (host shared memory), or with ``--transport cuda-ipc`` in one device
+allocation of the owner whose CUDA-IPC handle the segment carries (``create(..., device)``): the
+members then copy device to device, and only the flags stay host words. Between hosts the heap is
+read and filled over gloo, through pinned host staging when it is on a device (``gloo_buffer``).
+
 It knows caches as tensors ``[L, N, *e]`` per entry and positions as slot indices; not requests.
 The prefill side's members gather a request's slots of every layer into a range of the heap
 (whole heads: a member that holds heads [lo, hi) writes those columns; replicated entries come
@@ -8,12 +13,15 @@ from member 0), then store their flag; the decode side's members copy the range 
 slots (their own heads), then store theirs. The owner (the engine process) allocates ranges and
 reads the flags; nobody waits on anybody inside a copy, and no block is pickled.
 
-NOTE: ordering. A flag is stored after the copy into the heap has returned; x86 is TSO, so a
-reader that sees the flag sees the payload (the mailbox relies on the same, ``mailbox.py``).
+NOTE: ordering. A flag is stored after the copy into the heap has returned (on a device: after
+the member synchronised its stream); x86 is TSO, so a reader that sees the flag sees the payload
+(the mailbox relies on the same, ``mailbox.py``).
 """
 from __future__ import annotations
 
 import math
+import pickle
+import struct
 
 import torch
 
@@ -23,6 +31,9 @@ MAX_SLOTS = 1024  # transfers in flight at once (flag-table rows)
 MAX_MEMBERS = 16  # TP members per side (flag-table columns)
 _ALIGN = 64
 _FLAGS_BYTES = MAX_SLOTS * 2 * MAX_MEMBERS * 8  # int64 [slot, side (0 write, 1 read), member]
+_HANDLE_BYTES = 4096  # after the flags: the heap's kind, and a device heap's pickled CUDA-IPC handle
+_KIND = struct.Struct("<qq")  # kind, handle length
+HOST_HEAP, CUDA_HEAP = 0, 1
 WRITE, READ = 0, 1
 
 Entries = dict[str, torch.Tensor]  # entry name -> [L, N, *e] one cache's tensor
@@ -33,40 +44,74 @@ def arena_path(deployment_id: str) -> str:
 
 
 class KvArena:
-    """A mapped staging arena: ``flags`` [MAX_SLOTS, 2, MAX_MEMBERS] int64 and the heap after it."""
+    """A mapped staging arena: ``flags`` [MAX_SLOTS, 2, MAX_MEMBERS] int64 and ``heap`` [bytes] uint8
+    (the segment's own bytes after the flags, or a device allocation)."""
 
-    def __init__(self, segment: Segment):
+    def __init__(self, segment: Segment, heap: torch.Tensor | None = None):
+        """``heap``: the owner's device heap (a member opens it from the handle in the segment)."""
         self.segment = segment
         self.flags = torch.frombuffer(segment.buf, dtype=torch.int64, count=_FLAGS_BYTES // 8).view(
             MAX_SLOTS, 2, MAX_MEMBERS)
-        self.heap_bytes = segment.size_bytes - _FLAGS_BYTES
+        kind, n = _KIND.unpack_from(segment.buf, _FLAGS_BYTES)
+        if heap is None and kind == CUDA_HEAP:
+            rebuild, args = pickle.loads(bytes(segment.buf[_FLAGS_BYTES + _KIND.size:_FLAGS_BYTES + _KIND.size + n]))
+            heap = rebuild(*args)
+        elif heap is None:
+            at = _FLAGS_BYTES + _HANDLE_BYTES
+            heap = torch.frombuffer(segment.buf, dtype=torch.uint8, count=segment.size_bytes - at, offset=at)
+        self.heap, self.heap_bytes = heap, heap.numel()
 
     @classmethod
-    def create(cls, path: str, heap_bytes: int) -> "KvArena":
-        return cls(Segment.create(path, _FLAGS_BYTES + heap_bytes, lambda buf: None))
+    def create(cls, path: str, heap_bytes: int, device: str = "cpu") -> "KvArena":
+        """The owner's arena; ``device``: where the heap lives (a CUDA device: shared by CUDA IPC)."""
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"a KV staging heap lives in host shared memory or on a CUDA device, got {device!r}")
+        heap = torch.empty(heap_bytes, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
+
+        def init(buf) -> None:
+            if heap is None:
+                return
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            blob = pickle.dumps(reduce_tensor(heap))
+            if _KIND.size + len(blob) > _HANDLE_BYTES:
+                raise ValueError(f"a CUDA-IPC handle of {len(blob)} bytes does not fit the arena's {_HANDLE_BYTES}")
+            _KIND.pack_into(buf, _FLAGS_BYTES, CUDA_HEAP, len(blob))
+            buf[_FLAGS_BYTES + _KIND.size:_FLAGS_BYTES + _KIND.size + len(blob)] = blob
+
+        size = _FLAGS_BYTES + _HANDLE_BYTES + (0 if heap is not None else heap_bytes)
+        return cls(Segment.create(path, size, init), heap)
 
     @classmethod
     def attach(cls, path: str, timeout_s: float = 10.0) -> "KvArena":
-        return cls(Segment.attach(path, lambda buf: len(buf) > _FLAGS_BYTES, timeout_s))
+        return cls(Segment.attach(path, lambda buf: len(buf) >= _FLAGS_BYTES + _HANDLE_BYTES, timeout_s))
 
     def views(self, offset_bytes: int, num_layers: int, num_tokens: int, dtype: torch.dtype,
               entries: tuple[tuple[str, tuple[int, ...]], ...]) -> Entries:
         """The staged request at ``offset_bytes`` of the heap: one [L, n, *e] view per entry."""
-        out, off = {}, _FLAGS_BYTES + offset_bytes
+        out, off = {}, offset_bytes
         for name, shape in entries:
             count = num_layers * num_tokens * math.prod(shape)
-            out[name] = torch.frombuffer(self.segment.buf, dtype=dtype, count=count, offset=off).view(
-                num_layers, num_tokens, *shape)
+            out[name] = self.heap[off:off + count * dtype.itemsize].view(dtype).view(num_layers, num_tokens, *shape)
             off += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
         return out
 
     def heap_view(self, offset_bytes: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` bytes of the heap at ``offset_bytes`` as a uint8 view [nbytes] (a pull's source or target)."""
-        return torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=nbytes, offset=_FLAGS_BYTES + offset_bytes)
+        return self.heap[offset_bytes:offset_bytes + nbytes]
 
     def close(self) -> None:
-        self.flags = None
+        self.flags = self.heap = None
         self.segment.close()
+
+
+def gloo_buffer(view: torch.Tensor) -> torch.Tensor:
+    """What gloo sends from or receives into for ``view``: itself on the host; for a device heap's
+    view, a pinned host buffer of its size (the caller copies across)."""
+    if view.device.type == "cpu":
+        return view
+    return torch.empty(view.shape, dtype=view.dtype, device="cpu", pin_memory=True)
 
 
 def staged_bytes(num_layers: int, num_tokens: int, itemsize: int, entries) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.comm.kv_arena import gloo_buffer
 from moeflow.comm.kv_link import BYE, CLAIM, DATA_TAG, HEADER_TAG, OK, PULL, RELEASE, STATUS_TAG, connect, header
 
 # the decode side waits this long for an answer (a prefill server that hangs fails the job)
@@ -66,7 +67,10 @@ class _Pair:
                 pg.recv([status], 0, STATUS_TAG).wait()
                 ok = int(status[0]) == OK
                 if ok and op == PULL:
-                    pg.recv([into], 0, DATA_TAG).wait()
+                    data = gloo_buffer(into)
+                    pg.recv([data], 0, DATA_TAG).wait()
+                    if data is not into:  # a device heap: through pinned host memory
+                        into.copy_(data)
                 self.answers.put(Answer(cookie, ok, None if ok else
                                         f"the prefill server no longer offers transfer {r.transfer_id} "
                                         f"(its lease ran out, or it restarted)"))

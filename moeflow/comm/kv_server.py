@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.comm.kv_arena import KvArena
+from moeflow.comm.kv_arena import KvArena, gloo_buffer
 from moeflow.comm.kv_link import (BYE, CLAIM, CONNECT_TIMEOUT, DATA_TAG, GONE, HEADER_TAG, HEADER_WORDS, OK,
                                   PULL, RELEASE, STATUS_TAG, TCPStore, pair_group, read_line, route_source)
 
@@ -136,7 +136,11 @@ class KvServer:
                 status[0] = OK if ok else GONE
                 pg.send([status], 1, STATUS_TAG).wait()
                 if ok and op == PULL:
-                    pg.send([self.arena.heap_view(offset, nbytes)], 1, DATA_TAG).wait()
+                    view = self.arena.heap_view(offset, nbytes)
+                    data = gloo_buffer(view)
+                    if data is not view:  # a device heap: through pinned host memory
+                        data.copy_(view)
+                    pg.send([data], 1, DATA_TAG).wait()
         except Exception as e:  # noqa: BLE001  (the decode server went away: what it claimed is freed)
             if not self._stopping:
                 logger.info("KV link pair %d (%s) ended: %s: %s", pair, peer_addr, type(e).__name__, e)

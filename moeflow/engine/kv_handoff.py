@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeflow.comm.kv_arena import MAX_SLOTS, HeapRanges, KvArena, arena_path, staged_bytes
+from moeflow.hardware.device import resolve_device
 from moeflow.messages import KvStage
 
 BUSY, DONE, FAILED = "busy", "done", "failed"
@@ -41,10 +42,16 @@ class TransferStats:
     prealloc_wait_s: list[float] = field(default_factory=list)  # per handoff: first token -> decode room
 
 
+def heap_device(config) -> str:
+    """Where a server's staging heap lives: device memory shared by CUDA IPC under ``--transport
+    cuda-ipc`` (the members copy device to device), else host shared memory."""
+    return resolve_device(config.device) if config.transport == "cuda-ipc" else "cpu"
+
+
 class KvConnector:
     def __init__(self, deployment_id: str, heap_bytes: int, num_layers: int, dtype: str,
-                 entries: tuple[tuple[str, tuple[int, ...]], ...]):
-        self.arena = KvArena.create(arena_path(deployment_id), heap_bytes)
+                 entries: tuple[tuple[str, tuple[int, ...]], ...], device: str = "cpu"):
+        self.arena = KvArena.create(arena_path(deployment_id), heap_bytes, device)
         self.heap = HeapRanges(heap_bytes)
         self.num_layers, self.dtype, self.entries = num_layers, dtype, entries
         self.itemsize = getattr(torch, dtype).itemsize

@@ -24,7 +24,7 @@ from moeflow.core import EngineBusy, Request, RequestError, RequestStatus
 from moeflow.engine.base import Engine, EngineLoad, StepResult, clock, validate_request
 from moeflow.comm.kv_arena import staged_bytes
 from moeflow.engine.handoffs import Handoff, Handoffs
-from moeflow.engine.kv_handoff import KvConnector
+from moeflow.engine.kv_handoff import KvConnector, heap_device
 from moeflow.layout import PdLayout
 from moeflow.model.attention import attention_for
 from moeflow.settings import pd_fail_prob
@@ -59,7 +59,8 @@ class PdEngine(Handoffs, Engine):
             full = staged_bytes(mc.num_layers, self.max_model_len, getattr(torch, config.dtype).itemsize, entries)
             heap = (layout.kv_buffer_mib << 20) if layout.kv_buffer_mib else min(max(4 * full, 64 << 20), 1 << 30)
             # NOTE: <pid>-<hex>, as an engine's: a SIGKILLed owner's arena is reclaimed by the next one
-            self.kv = KvConnector(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", heap, mc.num_layers, config.dtype, entries)
+            self.kv = KvConnector(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", heap, mc.num_layers, config.dtype, entries,
+                                  heap_device(config))
         except BaseException:
             self.shutdown()
             raise

@@ -15,7 +15,7 @@ import torch
 from moeflow.comm.kv_arena import staged_bytes
 from moeflow.config import EngineConfig, KvTransferConfig
 from moeflow.engine.base import Engine, EngineLoad, StepResult
-from moeflow.engine.kv_handoff import KvConnector
+from moeflow.engine.kv_handoff import KvConnector, heap_device
 from moeflow.kv_handle import KvLayout
 from moeflow.model.attention import attention_for
 
@@ -35,7 +35,8 @@ class RoleEngine(Engine):
         full = staged_bytes(mc.num_layers, self.max_model_len, getattr(torch, self.config.dtype).itemsize, entries)
         heap = (kv.buffer_mib << 20) if kv.buffer_mib else min(max(4 * full, 64 << 20), 1 << 30)
         # NOTE: <pid>-<hex>, as an engine's: a SIGKILLed owner's arena is reclaimed by the next one
-        self.kv = KvConnector(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", heap, mc.num_layers, self.config.dtype, entries)
+        self.kv = KvConnector(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", heap, mc.num_layers, self.config.dtype, entries,
+                              heap_device(self.config))
 
     @property
     def mode_name(self) -> str:

@@ -4,13 +4,17 @@ A two-process-per-role stress of the ``cuda-ipc`` transport with checksums again
 reference (the CPU suite runs the same plan over host and deferred arenas), then the modes whose
 processes exchange activations or weights, on one GPU, against colocated on that GPU: asap with
 one attention and one MoE process, dep with two ranks (and with live rebalances moving experts
-device to device), dwdp with two ranks pulling each other's experts device to device (greedy
-tokens equal, prompt logprobs within 1e-3 in float32).
+device to device), dwdp with two ranks pulling each other's experts device to device, and pd
+(asap prefill, dep decode) whose KV handoff stages in a device heap shared by CUDA IPC (greedy
+tokens equal, prompt logprobs within 1e-3 in float32). Before them, the KV staging heap on its own:
+a member process opens the owner's device heap from the handle in the segment and writes into it.
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,6 +39,38 @@ def test_cuda_ipc_stress_matches_reference(tmp_path):
     print(f"cuda-ipc stress: {n} messages")
     assert n >= 2000
     assert list_segments(config.deployment_id) == []
+
+
+MEMBER = """
+import sys, torch
+from moeflow.comm.kv_arena import KvArena
+arena = KvArena.attach(sys.argv[1])
+assert arena.heap.device.type == "cuda", arena.heap.device
+arena.heap_view(4096, 1 << 20).copy_(torch.arange(1 << 20, device=arena.heap.device) % 251)
+torch.cuda.synchronize()  # the copy, before the flag (as a KV-holding worker does)
+arena.flags[5, 0, 1] = 42
+arena.close()
+"""
+
+
+def test_kv_heap_on_the_device_is_written_by_a_member_process(tmp_path):
+    import torch
+
+    from moeflow.comm.kv_arena import KvArena
+
+    path = f"/dev/shm/moeflow-gpu-{os.getpid()}.kv-arena"
+    owner = KvArena.create(path, 8 << 20, DEVICE)
+    try:
+        assert owner.heap.device.type == "cuda" and os.path.getsize(path) < (1 << 20)  # the heap is not in shm
+        p = subprocess.run([sys.executable, "-c", MEMBER, path], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        deadline = time.monotonic() + 10
+        while int(owner.flags[5, 0, 1]) != 42 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got = owner.heap_view(4096, 1 << 20)
+        assert torch.equal(got, (torch.arange(1 << 20, device=got.device) % 251).to(torch.uint8))
+    finally:
+        owner.close()
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +103,18 @@ def test_modes_over_cuda_ipc_match_colocated(colocated, mode, layout):
                 assert x.keys() == y.keys() and max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3
     if "enable_eplb" in layout:
         assert sum(r.retired_s is not None for r in history) >= 2, history
+
+
+def test_pd_on_one_gpu_hands_the_kv_over_in_device_memory(colocated):
+    from moeflow import LLM
+
+    params, refs = colocated
+    with LLM("tiny", mode="pd", prefill=dict(mode="asap", attn_dp=1, moe_workers=1), decode=dict(mode="dep", dp=2),
+             device=DEVICE, dtype="float32", num_kv_blocks=64, transport="cuda-ipc") as llm:
+        outs = llm.generate(PROMPTS, params)
+        heap, stats = llm.engine.kv.arena.heap, llm.engine.kv.stats
+    assert heap.device.type == "cuda" and stats.transfers == len(PROMPTS) and stats.recomputes == 0
+    for o, r in zip(outs, refs, strict=True):
+        assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids
+        for x, y in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+            assert x.keys() == y.keys() and max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-3

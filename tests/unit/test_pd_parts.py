@@ -79,6 +79,28 @@ def test_stage_out_and_in_against_the_oracle(tmp_path, members):
         arena.close()
 
 
+def test_a_member_sees_the_owners_heap_and_flags_and_a_bad_heap_device_is_named(tmp_path):
+    """Attached by path, the arena's flags and host heap are the owner's bytes; a heap on another
+    object (a device heap, here a plain tensor) serves the same views; an unknown device is refused."""
+    path = f"/dev/shm/moeflow-test-{id(tmp_path)}.kv-arena"
+    owner = KvArena.create(path, 1 << 12)
+    member = KvArena.attach(path)
+    try:
+        assert member.heap_bytes == owner.heap_bytes == 1 << 12
+        member.heap_view(128, 8).copy_(torch.arange(8, dtype=torch.uint8))
+        member.flags[3, 1, 2] = 7
+        assert owner.heap_view(128, 8).tolist() == list(range(8)) and int(owner.flags[3, 1, 2]) == 7
+        other = KvArena(owner.segment, torch.zeros(1 << 10, dtype=torch.uint8))
+        v = other.views(64, 2, 3, torch.float32, (("k", (4,)), ("v", (4,))))
+        assert v["k"].shape == (2, 3, 4) and v["v"].data_ptr() - v["k"].data_ptr() == 128  # 96 B, aligned to 64
+        assert other.heap_bytes == 1 << 10 and owner.heap_view(0, 4).data_ptr() != other.heap_view(0, 4).data_ptr()
+    finally:
+        member.close()
+        owner.close()
+    with pytest.raises(ValueError, match="host shared memory or on a CUDA device, got 'meta'"):
+        KvArena.create(path, 1 << 12, device="meta")
+
+
 def test_heap_ranges_first_fit():
     h = HeapRanges(1024)
     a, b = h.take(100), h.take(200)
