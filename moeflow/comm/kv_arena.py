@@ -48,18 +48,26 @@ class KvArena:
     (the segment's own bytes after the flags, or a device allocation)."""
 
     def __init__(self, segment: Segment, heap: torch.Tensor | None = None):
-        """``heap``: the owner's device heap (a member opens it from the handle in the segment)."""
-        self.segment = segment
+        """``heap``: the owner's device heap; others open it at first use (one that only reads the
+        flags, a decode engine probing a prefill server's arena, never maps the device memory)."""
+        self.segment, self._heap = segment, heap
         self.flags = torch.frombuffer(segment.buf, dtype=torch.int64, count=_FLAGS_BYTES // 8).view(
             MAX_SLOTS, 2, MAX_MEMBERS)
-        kind, n = _KIND.unpack_from(segment.buf, _FLAGS_BYTES)
-        if heap is None and kind == CUDA_HEAP:
-            rebuild, args = pickle.loads(bytes(segment.buf[_FLAGS_BYTES + _KIND.size:_FLAGS_BYTES + _KIND.size + n]))
-            heap = rebuild(*args)
-        elif heap is None:
+        self.kind, self._handle_len = _KIND.unpack_from(segment.buf, _FLAGS_BYTES)
+
+    @property
+    def heap(self) -> torch.Tensor:
+        if self._heap is None and self.kind == CUDA_HEAP:
+            at = _FLAGS_BYTES + _KIND.size
+            rebuild, args = pickle.loads(bytes(self.segment.buf[at:at + self._handle_len]))
+            self._heap = rebuild(*args)
+        elif self._heap is None:
             at = _FLAGS_BYTES + _HANDLE_BYTES
-            heap = torch.frombuffer(segment.buf, dtype=torch.uint8, count=segment.size_bytes - at, offset=at)
-        self.heap, self.heap_bytes = heap, heap.numel()
+            self._heap = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=self.segment.size_bytes - at,
+                                          offset=at)
+        return self._heap
+
+    heap_bytes = property(lambda self: self.heap.numel())
 
     @classmethod
     def create(cls, path: str, heap_bytes: int, device: str = "cpu") -> "KvArena":
@@ -67,18 +75,19 @@ class KvArena:
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"a KV staging heap lives in host shared memory or on a CUDA device, got {device!r}")
-        heap = torch.empty(heap_bytes, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
-
-        def init(buf) -> None:
-            if heap is None:
-                return
+        heap, blob = None, b""
+        if dev.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
 
+            heap = torch.empty(heap_bytes, dtype=torch.uint8, device=dev)
             blob = pickle.dumps(reduce_tensor(heap))
             if _KIND.size + len(blob) > _HANDLE_BYTES:
                 raise ValueError(f"a CUDA-IPC handle of {len(blob)} bytes does not fit the arena's {_HANDLE_BYTES}")
-            _KIND.pack_into(buf, _FLAGS_BYTES, CUDA_HEAP, len(blob))
-            buf[_FLAGS_BYTES + _KIND.size:_FLAGS_BYTES + _KIND.size + len(blob)] = blob
+
+        def init(buf) -> None:
+            if heap is not None:
+                _KIND.pack_into(buf, _FLAGS_BYTES, CUDA_HEAP, len(blob))
+                buf[_FLAGS_BYTES + _KIND.size:_FLAGS_BYTES + _KIND.size + len(blob)] = blob
 
         size = _FLAGS_BYTES + _HANDLE_BYTES + (0 if heap is not None else heap_bytes)
         return cls(Segment.create(path, size, init), heap)
@@ -99,10 +108,12 @@ class KvArena:
 
     def heap_view(self, offset_bytes: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` bytes of the heap at ``offset_bytes`` as a uint8 view [nbytes] (a pull's source or target)."""
+        if not 0 <= offset_bytes <= offset_bytes + nbytes <= self.heap_bytes:
+            raise ValueError(f"bytes [{offset_bytes}, {offset_bytes + nbytes}) are not in the {self.heap_bytes}-byte heap")
         return self.heap[offset_bytes:offset_bytes + nbytes]
 
     def close(self) -> None:
-        self.flags = self.heap = None
+        self.flags = self._heap = None
         self.segment.close()
 
 

@@ -39,7 +39,7 @@ class Rebalance:
     retired_s: float | None = None
     move_s: float = 0.0  # slowest worker's copy time
     moved_bytes: int = 0  # summed over workers
-    peer_bytes: int = 0  # of which read from peers (over gloo between hosts)
+    peer_bytes: int = 0  # of which read from peers (their shared memory, or over gloo from another host)
 
 
 class Eplb:

@@ -17,8 +17,8 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", 
 ALLOWED = {
     ("comm/arena.py", "map", "frombuffer"): "the host payload arena is the mailbox's shared memory",
     ("comm/weights.py", "_view", "frombuffer"): "dwdp's weight store is host shared memory",
-    ("comm/kv_arena.py", "__init__", "frombuffer"): "the KV handoff's flag table (and a host heap) is host shared "
-                                                    "memory",
+    ("comm/kv_arena.py", "__init__", "frombuffer"): "the KV handoff's flag table is host shared memory",
+    ("comm/kv_arena.py", "heap", "frombuffer"): "a host KV staging heap is the arena's shared memory",
 }
 
 

@@ -81,6 +81,17 @@ def test_weight_pulls_read_a_peers_shared_memory_one_sidedly():
         owner.close()
 
 
+def test_a_weight_server_answers_and_greets_the_publishers_on_other_hosts_alone():
+    """Ranks 0-2 on host 0, 3-5 on host 1; under EPLB only the expert ranks (1, 4, 5) publish: each
+    says goodbye to, and its server waits for, the publishers on the other host; all ranks is dwdp's."""
+    from moeflow.comm.remote_weights import LinksWeightStore
+
+    config = CommConfig(None, "links", f"w{uuid.uuid4().hex[:8]}", rank_nodes=(0, 0, 0, 1, 1, 1))
+    experts = LinksWeightStore(config, publishers=(1, 4, 5))
+    assert [experts._remote(r) for r in (1, 4, 5)] == [[4, 5], [1], [1]]
+    assert LinksWeightStore(config)._remote(0) == [3, 4, 5]
+
+
 def test_the_list_experts_op_matches_its_oracle_without_merging():
     g = torch.Generator().manual_seed(1)
     w13, w2 = torch.randn(1, 7, 16, 8, generator=g), torch.randn(1, 7, 8, 8, generator=g)
