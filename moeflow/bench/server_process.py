@@ -60,8 +60,8 @@ class ServeProcess:
         self._log.close()
 
 
-def children(pid: int) -> dict[int, str]:
-    """Direct children of ``pid``: "worker" (a deployment's process) or "other" (multiprocessing's tracker)."""
+def _child_processes(pid: int) -> dict[int, bytes]:
+    """Direct children of ``pid`` and their command lines (Linux's /proc)."""
     out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -72,10 +72,20 @@ def children(pid: int) -> dict[int, str]:
             if ppid != pid:
                 continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
+                out[int(entry)] = f.read()
         except OSError:
             continue
-        out[int(entry)] = "worker" if b"spawn_main" in cmdline else "other"
+    return out
+
+
+def children(pid: int) -> dict[int, str]:
+    """The processes ``pid`` started: "worker" (a deployment's; the fork server's children) or
+    "other" (the fork server itself, multiprocessing's tracker)."""
+    out = {}
+    for child, cmdline in _child_processes(pid).items():
+        out[child] = "worker" if b"spawn_main" in cmdline else "other"
+        if b"multiprocessing.forkserver" in cmdline:
+            out.update({w: "worker" for w in _child_processes(child)})
     return out
 
 

@@ -1,7 +1,9 @@
 """Start, watch and stop a deployment's worker processes.
 
-Guarantees: a worker dies with its parent (PR_SET_PDEATHSIG), ignores Ctrl-C and hang-ups sent to
-its process group (the engine owns the shutdown), reports its own exceptions as ``WorkerFailed``;
+Workers are forked by multiprocessing's fork server, which imported torch and the worker code once
+(``fork_server.py``); each gets the engine's environment as it is at its start. Guarantees: a worker dies with its parent (PR_SET_PDEATHSIG: the fork server, which exits with the
+engine process), ignores Ctrl-C and hang-ups sent to its process group (the engine owns the
+shutdown; so does the fork server), reports its own exceptions as ``WorkerFailed``;
 ``Deployment.shutdown`` leaves no process and no /dev/shm segment behind, whatever state the
 workers are in, and runs at interpreter exit (also after SIGTERM/SIGHUP, ``moeflow.lifecycle``) if
 nobody called it. A deployment starts by unlinking the segments of dead ones (``reclaim_stale``).
@@ -60,13 +62,17 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def worker_main(setup: WorkerSetup, conn: Connection) -> None:
-    """Entry point of every worker process."""
+def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str]) -> None:
+    """Entry point of every worker process; ``environ``: the engine's at the worker's start (the
+    fork server's is from its own start)."""
+    server = os.getppid()
     lifecycle.die_with_parent()
     faulthandler.enable()  # a crash in native code (a kernel, a signal) still leaves its Python stack on stderr
-    parent = mp.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # it died before the line above
+    parent = mp.parent_process()  # the engine process
+    if os.getppid() != server or (parent is not None and not parent.is_alive()):  # either died before the prctl
         os._exit(1)
+    os.environ.clear()
+    os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if setup.cpu is not None and hasattr(os, "sched_setaffinity"):
@@ -101,9 +107,8 @@ def worker_main(setup: WorkerSetup, conn: Connection) -> None:
         if worker is not None:
             worker.close()
         close_world()
-    # A clean shutdown has released everything above (and the engine unlinks what a worker could
-    # not): skip the interpreter's teardown of torch and the weights, ~0.5 s per worker here, which
-    # every deployment's shutdown and every restart would otherwise wait for.
+    # Everything above is released (the engine unlinks what a worker could not): skip the interpreter's
+    # teardown of torch and the weights, ~0.5 s per worker here, at every shutdown and restart.
     lifecycle.release_all()
     logging.shutdown()
     sys.stdout.flush()
@@ -150,10 +155,12 @@ def stop_workers(workers: list[WorkerHandle], timeout_s: float) -> None:
 
 
 def spawn(setup: WorkerSetup) -> WorkerHandle:
-    """Start one worker process on this host."""
-    ours, theirs = mp.get_context("spawn").Pipe()
-    p = mp.get_context("spawn").Process(target=worker_main, args=(setup, theirs),
-                                        name=f"moeflow-{setup.role}{setup.index}", daemon=True)
+    """Start one worker process on this host (forked by the fork server, started with the first)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["moeflow.workers.fork_server"])  # takes effect when the server starts
+    ours, theirs = ctx.Pipe()
+    p = ctx.Process(target=worker_main, args=(setup, theirs, dict(os.environ)),
+                    name=f"moeflow-{setup.role}{setup.index}", daemon=True)
     p.start()
     theirs.close()
     return WorkerHandle(setup.role, setup.index, p, ours)

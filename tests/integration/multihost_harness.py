@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from moeflow.bench.server_process import children
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -18,15 +20,5 @@ def worker_node(host, master_addr: str, port: int, env: dict[str, str] | None = 
 
 
 def worker_children(pid: int) -> list[int]:
-    """The worker processes a worker node spawned (multiprocessing's spawn_main children)."""
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if ppid == pid and b"spawn_main" in f.read():
-                    out.append(int(entry))
-        except OSError:
-            continue
-    return out
+    """The worker processes a worker node started (its fork server's children)."""
+    return [p for p, role in children(pid).items() if role == "worker"]
