@@ -20,8 +20,8 @@ def reference(checkpoints):
 
 @pytest.mark.parametrize("name,layout", [
     ("qwen3", dict(mode="dep", dp=3, num_redundant_experts=2)),  # 10 slots over 3 ranks: 3/3/4
-    pytest.param("qwen3", dict(mode="asap", attn_dp=2, moe_workers=2, num_redundant_experts=3, min_batch_tokens=8,
-                               max_batch_tokens=128), marks=pytest.mark.slow),  # its live case below starts here
+    ("qwen3", dict(mode="asap", attn_dp=2, moe_workers=2, num_redundant_experts=3, min_batch_tokens=8,
+                   max_batch_tokens=128)),
     pytest.param("deepseek_v3", dict(mode="afd", attn_workers=2, ffn_workers=2, topology="all", num_redundant_experts=2),
                  marks=pytest.mark.slow),  # make test-slow: the live case below takes afd's attention-side path
     ("qwen3", dict(mode="afd", attn_workers=1, ffn_workers=3, topology="all", router="ffn", num_redundant_experts=4)),

@@ -27,7 +27,6 @@ def test_a_node_that_never_comes_is_named(checkpoints):
     assert time.monotonic() - t0 < 30
 
 
-@pytest.mark.slow  # make test-slow: a node's refusal by name is test_a_node_that_never_comes_is_named's path too
 def test_a_worker_node_started_for_another_cluster_size_is_refused_with_the_reason(checkpoints):
     from moeflow.config import ClusterConfig
     from moeflow.workers.launch import WorkerDied, free_port

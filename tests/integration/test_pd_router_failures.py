@@ -64,7 +64,6 @@ def expected(path: str, prompts, max_tokens: int = 6) -> list[str]:
                                                                                 ignore_eos=True))]
 
 
-@pytest.mark.slow  # make test-slow: injection under load is test_pd_lifecycle's; the link's failures are below
 def test_injected_copy_failures_under_load(path, tmp_path):
     """5% of copies fail on each side; under recompute every answer is the reference's."""
     split = Split(path, tmp_path, env={"MOEFLOW_PD_FAIL_PROB": "0.05"})
