@@ -109,7 +109,8 @@ class KvArena:
     def heap_view(self, offset_bytes: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` bytes of the heap at ``offset_bytes`` as a uint8 view [nbytes] (a pull's source or target)."""
         if not 0 <= offset_bytes <= offset_bytes + nbytes <= self.heap_bytes:
-            raise ValueError(f"bytes [{offset_bytes}, {offset_bytes + nbytes}) are not in the {self.heap_bytes}-byte heap")
+            raise ValueError(f"bytes [{offset_bytes}, {offset_bytes + nbytes}) are outside the "
+                             f"{self.heap_bytes}-byte heap")
         return self.heap[offset_bytes:offset_bytes + nbytes]
 
     def close(self) -> None:

@@ -1,5 +1,5 @@
-"""Weight pulls across hosts (dwdp's, and a live rebalance's expert moves, over gloo): what ``ShmWeightStore`` does one-sidedly within a
-host, a peer on another host answers for it.
+"""Weight pulls across hosts (dwdp's, and a live rebalance's expert moves, over gloo): what
+``ShmWeightStore`` does one-sidedly within a host, a peer on another host answers for it.
 
 gloo has no one-sided read, so every rank with peers on other hosts runs a ``WeightServer``
 thread that receives pull requests from any source and sends back the asked byte range of its

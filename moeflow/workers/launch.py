@@ -1,12 +1,13 @@
 """Start, watch and stop a deployment's worker processes.
 
-Workers are forked by multiprocessing's fork server, which imported torch and the worker code once
-(``fork_server.py``); each gets the engine's environment as it is at its start. Guarantees: a worker dies with its parent (PR_SET_PDEATHSIG: the fork server, which exits with the
-engine process), ignores Ctrl-C and hang-ups sent to its process group (the engine owns the
-shutdown; so does the fork server), reports its own exceptions as ``WorkerFailed``;
-``Deployment.shutdown`` leaves no process and no /dev/shm segment behind, whatever state the
-workers are in, and runs at interpreter exit (also after SIGTERM/SIGHUP, ``moeflow.lifecycle``) if
-nobody called it. A deployment starts by unlinking the segments of dead ones (``reclaim_stale``).
+Workers are forked by multiprocessing's fork server, which imported torch and the worker code
+once (``fork_server.py``); each gets the engine's environment as it is at its start. Guarantees: a
+worker dies with its parent (PR_SET_PDEATHSIG: the fork server, which exits with the engine
+process), ignores Ctrl-C and hang-ups sent to its process group (the engine owns the shutdown; so
+does the fork server), reports its own exceptions as ``WorkerFailed``; ``Deployment.shutdown``
+leaves no process and no /dev/shm segment behind, whatever state the workers are in, and runs at
+interpreter exit (also after SIGTERM/SIGHUP, ``moeflow.lifecycle``) if nobody called it. A
+deployment starts by unlinking the segments of dead ones (``reclaim_stale``).
 """
 from __future__ import annotations
 
@@ -63,8 +64,7 @@ def process_state(pid: int) -> str | None:
 
 
 def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str]) -> None:
-    """Entry point of every worker process; ``environ``: the engine's at the worker's start (the
-    fork server's is from its own start)."""
+    """Entry point of every worker process; ``environ``: the engine's at the worker's start."""
     server = os.getppid()
     lifecycle.die_with_parent()
     faulthandler.enable()  # a crash in native code (a kernel, a signal) still leaves its Python stack on stderr

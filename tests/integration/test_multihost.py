@@ -45,7 +45,8 @@ def _assert_same(outs: list, refs: list) -> None:
             assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-3
 
 
-def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, tag: str = "", rounds: int = 1) -> dict:
+def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, tag: str = "",
+                  rounds: int = 1) -> dict:
     """Node 0 (the engine) in host A and a worker node in host B; returns node 0's result."""
     port = 29400  # node 0 is in a namespace of its own: every port is free there
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
