@@ -66,12 +66,19 @@ def provenance(command: list[str] | None = None) -> dict:
     return p
 
 
+def result_text(result: dict) -> str:
+    """A result file's text: a top-level key per line, each value compact (indentation was a third
+    of the bytes of docs/results; ``python -m json.tool`` indents a file to read it)."""
+    return "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'), default=_plain)}"
+                              for k, v in result.items()) + "\n}\n"
+
+
 def write_json(path: str, result: dict, command: list[str] | None = None) -> None:
     """Write ``result`` with a ``provenance`` block first (a result already carrying one keeps it)."""
     out = {"provenance": result.get("provenance") or provenance(command), **result}
     # encoded whole before the file is touched: a value with no JSON form must not leave a
     # truncated result behind (one was committed that way)
-    text = json.dumps(out, indent=2, default=_plain)
+    text = result_text(out)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
