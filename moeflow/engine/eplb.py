@@ -83,6 +83,15 @@ class Eplb:
         self._advance()
         return rest
 
+    def idle(self) -> None:
+        """Nothing is in flight (a server calls this between requests): read the movers' reports
+        here, so that a rebalance switches once its copies are done, not with the next request (a
+        dep rank's pipe carries nothing else then; measured: 1.0 s -> 0.07 s with a request a second)."""
+        if self.live and self.phase != "serving":
+            got = [] if self.polls else self.engine.deployment.recv_any(self.expert_workers, 0.0)
+            for _, m in self.take(got):
+                log.warning("unexpected message from an expert worker: %r", m)
+
     # -- the phases -------------------------------------------------------------------------------
 
     def _advance(self) -> None:

@@ -47,8 +47,7 @@ class ProcessEngine(Engine):
         # group -> its work item on the workers, for the modes that give a group one at a time
         # (asap, dwdp; dep's global step and afd's steps in flight keep their own)
         self._inflight: dict[int, Work] = {}
-        self.expert_load = None  # engine.expert_load.ExpertLoadWindow of the modes that spread experts
-        self.eplb = None  # engine.eplb.Eplb: its placement over time (the same modes)
+        self.expert_load = self.eplb = None  # the modes that spread experts: their load window, placement over time
 
     def _budget(self, config: EngineConfig, model_path: str) -> EngineConfig:
         """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``)."""
@@ -239,8 +238,7 @@ class ProcessEngine(Engine):
                 r.error = reason
                 finished.append(r)
         self._on_fail()
-        # NOTE: a short grace: the survivors are usually blocked on the dead worker and never see
-        # the Shutdown message; the requests' errors wait for this.
+        # NOTE: a short grace: the survivors, blocked on the dead worker, never see the Shutdown message
         self.deployment.shutdown(timeout_s=1.0)
         return StepResult({}, finished)
 
@@ -269,6 +267,8 @@ class ProcessEngine(Engine):
             dead = next((w for w in self.deployment.workers if not w.process.is_alive()), None)
             if dead is not None:
                 return self._fail(f"{dead.name} exited unexpectedly (exit code {dead.process.exitcode})")
+            if self.eplb is not None and not self._busy():
+                self.eplb.idle()
         return StepResult({}, [])
 
     def _check_alive(self) -> None:

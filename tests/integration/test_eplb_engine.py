@@ -117,6 +117,28 @@ def test_rebalances_under_poisson_load_answer_every_request(checkpoints):
     assert list_segments(deployment_id) == []
 
 
+def test_an_idle_deployment_switches_once_its_moves_are_done(checkpoints, reference):
+    """A rebalance begun as the last request ends switches while the server only checks its workers
+    (dep: the ranks' reports are read between requests), and the next requests equal colocated."""
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="dep", dp=2, num_redundant_experts=2, router_skew=1.0,
+             enable_eplb=True, eplb_config={"step_interval": 1000, "window_size": 16}) as llm:
+        llm.generate(PROMPTS, PARAMS)
+        eplb = llm.engine.eplb
+        eplb.since = eplb.config.step_interval  # due now: the next turn of its state machine begins one
+        eplb.take([])
+        assert eplb.phase == "moving"
+        deadline = time.monotonic() + 10
+        while eplb.phase == "moving" and time.monotonic() < deadline:
+            llm.engine.check_workers()  # what an idle server's loop does
+            time.sleep(0.01)
+        assert eplb.phase != "moving" and eplb.history[-1].switched_s is not None
+        lag = eplb.history[-1].switched_s - eplb.history[-1].started_s
+        print(f"idle switch {lag:.3f} s after the move began (copies {eplb.history[-1].move_s:.3f} s)")
+        outs = llm.generate(PROMPTS, PARAMS)
+    with LLM(checkpoints("qwen3").path, dtype="float32", router_skew=1.0) as ref:
+        assert_same(outs, ref.generate(PROMPTS, PARAMS))
+
+
 def test_the_benchmarks_router_skew_is_applied_wherever_tokens_are_routed(checkpoints):
     """``router_skew`` tilts every router alike: colocated and afd whose daemons route agree, and the
     recorded load is more skewed than the model's own."""
