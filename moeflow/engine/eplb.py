@@ -22,6 +22,7 @@ from moeflow.layout.expert_map import ExpertMap
 from moeflow.logs import get_logger
 from moeflow.messages import ExpertsMoved, MoveExperts, UseExperts, WorkDone
 from moeflow.scheduler.eplb import rebalance
+from moeflow.workers.launch import WorkerDied
 
 log = get_logger("moeflow.eplb")
 
@@ -83,14 +84,19 @@ class Eplb:
         self._advance()
         return rest
 
-    def idle(self) -> None:
+    def idle(self) -> str | None:
         """Nothing is in flight (a server calls this between requests): read the movers' reports
         here, so that a rebalance switches once its copies are done, not with the next request (a
-        dep rank's pipe carries nothing else then; measured: 1.0 s -> 0.07 s with a request a second)."""
-        if self.live and self.phase != "serving":
-            got = [] if self.polls else self.engine.deployment.recv_any(self.expert_workers, 0.0)
-            for _, m in self.take(got):
-                log.warning("unexpected message from an expert worker: %r", m)
+        dep rank's pipe carries nothing else then; measured: 1.0 s -> 0.07 s with a request a
+        second). Returns why a worker died, if one did meanwhile."""
+        try:
+            if self.live and self.phase != "serving":
+                got = [] if self.polls else self.engine.deployment.recv_any(self.expert_workers, 0.0)
+                for _, m in self.take(got):
+                    log.warning("unexpected message from an expert worker: %r", m)
+        except WorkerDied as e:
+            return str(e)
+        return None
 
     # -- the phases -------------------------------------------------------------------------------
 

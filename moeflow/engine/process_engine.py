@@ -267,8 +267,8 @@ class ProcessEngine(Engine):
             dead = next((w for w in self.deployment.workers if not w.process.is_alive()), None)
             if dead is not None:
                 return self._fail(f"{dead.name} exited unexpectedly (exit code {dead.process.exitcode})")
-            if self.eplb is not None and not self._busy():
-                self.eplb.idle()
+            if self.eplb is not None and not self._busy() and (died := self.eplb.idle()) is not None:
+                return self._fail(died)
         return StepResult({}, [])
 
     def _check_alive(self) -> None:

@@ -69,7 +69,7 @@ def provenance(command: list[str] | None = None) -> dict:
 def result_text(result: dict) -> str:
     """A result file's text: a top-level key per line, each value compact (indentation was a third
     of the bytes of docs/results; ``python -m json.tool`` indents a file to read it)."""
-    return "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'), default=_plain)}"
+    return "{\n" + ",\n".join(f"{json.dumps(str(k))}: {json.dumps(v, separators=(',', ':'), default=_plain)}"
                               for k, v in result.items()) + "\n}\n"
 
 

@@ -71,8 +71,8 @@ def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str]) -
     parent = mp.parent_process()  # the engine process
     if os.getppid() != server or (parent is not None and not parent.is_alive()):  # either died before the prctl
         os._exit(1)
-    os.environ.clear()
-    os.environ.update(environ)
+    from moeflow.workers.fork_server import become_worker  # already imported: this process was forked
+    become_worker(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if setup.cpu is not None and hasattr(os, "sched_setaffinity"):

@@ -14,7 +14,8 @@ point gets one signal, and every signal reaches at least two entry points:
     demo (its server is a grandchild: asap D=1 E=1) SIGINT
 
 Every case with a deployment also plants a segment named for a dead pid before it starts and
-checks that the start reclaimed it (``comm.segment.reclaim_stale``).
+checks that the start reclaimed it (``comm.segment.reclaim_stale``). Last, a SIGKILL of the engine
+itself (no exit path runs) with a worker stopped: the workers and their fork server still go.
 """
 from __future__ import annotations
 
@@ -164,3 +165,49 @@ def test_signal_releases_everything(case, tmp_path):
         for path in _segments(tree) + [stale]:
             if os.path.exists(path):
                 os.unlink(path)
+
+
+KILLED = """
+import time
+from moeflow import LLM
+llm = LLM("tiny", mode="dep", dp=2, max_batch_tokens=512, num_kv_blocks=256)
+print("script: ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_engine_takes_its_workers_and_their_fork_server_along(tmp_path):
+    """SIGKILL of the engine process (no exit path runs) with one worker stopped, so that it never
+    reads its control pipe again: the fork server and both workers are gone within seconds."""
+    from moeflow.bench.server_process import children
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "MOEFLOW_PAGED_ATTENTION": "gather"}
+    log_path = tmp_path / "out.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", KILLED], cwd=tmp_path, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=_default_signals, start_new_session=True)
+    tree: set[int] = set()
+    try:
+        t0 = time.monotonic()
+        while "script: ready" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() - t0 < START_TIMEOUT_S, log_path.read_text()
+            time.sleep(0.1)
+        workers = [p for p, role in children(proc.pid).items() if role == "worker"]
+        tree = _descendants(proc.pid)
+        assert len(workers) == 2, (children(proc.pid), log_path.read_text())
+        os.kill(workers[0], signal.SIGSTOP)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10.0
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in tree if _alive(p)], f"processes left after the engine was killed: {tree}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in tree:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        for path in _segments(tree | {proc.pid}):  # the killed engine could not unlink its own
+            os.unlink(path)
