@@ -33,6 +33,7 @@ from moeflow.logs import get_logger
 from moeflow.messages import Shutdown, WorkerFailed, WorkerReady, WorkerSetup
 from moeflow.workers.interface import choose
 from moeflow.workers.remote import RemoteNode
+from moeflow.workers.stdio import Stdio
 
 log = get_logger("moeflow.workers.launch")
 
@@ -63,8 +64,8 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str]) -> None:
-    """Entry point of every worker process; ``environ``: the engine's at the worker's start."""
+def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str], stdio: Stdio) -> None:
+    """Entry point of every worker process; ``environ``, ``stdio``: the engine's at the worker's start."""
     server = os.getppid()
     lifecycle.die_with_parent()
     faulthandler.enable()  # a crash in native code (a kernel, a signal) still leaves its Python stack on stderr
@@ -72,7 +73,7 @@ def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str]) -
     if os.getppid() != server or (parent is not None and not parent.is_alive()):  # either died before the prctl
         os._exit(1)
     from moeflow.workers.fork_server import become_worker  # already imported: this process was forked
-    become_worker(environ)
+    become_worker(environ, stdio)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if setup.cpu is not None and hasattr(os, "sched_setaffinity"):
@@ -159,7 +160,7 @@ def spawn(setup: WorkerSetup) -> WorkerHandle:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["moeflow.workers.fork_server"])  # takes effect when the server starts
     ours, theirs = ctx.Pipe()
-    p = ctx.Process(target=worker_main, args=(setup, theirs, dict(os.environ)),
+    p = ctx.Process(target=worker_main, args=(setup, theirs, dict(os.environ), Stdio()),
                     name=f"moeflow-{setup.role}{setup.index}", daemon=True)
     p.start()
     theirs.close()
@@ -174,8 +175,7 @@ class Deployment:
                  cluster: ClusterConfig | None = None, published_shm_bytes: int = 0):
         """``published_shm_bytes``: what this host's workers publish in /dev/shm besides their
         mailboxes (dwdp's resident experts); with the mailboxes it must fit before anything starts."""
-        self.deployment_id = deployment_id
-        self.setups = list(setups)
+        self.deployment_id, self.setups = deployment_id, list(setups)
         self.workers: list[WorkerHandle] = []
         self.nodes: list[RemoteNode] = []  # the other hosts' workers, one entry per host
         freed = reclaim_stale()
