@@ -33,7 +33,7 @@ _ALIGN = 64
 _FLAGS_BYTES = MAX_SLOTS * 2 * MAX_MEMBERS * 8  # int64 [slot, side (0 write, 1 read), member]
 _HANDLE_BYTES = 4096  # after the flags: the heap's kind, and a device heap's pickled CUDA-IPC handle
 _KIND = struct.Struct("<qq")  # kind, handle length
-HOST_HEAP, CUDA_HEAP = 0, 1
+CUDA_HEAP = 1  # the kind word; 0 (a fresh segment's zeros): the heap is the segment's own bytes
 WRITE, READ = 0, 1
 
 Entries = dict[str, torch.Tensor]  # entry name -> [L, N, *e] one cache's tensor

@@ -107,15 +107,14 @@ class ExpertSlots:
         """(bytes copied, of which read from peers)."""
         target, live = epoch % 2, 1 - epoch % 2
         now = self.layers[live]
-        nbytes = [0, 0]
+        total = from_peers = 0
         slots = []
         for l in range(len(self.layer_ids)):
             want, have = layers[l][self.index], self.layers[target][l][self.index]
             for s, e in enumerate(want):
                 if have[s] != e:
                     n, from_peer = self._fetch(l, s, e, now[l], target, live)
-                    nbytes[0] += n
-                    nbytes[1] += n if from_peer else 0
+                    total, from_peers = total + n, from_peers + (n if from_peer else 0)
             if self.compute is not self.host:  # the accelerator's copy of the layer
                 for i in (0, 1):
                     self.compute[target][i][l].copy_(self.host[target][i][l])
@@ -125,7 +124,7 @@ class ExpertSlots:
             torch.cuda.synchronize(dev)
         self.weights[target] = ExpertWeights(*self.compute[target], self.layer_ids, tuple(slots))
         self.layers[target] = layers
-        return nbytes[0], nbytes[1]
+        return total, from_peers
 
     def _fetch(self, l: int, s: int, e: int, placement: tuple, target: int, live: int) -> tuple[int, bool]:
         """Expert ``e`` of MoE layer ``l`` into slot ``s`` of buffer ``target``, from a live buffer:
