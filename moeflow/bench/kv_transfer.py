@@ -66,7 +66,7 @@ def _worker(conn, entries, layers: int, num_blocks: int, block_size: int, dtype:
     for t in cache.entries.values():
         t.copy_(torch.randn(t.shape, generator=g))
     kv = KvTransfers(cache, 0)
-    spent: list[float] = []  # seconds inside each handle (the copy itself), since the last ask
+    spent: list[float] = []  # seconds of each handle's copy (to its flag store), since the last ask
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         if msg == "spent":
@@ -77,9 +77,8 @@ def _worker(conn, entries, layers: int, num_blocks: int, block_size: int, dtype:
             slots = slots_for(msg[0], 0, msg[1], block_size)
             conn.send([float(t.index_select(1, slots).double().sum()) for t in cache.entries.values()])
         else:
-            t0 = time.perf_counter()
             kv.handle(msg)
-            spent.append(time.perf_counter() - t0)
+            spent.append(kv.last_copy_s)
     kv.close()
 
 

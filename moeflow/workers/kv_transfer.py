@@ -5,6 +5,7 @@ answers when it gets to the message, and the engine's step never waits for it)."
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -19,6 +20,9 @@ class KvTransfers:
     def __init__(self, cache: KVCache, member: int):
         self.cache, self.member = cache, member
         self._arenas: dict[str, KvArena] = {}
+        # the last handle's copy, up to (not including) its flag store: once the flag is stored the
+        # engine may see it and go on, so a time taken after it could outlast the engine's own window
+        self.last_copy_s = 0.0
 
     def _arena(self, path: str) -> KvArena:
         if path not in self._arenas:
@@ -30,6 +34,7 @@ class KvTransfers:
         side = WRITE if isinstance(msg, KvSend) else READ
         arena = self._arena(st.arena)
         ok = not st.fail
+        t0 = time.perf_counter()
         if ok:
             try:
                 staged = arena.views(st.offset_bytes, st.num_layers, st.num_tokens, getattr(torch, st.dtype),
@@ -46,6 +51,7 @@ class KvTransfers:
                 logger.warning("KV transfer %d (%s) failed: %s: %s", st.transfer_id,
                                "send" if side == WRITE else "receive", type(e).__name__, e)
                 ok = False
+        self.last_copy_s = time.perf_counter() - t0
         arena.flags[st.slot, side, self.member] = st.transfer_id if ok else -st.transfer_id
 
     def close(self) -> None:
