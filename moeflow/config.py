@@ -198,13 +198,12 @@ class EngineConfig:
     # live expert load balancing: rebalance the expert placement from the routed load while serving
     enable_eplb: bool = False
     eplb_config: Any = None  # eplb_config.EplbConfig (or its mapping); None: the defaults
+    init_expert_location: str = "trivial"  # or a JSON file of recorded load or a placement (scheduler/expert_location)
     router_skew: float = 0.0  # benchmarks only: a Zipf(s) tilt of every router's choice (model/router.skewed)
 
     def __post_init__(self) -> None:
-        from moeflow.eplb_config import EplbConfig  # it validates with this module's ConfigError
-        object.__setattr__(self, "eplb_config", EplbConfig.parse(self.eplb_config or {}))
-        _require(isinstance(self.enable_eplb, bool),
-                 f"EngineConfig.enable_eplb must be a bool, got {self.enable_eplb!r}")
+        from moeflow.eplb_config import check_engine  # it validates with this module's ConfigError
+        check_engine(self)
         _require(isinstance(self.router_skew, (int, float)) and not isinstance(self.router_skew, bool)
                  and self.router_skew >= 0, f"EngineConfig.router_skew must be a number >= 0, got {self.router_skew!r}")
         if isinstance(self.kv_transfer_config, dict):

@@ -5,6 +5,7 @@ simulator and the memory plan need it whether or not the engine rebalances.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from moeflow.config import ConfigError
@@ -48,3 +49,14 @@ class EplbConfig:
         if given.get("use_async", True) is not True:
             raise ConfigError("eplb_config.use_async: moeflow always moves experts while serving goes on")
         return cls(**{k: v for k, v in given.items() if k != "use_async"})
+
+
+def check_engine(config) -> None:
+    """An ``EngineConfig``'s expert-balancing fields: ``eplb_config`` parsed in place, the rest checked."""
+    object.__setattr__(config, "eplb_config", EplbConfig.parse(config.eplb_config or {}))
+    if not isinstance(config.enable_eplb, bool):
+        raise ConfigError(f"EngineConfig.enable_eplb must be a bool, got {config.enable_eplb!r}")
+    loc = config.init_expert_location
+    if not (isinstance(loc, str) and (loc == "trivial" or os.path.isfile(loc))):
+        # the file's contents need the model (scheduler/expert_location.py reads them at the engine's start)
+        raise ConfigError(f"init_expert_location: {loc!r} is neither 'trivial' nor a file")

@@ -222,6 +222,17 @@ class WorkerSetup:
     device: str = "cpu"  # where this process computes: set by the process itself from engine.device and its rank
     cpu: int | None = None  # pin the process to this CPU
     node: int = 0  # the host that runs it (ClusterConfig.node_rank); 0: the engine's
+    # the starting placement where it differs by layer (``ExpertMap.layers``: [moe layer][device] ->
+    # experts; --init-expert-location); None: ``experts_held`` in every MoE layer
+    expert_layers: tuple | None = None
+
+    def held_by(self, device: int) -> tuple:
+        """What expert device ``device`` loads: its experts, per MoE layer where they differ by layer."""
+        return self.experts_held[device] if self.expert_layers is None else tuple(l[device] for l in self.expert_layers)
+
+    def placement(self, moe_index: int) -> tuple[tuple[int, ...], ...]:
+        """Every expert device's experts in the ``moe_index``-th MoE layer, before any rebalance."""
+        return self.experts_held if self.expert_layers is None else self.expert_layers[moe_index]
 
 
 @dataclass

@@ -20,7 +20,7 @@ from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, expert_process
+from moeflow.engine.eplb import attach, check_live, expert_process, start_placement
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AfdLayout
@@ -72,7 +72,8 @@ class AfdEngine(ProcessEngine):
             raise ConfigError("mode 'afd' needs a model with MoE layers")
         check_live(config, "afd", computes=layout.topology == "all")
         m, n = layout.attn_workers, layout.ffn_workers
-        held = layout.experts_held(mc.num_experts)
+        held = start_placement(config, layout, mc, layout.experts_held(mc.num_experts), "afd",
+                               computes=layout.topology == "all")
         self.max_model_len = context_len(config, mc)
         # across hosts: the attention instances (and the engine) on node 0, the FFN daemons on the others
         transport, rank_nodes = self._transport((0,) * m + tuple(self._expert_node(j) for j in range(n)))

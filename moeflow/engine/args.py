@@ -85,6 +85,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       help='{"window_size": work items of load (1000), "step_interval": work items between '
                       'rebalances (3000), "num_groups": expert groups, "policy": auto|hierarchical|global, '
                       '"log_balancedness": false}')
+    eplb.add_argument("--init-expert-location", default="trivial", metavar="trivial|FILE.json",
+                      help="the placement to start from: trivial (contiguous), or a JSON file with a logical_count "
+                      "(recorded load, as GET /expert_distribution writes; placed by the EPLB policy) or a "
+                      "physical_to_logical_map (every slot's expert)")
     eplb.add_argument("--router-skew", type=float, default=None, metavar="S",
                       help="benchmarks only: tilt every router toward a Zipf(S) popularity of experts, a different "
                       "order per layer, so the load is as skewed as a trained model's (changes the outputs)")
@@ -146,7 +150,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               num_threads=args.threads,
               pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None,
               cluster=cluster_config(args), enable_eplb=getattr(args, "enable_eplb", False),
-              eplb_config=getattr(args, "eplb_config", None))
+              eplb_config=getattr(args, "eplb_config", None),
+              init_expert_location=getattr(args, "init_expert_location", "trivial"))
     for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib",
                  "stall_timeout_s", "kv_admission", "router_skew"):
         if getattr(args, name) is not None:

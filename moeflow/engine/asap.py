@@ -11,7 +11,7 @@ import functools
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, expert_process
+from moeflow.engine.eplb import attach, check_live, expert_process, start_placement
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import AsapLayout
@@ -56,7 +56,7 @@ class AsapEngine(ProcessEngine):
         if not mc.num_moe_layers:
             raise ConfigError("mode 'asap' needs a model with MoE layers")
         check_live(config, "asap")
-        held = layout.experts_held(mc.num_experts)
+        held = start_placement(config, layout, mc, layout.experts_held(mc.num_experts), "asap")
         d, t, e = layout.attn_dp, layout.attn_tp, layout.moe_workers
         check_tp(mc, t)
         self.max_model_len = context_len(config, mc)

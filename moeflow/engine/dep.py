@@ -11,7 +11,7 @@ import time
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, expert_process
+from moeflow.engine.eplb import attach, check_live, expert_process, start_placement
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DepLayout
@@ -59,7 +59,8 @@ class DepEngine(ProcessEngine):
             raise ConfigError(f"mode 'dep' runs its all-to-all over shm, cuda-ipc or dist, not {config.transport!r}")
         check_live(config, "dep")
         dp = layout.dp
-        experts = layout.experts_held(mc.num_experts)  # rank r holds the r-th 1/N of every layer
+        # rank r holds the r-th 1/N of every layer, or what --init-expert-location places there
+        experts = start_placement(config, layout, mc, layout.experts_held(mc.num_experts), "dep")
         self.max_model_len = context_len(config, mc)
         nnodes = config.cluster.nnodes  # rank r on node r mod N
         transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(dp)))

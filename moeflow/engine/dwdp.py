@@ -15,7 +15,7 @@ from moeflow.comm.segment import SHM_DIR
 from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live
+from moeflow.engine.eplb import attach, check_live, start_placement
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.layout import DwdpLayout
@@ -49,6 +49,7 @@ class DwdpEngine(ProcessEngine):
         if config.transport not in ("shm", "cuda-ipc"):
             raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over {config.transport!r}")
         check_live(config, "dwdp", computes=False)
+        start_placement(config, layout, mc, (), "dwdp", computes=False)  # refuses a starting placement file
         self.experts_held = layout.experts_held(mc.num_experts)
         self.max_model_len = context_len(config, mc)
         nnodes = config.cluster.nnodes  # rank r on node r mod N; peers elsewhere serve pulls over gloo

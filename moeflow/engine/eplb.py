@@ -22,6 +22,7 @@ from moeflow.layout.expert_map import ExpertMap
 from moeflow.logs import get_logger
 from moeflow.messages import ExpertsMoved, MoveExperts, UseExperts, WorkDone
 from moeflow.scheduler.eplb import rebalance
+from moeflow.scheduler.expert_location import TRIVIAL, initial_map
 from moeflow.workers.launch import WorkerDied
 
 log = get_logger("moeflow.eplb")
@@ -162,6 +163,22 @@ def check_live(config, mode: str, computes: bool = True) -> None:
         raise ConfigError("--enable-eplb moves expert weights through a weight store: shared memory within a host "
                           "and gloo across hosts (transport shm), or device memory (transport cuda-ipc); transport "
                           f"{config.transport!r} has none")
+
+
+def start_placement(config, layout, mc, held: tuple, mode: str, computes: bool = True) -> tuple | ExpertMap:
+    """The placement a deployment starts with: ``held`` (the layout's, the same in every MoE layer)
+    or, with ``--init-expert-location FILE``, the file's (an ``ExpertMap``, by layer)."""
+    if config.init_expert_location == TRIVIAL:
+        return held
+    if not computes:
+        raise ConfigError(f"--init-expert-location: mode {mode} has no placement to choose (dwdp ranks compute their "
+                          f"own tokens with every expert; afd's topology 'block' gives every daemon all of them)")
+    if getattr(layout, "expert_placement", None) is not None:
+        raise ConfigError("--init-expert-location: give either the layout's expert_placement or a starting "
+                          "placement file, not both")
+    moe = [lid for lid in range(mc.num_layers) if mc.sparse_layers[lid]]
+    return initial_map(config.init_expert_location, held, mc.num_experts, moe, config.cluster.nnodes,
+                       config.eplb_config.num_groups or mc.n_group, config.eplb_config.policy)
 
 
 def attach(engine, mc, held, expert_workers: list, attention_workers: list, polls: bool, computes: bool = True) -> None:

@@ -27,6 +27,7 @@ class ExpertLoadWindow:
         self.window = np.zeros(shape, dtype=np.int64)  # [Lm, E] tokens over the window
         self.total = np.zeros(shape, dtype=np.int64)  # since the deployment started
         self._buckets: deque[np.ndarray] = deque()
+        self.items = 0  # work items that routed anything, since the deployment started
         self.computes = computes  # whether a device computes the experts it holds (see window_for)
 
     def add(self, counts: np.ndarray | None) -> None:
@@ -37,6 +38,7 @@ class ExpertLoadWindow:
         self._buckets.append(counts)
         self.window += counts
         self.total += counts
+        self.items += 1
         if len(self._buckets) > self.window_size:
             self.window -= self._buckets.popleft()
 
@@ -44,6 +46,13 @@ class ExpertLoadWindow:
         """Per MoE layer, mean / max device load over the window (1.0 before any token); none where
         the devices do not compute by placement."""
         return self.map.balancedness(self.window.tolist()) if self.computes else []
+
+    def distribution(self) -> dict:
+        """Tokens per (MoE layer, logical expert) since the deployment started, as a file that
+        ``--init-expert-location`` reads (``scheduler/expert_location``). Read from another thread
+        (the server's), a count may miss the work item being added: a load statistic, not an invariant."""
+        return {"logical_count": self.total.tolist(), "moe_layers": list(self.layer_ids),
+                "num_experts": self.map.num_experts, "work_items": self.items}
 
     def hottest(self, n: int = HOTTEST) -> list[tuple[int, int, float]]:
         """(model layer id, expert, share of the layer's tokens) of each layer's ``n`` hottest experts."""
@@ -56,11 +65,13 @@ class ExpertLoadWindow:
         return out
 
 
-def window_for(mc, held: tuple[tuple[int, ...], ...], computes: bool = True,
+def window_for(mc, held: tuple[tuple[int, ...], ...] | ExpertMap, computes: bool = True,
                window_size: int = 1000) -> ExpertLoadWindow:
-    """The window of a deployment whose expert-holding processes hold ``held`` in every MoE layer.
+    """The window of a deployment whose expert-holding processes hold ``held`` in every MoE layer
+    (or by layer: an ``ExpertMap``, a starting placement).
     ``computes``: each process computes the pairs of the experts it holds (dep, asap, afd with
     topology all), so the placement decides its load; False (dwdp ranks, which pull what they lack
     and compute their own tokens; afd's blocks) keeps the window without a device balance."""
     moe = [lid for lid in range(mc.num_layers) if mc.sparse_layers[lid]]
-    return ExpertLoadWindow(ExpertMap((held,) * len(moe), mc.num_experts), moe, window_size, computes)
+    m = held if isinstance(held, ExpertMap) else ExpertMap((held,) * len(moe), mc.num_experts)
+    return ExpertLoadWindow(m, moe, window_size, computes)

@@ -68,6 +68,7 @@ class LLM:
                  memory_budget_gib: float | None = None, activation_reserve_gib: float | None = None,
                  max_restarts: int = 0, restart_backoff_s: float = 1.0, stall_timeout_s: float = 60.0,
                  kv_admission: str = "on-demand", enable_eplb: bool = False, eplb_config=None, router_skew: float = 0.0,
+                 init_expert_location: str = "trivial",
                  cluster: ClusterConfig | None = None, kv_transfer_config: KvTransferConfig | dict | None = None,
                  layout: Layout | None = None, **layout_kwargs):
         """``max_restarts``: when a worker dies, its requests end with errors and, before the next
@@ -90,7 +91,8 @@ class LLM:
                               memory_budget_gib=memory_budget_gib, activation_reserve_gib=activation_reserve_gib,
                               stall_timeout_s=stall_timeout_s, kv_admission=kv_admission,
                               cluster=cluster or ClusterConfig(), kv_transfer_config=kv_transfer_config,
-                              enable_eplb=enable_eplb, eplb_config=eplb_config, router_skew=router_skew)
+                              enable_eplb=enable_eplb, eplb_config=eplb_config, router_skew=router_skew,
+                              init_expert_location=init_expert_location)
         self.restart_policy = RestartPolicy(max_restarts, restart_backoff_s)
         self.model_path = resolve_model(model, revision)
         self.layout, self.mode = layout, layout.mode
@@ -230,6 +232,16 @@ class LLM:
             raise
         return [merge_samples(rid, [trackers[r.request_id].output() for r in family])
                 for rid, family in zip(ids, families)]
+
+    def expert_distribution(self) -> dict:
+        """The routed load since the deployment started (tokens per MoE layer and expert), as a
+        JSON-ready mapping that ``init_expert_location`` takes from a file: record a workload, then
+        start the next deployment from a placement balanced for it. A mode without expert devices
+        (colocated, pd) raises."""
+        window = getattr(self.engine, "expert_load", None)
+        if window is None:
+            raise ConfigError(f"mode {self.mode!r} records no expert load (dep, asap, afd and dwdp do)")
+        return window.distribution()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -44,6 +44,9 @@ def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engi
         raise ConfigError(f"node {cluster.node_rank} runs workers only (moeflow worker-node); the engine is node 0's")
     if cluster.is_multinode and not cls.multinode:
         raise ConfigError(f"mode {layout.mode!r} runs on one host; modes across hosts: {list(MULTINODE_MODES)}")
+    if layout.mode == "colocated" and (config.enable_eplb or config.init_expert_location != "trivial"):
+        raise ConfigError("--enable-eplb and --init-expert-location: mode colocated holds every expert in one "
+                          "process, so there is no placement to balance")
     model, _ = load_config(model_path)
     # NOTE: resolved here, once, so every worker of the deployment gets the same concrete device and
     # dtype (the dtype for that device: the checkpoint's bf16 on a GPU that has it)

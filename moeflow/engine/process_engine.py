@@ -16,6 +16,7 @@ from moeflow.core import Batch, Request, Work
 from moeflow.engine.base import Engine, StepResult, clock, validate_request
 from moeflow.engine.memory import apply_budget
 from moeflow.layout import Layout
+from moeflow.layout.expert_map import ExpertMap
 from moeflow.logs import get_logger
 from moeflow.messages import DumpSpans, NewRequest, RunWork, Spans, WorkDone, WorkerSetup, World
 from moeflow.workers import rendezvous
@@ -57,15 +58,15 @@ class ProcessEngine(Engine):
     def _setup(self, model_path: str, comm, experts_held, world, role: str, index: int, rank: int,
                node: int = 0) -> WorkerSetup:
         """A worker's setup; ``rank``: its world rank (pinned to CPU rank mod cores); ``node``: its host."""
-        c = self.config
-        return WorkerSetup(role, index, model_path, c, self.layout, comm, experts_held, world, rank,
-                           cpu=rank % (os.cpu_count() or 1) if c.pin_cpus else None, node=node)
+        c, m = self.config, experts_held  # a tuple per device, or an ExpertMap (a placement by layer)
+        held, layers = (m.layers[0], m.layers) if isinstance(m, ExpertMap) else (m, None)
+        return WorkerSetup(role, index, model_path, c, self.layout, comm, held, world, rank,
+                           cpu=rank % (os.cpu_count() or 1) if c.pin_cpus else None, node=node, expert_layers=layers)
 
     def _world(self, size: int, tp_groups=()) -> World:
         """The deployment's torch.distributed world: on one host its own rendezvous on a free local
         port; across hosts the cluster's (node 0 hosts it from now on, for every deployment)."""
-        cluster = self.config.cluster
-        if not cluster.is_multinode:
+        if not (cluster := self.config.cluster).is_multinode:
             return World(size, free_port(), tuple(tp_groups))
         rendezvous.host(cluster)
         return World(size, cluster.master_port, tuple(tp_groups), cluster.master_addr,
@@ -80,8 +81,7 @@ class ProcessEngine(Engine):
     def _transport(self, rank_nodes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """(transport, its ``rank_nodes``) for world ranks on these hosts: the configured one on one
         host; across hosts shm or gloo per link (``links``), unless gloo everywhere was asked for."""
-        c = self.config
-        check_cuda_ipc(c)
+        check_cuda_ipc(c := self.config)
         if c.cluster.is_multinode and c.transport == "shm":
             return "links", tuple(rank_nodes)
         return c.transport, ()

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from moeflow.config import ConfigError
 from moeflow.kv_handle import KvHandle
 from moeflow.server.async_engine import AsyncEngine
 from moeflow.server.config import ServerConfig
@@ -132,6 +133,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
                            param="kv_transfer_params") from None
         engine.release_kv(handle)
         return {"released": handle.transfer_id}
+
+    @app.get("/expert_distribution", responses=_ERRORS, summary="tokens per MoE layer and expert since the "
+             "deployment started: save it as a file and start the next with --init-expert-location FILE")
+    async def expert_distribution():
+        try:
+            return engine.llm.expert_distribution()
+        except ConfigError as e:
+            raise ApiError(404, str(e), type="not_found_error") from None
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, raw: Request):

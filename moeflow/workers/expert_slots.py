@@ -163,7 +163,7 @@ def slots_for(setup, transport, experts: ExpertWeights, tracer: Tracer):
     the loaded weights alone."""
     if not setup.engine.enable_eplb:
         return FixedSlots(experts)
-    layers = (tuple(setup.experts_held),) * len(experts.layer_ids)
+    layers = tuple(setup.placement(i) for i in range(len(experts.layer_ids)))
     spec = transport.config.spec
     publishers = tuple(spec.expert_world_rank(d) for d in range(spec.num_expert_ranks))
     return ExpertSlots(setup.role, setup.index, experts, layers, transport.weight_store(publishers), tracer,

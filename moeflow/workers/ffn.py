@@ -66,7 +66,7 @@ class FfnDaemon:
         self.setup, self.index = setup, j
         self.routes_here = layout.router == "ffn"
         cfg, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
-                              LoadSpec(attention=False, experts=setup.experts_held[j], routers=self.routes_here),
+                              LoadSpec(attention=False, experts=setup.held_by(j), routers=self.routes_here),
                               setup.device, setup.engine.router_skew)
         self.gates, self.num_experts = w.routers, cfg.num_experts
         self.router = router_for(cfg)
@@ -82,7 +82,8 @@ class FfnDaemon:
         if self.setup.layout.topology != "all":
             return None
         layers = getattr(self.slots, "layers", None)
-        held = self.setup.experts_held if layers is None else layers[untag_layer(word)[1]][self.moe_index[layer]]
+        i = self.moe_index[layer]
+        held = self.setup.placement(i) if layers is None else layers[untag_layer(word)[1]][i]
         if held not in self._routes:
             self._routes[held] = ExpertRoutes(held, self.num_experts, device=self.slots.for_word(0)[1].w13.device)
         return self._routes[held]

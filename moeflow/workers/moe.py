@@ -28,7 +28,7 @@ class MoEWorker:
         self.setup = setup
         self.index = setup.index
         _, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
-                            LoadSpec(attention=False, experts=setup.experts_held[setup.index]), setup.device)
+                            LoadSpec(attention=False, experts=setup.held_by(setup.index)), setup.device)
         self.receiver = transport.dispatch_receiver(setup.index)  # owns this worker's dispatch buffer
         self.sender = transport.combine_sender(setup.index)
         self.tracer = Tracer("moe", setup.index, setup.engine.trace)

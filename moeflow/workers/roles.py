@@ -54,7 +54,7 @@ def _dep_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWor
     """dep: attention for its own DP batch, 1/N of every layer's experts, lockstep all-to-all."""
     rank = setup.index
     receiver = transport.dispatch_receiver(rank)  # our dispatch buffer, before anyone attaches to it
-    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.experts_held[rank]),
+    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.held_by(rank)),
                              send_to=tuple(range(len(setup.experts_held))))
     slots = slots_for(setup, transport, stages.weights.experts, stages.tracer)
     stages.weights.experts = slots.for_word(0)[1]  # under live rebalancing: the published copy, not a second one

@@ -111,6 +111,8 @@ class AttentionStages:
                            if cfg.num_moe_layers else None)
             self.layered: LayeredRoutes | None = None  # after a rebalance: per-layer routes
             self.expert_epoch = 0  # the placement this process routes by (a dispatch carries its parity)
+            if setup.expert_layers is not None and cfg.num_moe_layers:  # a starting placement by layer
+                self.use_experts(0, setup.expert_layers)
             self.epw = setup.comm.spec.experts_per_rank
             self.send_to = None if send_to is None else list(send_to)
             # NOTE: receivers own their buffers; build ours before attaching to the expert side's.

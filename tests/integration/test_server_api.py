@@ -216,6 +216,8 @@ def test_oversized_body_413_reaches_every_client(server, client, chunked, tmp_pa
 def test_unknown_route_and_method(server):
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(server.url + "/expert_distribution")  # colocated: one process, no expert devices
+    assert r.status_code == 404 and "records no expert load" in r.json()["error"]["message"]
     r = httpx.get(server.url + C)
     assert r.status_code == 405 and "error" in r.json()
 
@@ -238,6 +240,7 @@ def test_still_serving_and_metrics_after_the_errors(server, client):
 @pytest.mark.parametrize("args,words", [
     (["--model", "/no/such/model"], ["config.json not found"]),
     (["--mode", "asap", "--trace", "t.json"], ["--trace"]),
+    (["--mode", "dep", "--init-expert-location", "/no/such.json"], ["'/no/such.json' is neither 'trivial' nor a file"]),
 ])
 def test_serve_refuses_bad_setups_with_exit_2(checkpoints, args, words):
     res = subprocess.run([sys.executable, "-m", "moeflow", "serve", "--model", checkpoints("qwen3").path, *args],

@@ -2,14 +2,17 @@
 SDK's default, "the rest of the context") no longer reserve their whole lives, so a short request
 sent meanwhile is answered while they run. Under whole-life reservation (``--kv-admission
 reserve``, the old policy) a 64-block cache held two of them and the short one waited for one to
-end. /metrics reports the cache's use and the preemptions."""
+end. /metrics reports the cache's use and the preemptions; /expert_distribution the routed load."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 
+from moeflow.layout.expert_map import ExpertMap
+from moeflow.scheduler.expert_location import initial_map
 from server_harness import ServerProcess
 
 
@@ -57,5 +60,18 @@ def test_a_short_request_is_answered_while_long_ones_run(checkpoints, tmp_path):
         key = 'moeflow_preemptions_total{group="0"}'
         assert key in m  # six ~500-token lives in 1024 slots: some preempted
         print(f"preemptions: {m[key]:.0f}")
+        # what the MoE worker computed, as a file the next deployment can start from
+        d = httpx.get(s.url + "/expert_distribution").json()
+        rows = d["logical_count"]
+        assert d["num_experts"] == len(rows[0]) and len(rows) == len(d["moe_layers"]) and d["work_items"] > 0
+        assert len({sum(r) for r in rows}) == 1 and sum(rows[0]) > 0  # every layer routed every token, K each
+        held = ExpertMap.contiguous(d["num_experts"], 2, 1, num_redundant=2).layers[0]
+        assert initial_map(_saved(tmp_path, d), held, d["num_experts"], d["moe_layers"]).num_slots == len(rows[0]) + 2
     finally:
         assert s.stop() in (0, 143), s.log()
+
+
+def _saved(tmp_path, data) -> str:
+    p = tmp_path / "expert_distribution.json"
+    p.write_text(json.dumps(data))
+    return str(p)
