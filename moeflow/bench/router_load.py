@@ -86,6 +86,8 @@ def add_parser(sub) -> None:
     p.add_argument("--router-skew", type=float, default=0.0,
                    help="the benchmarks' Zipf tilt of the routers (0: the model's own)")
     p.add_argument("--json", default=None)
+    p.add_argument("--save-location", default=None, metavar="FILE.json",
+                   help="write the load as a file --init-expert-location starts a deployment from")
     p.set_defaults(func=run)
 
 
@@ -110,5 +112,22 @@ def run(args: argparse.Namespace) -> int:
         from moeflow.measure.provenance import write_json
 
         write_json(args.json, res)
+    if args.save_location:
+        save_location(args.save_location, args.model, per_prompt)
     return 0
+
+
+def save_location(path: str, model: str, per_prompt: list[np.ndarray]) -> None:
+    """The measured load in ``scheduler/expert_location``'s format (what /expert_distribution writes)."""
+    import json
+
+    from moeflow.engine.llm import resolve_model
+    from moeflow.model.weights import load_config
+
+    cfg, _ = load_config(resolve_model(model))
+    total = np.sum(per_prompt, axis=0)
+    with open(path, "w") as f:
+        json.dump({"logical_count": total.tolist(), "num_experts": cfg.num_experts, "work_items": len(per_prompt),
+                   "moe_layers": [lid for lid in range(cfg.num_layers) if cfg.sparse_layers[lid]]}, f)
+    print(f"the load of {len(per_prompt)} prompts: {path} (--init-expert-location {path})")
 

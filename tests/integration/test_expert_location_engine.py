@@ -76,3 +76,19 @@ def test_a_starting_placement_is_refused_where_it_cannot_apply(checkpoints, tmp_
     with pytest.raises(ConfigError) as e:
         LLM(checkpoints("qwen3").path, init_expert_location=loc, **layout)
     assert words in str(e.value)
+
+
+def test_bench_router_load_saves_a_file_a_deployment_starts_from(checkpoints, tmp_path):
+    """The offline recording (one process, the model's own router on a workload's prompts)."""
+    from moeflow.cli import main
+
+    path, out = checkpoints("qwen3").path, tmp_path / "load.json"
+    assert main(["bench", "router-load", "--model", path, "--num-requests", "3", "--router-skew", "1",
+                 "--save-location", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    mc, _ = load_config(path)
+    assert rec["num_experts"] == mc.num_experts and rec["work_items"] == 3
+    assert len({sum(row) for row in rec["logical_count"]}) == 1  # every layer routed every token, K each
+    held = make_layout("dep", dp=2, num_redundant_experts=2).experts_held(mc.num_experts)
+    m = initial_map(str(out), held, mc.num_experts, rec["moe_layers"])
+    assert m == rebalance(rec["logical_count"], 2, 2)
