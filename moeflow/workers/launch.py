@@ -31,6 +31,7 @@ from moeflow.comm.space import check_room
 from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
 from moeflow.messages import Shutdown, WorkerFailed, WorkerReady, WorkerSetup
+from moeflow.workers import fork_start
 from moeflow.workers.interface import choose
 from moeflow.workers.remote import RemoteNode
 from moeflow.workers.stdio import Stdio
@@ -157,8 +158,7 @@ def stop_workers(workers: list[WorkerHandle], timeout_s: float) -> None:
 
 def spawn(setup: WorkerSetup) -> WorkerHandle:
     """Start one worker process on this host (forked by the fork server, started with the first)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["moeflow.workers.fork_server"])  # takes effect when the server starts
+    ctx = fork_start.context()
     ours, theirs = ctx.Pipe()
     p = ctx.Process(target=worker_main, args=(setup, theirs, dict(os.environ), Stdio()),
                     name=f"moeflow-{setup.role}{setup.index}", daemon=True)
