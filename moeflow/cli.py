@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     from moeflow.measure.provenance import set_command
 
     set_command(["moeflow", *(sys.argv[1:] if argv is None else argv)])
-    if args.command in ("generate", "serve") and getattr(args, "mode", "colocated") != "colocated":
+    if args.command == "worker-node" or (args.command in ("generate", "serve")
+                                         and getattr(args, "mode", "colocated") != "colocated"):
         from moeflow.workers.fork_start import start_early
         start_early()  # its imports beside ours (workers/fork_start.py)
     try:

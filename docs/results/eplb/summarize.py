@@ -11,6 +11,7 @@ low-load cost comparison:
     moeflow simulate --config configs/eplb-4proc.yaml --system asap_d2e2 --system asap_d2e2_eplb \
         --compare-with docs/results/eplb/asap.json --json docs/results/eplb/sim.json
     moeflow bench compare configs/eplb-cost.yaml --json docs/results/eplb/cost.json
+    moeflow bench compare configs/eplb-init.yaml --json docs/results/eplb/init.json --md docs/results/eplb/init.md
     python docs/results/eplb/summarize.py
 """
 from __future__ import annotations
@@ -127,6 +128,7 @@ def main() -> None:
         if (s.get("eplb") or {}).get("live"):
             lines.append(f"- {name}: {_latency(s)}.")
     lines += _cost()
+    lines += _init()
     if sims:
         lines += ["", "## The simulator's prediction", "", _sim_table(sims)]
     lines += ["", NOTES]
@@ -157,6 +159,42 @@ def _cost() -> list[str]:
     for name, s in r["systems"].items():
         if (s.get("eplb") or {}).get("live"):
             lines.append(f"- {name}: {_latency(s)}; TPOT {_tpot_split(s)}.")
+    return lines
+
+
+def _init() -> list[str]:
+    """A starting placement from recorded load against the contiguous one (init.json)."""
+    got = _load(["init.json"])
+    if not got:
+        return []
+    r, prov = got[0], got[0]["provenance"]
+    lines = ["", "## Starting from a recorded load", "",
+             f"{r['title']}: `{prov.get('command', '')}` at commit `{prov['commit'][:10]}`, on "
+             f"{prov.get('cpu_model', '?')} ({prov.get('cores', '?')} cores; another machine than the pairs above), dtype "
+             f"{r['dtype']}, {r['repeats']} repeats "
+             "interleaved; the load recorded offline on other prompts of the same workload "
+             "([init_load.json](eplb/init_load.json), `bench router-load --seed 100`). Configuration: "
+             "[configs/eplb-init.yaml](../../configs/eplb-init.yaml).", "",
+             "| system | mean TTFT at 0.8 rps (s) | saturation prompt tok/s | balancedness first → last | "
+             "rank time waiting at saturation |", "|---|---|---|---|---|"]
+    for name, s in r["systems"].items():
+        pt = s["points"][0]
+        first, last = _balance(s)
+        split = (s["saturation"].get("time_split") or {}).values()
+        wait = f"{statistics.mean(x['wait'] for x in split):.1%}" if split else "—"
+        lines.append(f"| {name} | {_ci({'mean': pt['ttft_mean_s'], 'ci95': pt.get('ttft_mean_s_ci')})} | "
+                     f"{_ci(s['saturation'].get('tok_s'), fmt='.0f')} | {first} → {last} | {wait} |")
+    for c in r["comparisons"]:
+        pr, sat = c["per_rate"][0], c.get("saturation_ratio_a_over_b") or {}
+        lines.append(f"\n- **{c['a']} / {c['b']}**: mean TTFT at {pr['rps']:g} rps, {c['b']} over {c['a']}: "
+                     f"{_ci(pr['ttft_ratio_b_over_a'], fmt='.3f')} ({pr['verdict']}); saturation throughput "
+                     f"{_ci(sat.get('ratio'), fmt='.3f')} ({sat.get('verdict', '—')}).")
+    share = {n: [x["compute"] for x in (s["saturation"].get("time_split") or {}).values()] for n, s in r["systems"].items()}
+    lines.append("- The recorded placement is balanced from the first request and removes most of the ranks' wait at "
+                 "the all-to-all, but the ranks' compute share at saturation rose with it ("
+                 + "; ".join(f"{n}: {min(v):.0%}-{max(v):.0%}" for n, v in share.items() if v)
+                 + "): four processes share two cores, and the wait removed largely reappears as compute; the throughput "
+                 "and latency gains are within the noise of three repeats.")
     return lines
 
 
@@ -194,8 +232,9 @@ NOTES = """## Reading it
   intervals (1.001x, 0.993x); nearly every request overlapped a rebalance, so the during/outside
   split there is 114 against 6 requests and says little. No cost is distinguishable from noise.
 - dep switched to a new placement 0.4-9.2 s after a move began although the copies took 28-254 ms
-  (asap: 167-274 ms); the old placement serves meanwhile. Why dep's reports take that long to be
-  acted on was not investigated.
+  (asap: 167-274 ms); the old placement serves meanwhile. The cause, found later: dep read its
+  ranks' reports only inside a step, so one that arrived after the last request waited for the
+  next; an idle deployment now reads them (commit b8afb51). The pair above predates that fix.
 - The dep pair first failed twice (a rank died silently, then ranks stuck in uninterruptible
   sleep): with both dep deployments up, the ranks' heaps grew by ~1 GB each over the run (glibc
   kept freed activations) until the 24 GB machine thrashed. Workers now trim their heap every 2 s
