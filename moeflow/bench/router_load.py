@@ -119,15 +119,13 @@ def run(args: argparse.Namespace) -> int:
 
 def save_location(path: str, model: str, per_prompt: list[np.ndarray]) -> None:
     """The measured load in ``scheduler/expert_location``'s format (what /expert_distribution writes)."""
-    import json
-
     from moeflow.engine.llm import resolve_model
+    from moeflow.measure.provenance import write_json
     from moeflow.model.weights import load_config
 
     cfg, _ = load_config(resolve_model(model))
     total = np.sum(per_prompt, axis=0)
-    with open(path, "w") as f:
-        json.dump({"logical_count": total.tolist(), "num_experts": cfg.num_experts, "work_items": len(per_prompt),
-                   "moe_layers": [lid for lid in range(cfg.num_layers) if cfg.sparse_layers[lid]]}, f)
+    write_json(path, {"logical_count": total.tolist(), "num_experts": cfg.num_experts, "work_items": len(per_prompt),
+                      "moe_layers": [lid for lid in range(cfg.num_layers) if cfg.sparse_layers[lid]]})
     print(f"the load of {len(per_prompt)} prompts: {path} (--init-expert-location {path})")
 

@@ -9,7 +9,8 @@ contiguous placement, ``ExpertMap.contiguous``) or a JSON file holding one of
   device-major (device 0's slots first), for exactly this deployment's slots.
 
 Optional keys are checked against the model: ``moe_layers`` (the model layer id of each row),
-``num_experts``; ``work_items`` (how many work items the recording counted) is informational.
+``num_experts``; ``work_items`` (how many work items the recording counted) and ``provenance``
+(where a benchmark recorded it) are informational.
 Pure Python: the engine and the simulator read the same file alike.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from moeflow.scheduler.eplb import rebalance
 
 TRIVIAL = "trivial"
 _PLACEMENTS = ("logical_count", "physical_to_logical_map")
-_INFO = ("moe_layers", "num_experts", "work_items")
+_INFO = ("moe_layers", "num_experts", "work_items", "provenance")
 
 
 def read(path: str) -> dict:
