@@ -171,7 +171,8 @@ def _init() -> list[str]:
     lines = ["", "## Starting from a recorded load", "",
              f"{r['title']}: `{prov.get('command', '')}` at commit `{prov['commit'][:10]}`, on "
              f"{prov.get('cpu_model', '?')} ({prov.get('cores', '?')} cores; another machine than the pairs above), dtype "
-             f"{r['dtype']}, {r['repeats']} repeats "
+             f"{r['dtype']}{' (dtype auto: the CPU has no native bfloat16)' if r['dtype'] == 'float32' else ''}, "
+             f"{r['repeats']} repeats "
              "interleaved; the load recorded offline on other prompts of the same workload "
              "([init_load.json](eplb/init_load.json), `bench router-load --seed 100`). Configuration: "
              "[configs/eplb-init.yaml](../../configs/eplb-init.yaml).", "",
