@@ -17,7 +17,14 @@ from moeflow.comm import segment
 def _python(code: str) -> subprocess.CompletedProcess:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": repo})
+                          env={**os.environ, "PYTHONPATH": repo}, preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    """In the child: a suite run under nohup (SIGHUP ignored) must not pass that on, since
+    ``handle_signals`` rightly leaves an ignored signal ignored."""
+    for sig in lifecycle.TERMINATING:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _dead_pid() -> int:
