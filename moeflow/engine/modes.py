@@ -23,6 +23,7 @@ from moeflow.hardware import resolve_device, resolve_dtype
 from moeflow.layout import Layout
 from moeflow.layout.pd import DECODE_MODES, PREFILL_MODES
 from moeflow.model.weights import load_config
+from moeflow.scheduler.expert_location import TRIVIAL
 
 MODES: dict[str, type[Engine]] = {e.mode_name: e for e in (ColocatedEngine, DepEngine, AsapEngine, DwdpEngine,
                                                           AfdEngine, PdEngine)}
@@ -44,7 +45,7 @@ def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engi
         raise ConfigError(f"node {cluster.node_rank} runs workers only (moeflow worker-node); the engine is node 0's")
     if cluster.is_multinode and not cls.multinode:
         raise ConfigError(f"mode {layout.mode!r} runs on one host; modes across hosts: {list(MULTINODE_MODES)}")
-    if layout.mode == "colocated" and (config.enable_eplb or config.init_expert_location != "trivial"):
+    if layout.mode == "colocated" and (config.enable_eplb or config.init_expert_location != TRIVIAL):
         raise ConfigError("--enable-eplb and --init-expert-location: mode colocated holds every expert in one "
                           "process, so there is no placement to balance")
     model, _ = load_config(model_path)
