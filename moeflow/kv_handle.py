@@ -4,8 +4,10 @@ router) in ``kv_transfer_params``. Torch-free: the HTTP server parses it.
 The shape follows vLLM's NIXL connector: the prefill server's answer carries
 ``{"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port", ...}`` and the
 router passes it, unchanged, to the decode server with the original request. moeflow's handle
-also names the staged range, the KV layout (a decode server whose model or dtype differs refuses
-it, naming both) and the first token (sampled on the prefill side, streamed by the decode side).
+also names the staged range, the range's token (drawn by the prefill server for this handoff:
+whoever claims, pulls or releases the range must name it), the KV layout and the weights'
+fingerprint (a decode server whose model, weights or dtype differ refuses it, naming both) and the
+first token (sampled on the prefill side, streamed by the decode side).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 RawLogprobs = dict[int, tuple[float, int]]  # token id -> (logprob, rank)
+RELEASED, REFUSED, UNKNOWN = "released", "refused", "unknown"  # what a prefill server made of a release
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class KvHandle:
     # False: the prefill server's copy out failed and its policy is recompute: no range is offered,
     # the decode server recomputes the prompt (or fails the request, by its own policy)
     staged: bool = True
+    token: int = 0  # the range's token (0: none staged)
+    weights: str = ""  # the prefill server's weights fingerprint (``model.checkpoint.weights_fingerprint``)
 
     def to_params(self) -> dict[str, Any]:
         """``kv_transfer_params`` of the prefill server's answer (JSON)."""
@@ -71,7 +76,8 @@ class KvHandle:
                 "kv_layout": self.layout.to_dict(),
                 "first_token_id": self.first_token_id,
                 "first_logprobs": None if self.first_logprobs is None else _lp_out(self.first_logprobs),
-                "prompt_logprobs": [_lp_out(x) for x in self.prompt_logprobs], "remote_staged": self.staged}
+                "prompt_logprobs": [_lp_out(x) for x in self.prompt_logprobs], "remote_staged": self.staged,
+                "remote_token": f"{self.token:016x}", "weights_fingerprint": self.weights}
 
     @classmethod
     def from_params(cls, p: dict[str, Any]) -> "KvHandle":
@@ -91,9 +97,17 @@ class KvHandle:
                        get("remote_num_tokens", int), layout, get("first_token_id", int),
                        None if first_lp is None else _lp_in(first_lp, "first_logprobs"),
                        tuple(_lp_in(x, "prompt_logprobs") for x in p.get("prompt_logprobs") or ()),
-                       p.get("remote_staged", True) is not False)
+                       p.get("remote_staged", True) is not False, _token(get("remote_token", str)),
+                       get("weights_fingerprint", str))
         except (TypeError, IndexError) as e:
             raise ValueError(f"kv_transfer_params: malformed logprobs ({e})") from None
+
+
+def _token(text: str) -> int:
+    if not 1 <= len(text) <= 16 or any(c not in "0123456789abcdef" for c in text) or int(text, 16) >= 1 << 63:
+        raise ValueError(f"kv_transfer_params.remote_token: expected the prefill answer's token (16 hex digits), "
+                         f"got {text!r}")
+    return int(text, 16)
 
 
 def _kind_name(kind) -> str:

@@ -60,6 +60,11 @@ def api_key() -> str | None:
     return os.environ.get("MOEFLOW_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
+def kv_secret() -> str | None:
+    """$MOEFLOW_KV_SECRET: what a decode server proves it knows to pair with a prefill server's KV port."""
+    return os.environ.get("MOEFLOW_KV_SECRET") or None
+
+
 def launcher_env() -> dict[str, object]:
     """What a torchrun- or SLURM-style launcher says about the hosts, by ``ClusterConfig`` field
     (one moeflow process per host): nnodes from $GROUP_WORLD_SIZE (torchrun's node count) or

@@ -37,6 +37,7 @@ class RemoteRange:
     slot: int
     offset_bytes: int
     nbytes: int
+    token: int  # the range's token (``kv_link.new_token``): without it the prefill server refuses
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class Answer:
 
 
 class _Pair:
-    def __init__(self, host: str, port: int, answers: queue.SimpleQueue):
-        self.host, self.port, self.answers = host, port, answers
+    def __init__(self, host: str, port: int, answers: queue.SimpleQueue, secret: str | None):
+        self.host, self.port, self.answers, self.secret = host, port, answers, secret
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False
         self._thread = threading.Thread(target=self._run, name=f"kv-link-{host}:{port}", daemon=True)
@@ -57,25 +58,26 @@ class _Pair:
     def _run(self) -> None:
         job = None
         try:
-            pg = connect(self.host, self.port, ANSWER_TIMEOUT)
+            pg = connect(self.host, self.port, self.secret)
             status = torch.empty(1, dtype=torch.int64, device="cpu")  # gloo: host tensors
             while (job := self.jobs.get()) is not None:
                 op, r, into, cookie = job
-                pg.send([header(op, r.transfer_id, r.slot, r.offset_bytes, r.nbytes)], 0, HEADER_TAG).wait()
+                hdr = header(op, r.transfer_id, r.slot, r.offset_bytes, r.nbytes, r.token)
+                pg.send([hdr], 0, HEADER_TAG).wait(ANSWER_TIMEOUT)
                 if op == RELEASE:
                     continue
-                pg.recv([status], 0, STATUS_TAG).wait()
+                pg.recv([status], 0, STATUS_TAG).wait(ANSWER_TIMEOUT)
                 ok = int(status[0]) == OK
                 if ok and op == PULL:
                     data = gloo_buffer(into)
-                    pg.recv([data], 0, DATA_TAG).wait()
+                    pg.recv([data], 0, DATA_TAG).wait(ANSWER_TIMEOUT)
                     if data is not into:  # a device heap: through pinned host memory
                         into.copy_(data)
                 self.answers.put(Answer(cookie, ok, None if ok else
-                                        f"the prefill server no longer offers transfer {r.transfer_id} "
-                                        f"(its lease ran out, or it restarted)"))
+                                        f"the prefill server no longer offers transfer {r.transfer_id} under "
+                                        f"that token (its lease ran out, it restarted, or the handle is not its)"))
                 job = None
-            pg.send([header(BYE)], 0, HEADER_TAG).wait()
+            pg.send([header(BYE)], 0, HEADER_TAG).wait(ANSWER_TIMEOUT)
         except Exception as e:  # noqa: BLE001  (the prefill server is gone or unreachable)
             self.broken = True
             why = f"the KV link to {self.host}:{self.port} failed: {type(e).__name__}: {e}"
@@ -88,7 +90,9 @@ class _Pair:
 
 
 class KvClient:
-    def __init__(self):
+    def __init__(self, secret: str | None = None):
+        """``secret``: the deployment's KV secret, which a prefill server's KV port may ask for."""
+        self.secret = secret
         self.answers: queue.SimpleQueue[Answer] = queue.SimpleQueue()
         self._pairs: dict[tuple[str, int, str], _Pair] = {}
 
@@ -98,7 +102,7 @@ class KvClient:
         if p is None or p.broken:
             for old in [k for k in self._pairs if k[:2] == key[:2] and k != key]:
                 self._pairs.pop(old).close()  # that server restarted: its old pair says goodbye
-            p = self._pairs[key] = _Pair(r.host, r.port, self.answers)
+            p = self._pairs[key] = _Pair(r.host, r.port, self.answers, self.secret)
         return p
 
     def claim(self, r: RemoteRange, cookie) -> None:

@@ -8,7 +8,9 @@ claimed, the members will read the prefill server's shared memory; elsewhere: pu
 into this server's own arena) -> reading (the members copy the range into the reserved blocks) ->
 arrived: the first token (the prefill side's) goes out with its logprobs, and the request decodes.
 A failed claim, pull or copy frees everything and applies ``failure_policy``: recompute the prompt
-here (from the prompt and the first token), or fail the request.
+here (from the prompt and the first token), or fail the request. So does a handoff that stays in
+one state longer than ``lease_s`` (the prefill server's lease is over by then anyway), so no
+handoff holds blocks forever, whatever the prefill server or the link do.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class Incoming:
     remote: RemoteRange
     since_s: float  # accepted
     state: str = "waiting"  # waiting -> fetching -> reading
+    state_s: float = 0.0  # entered its state (each state has one lease)
     group: int | None = None
     blocks: tuple[int, ...] = ()
     stage: KvStage | None = None  # what the members read: the prefill server's range, or the local copy
@@ -46,9 +49,9 @@ class Incoming:
 
 
 class DecodeRole(RoleEngine):
-    def __init__(self, inner: Engine, kv: KvTransferConfig):
-        super().__init__(inner, kv)
-        self.client, self.host_id = KvClient(), host_id()
+    def __init__(self, inner: Engine, kv: KvTransferConfig, weights: str = ""):
+        super().__init__(inner, kv, weights)
+        self.client, self.host_id = KvClient(kv.secret), host_id()
         self.incoming: dict[str, Incoming] = {}
         self.first_out: set[str] = set()  # arrived, the first decode output not yet out: it carries handoff_s
         self._handoff_s: dict[str, float] = {}
@@ -69,6 +72,10 @@ class DecodeRole(RoleEngine):
             raise RequestError(f"request {rid}: its KV was prefilled by {h.layout.describe()}, but this decode "
                                f"server runs {self.kv_layout.describe()}: a KV cache passes only between the "
                                f"same model and dtype")
+        if h.weights != self.weights:
+            raise RequestError(f"request {rid}: its KV was prefilled by weights {h.weights or '(unnamed)'}, but this "
+                               f"decode server holds weights {self.weights}: a KV cache passes only between the "
+                               f"same checkpoint")
         if h.num_tokens != request.num_prompt_tokens or (h.staged and h.nbytes != self.kv.bytes_for(h.num_tokens)):
             raise RequestError(f"request {rid}: its KV handle stages {h.num_tokens} positions ({h.nbytes} bytes) "
                                f"but the prompt has {request.num_prompt_tokens} tokens")
@@ -79,7 +86,8 @@ class DecodeRole(RoleEngine):
         if len(self.incoming) >= self.kv_config.max_pending:
             raise EngineBusy(f"{len(self.incoming)} requests wait for blocks or for their KV "
                              f"(kv_transfer_config.max_pending); retry later")
-        self.incoming[rid] = Incoming(request, h, _remote(h), clock())
+        now = clock()
+        self.incoming[rid] = Incoming(request, h, _remote(h), now, state_s=now)
 
     def abort(self, request_id: str) -> None:
         inc = self.incoming.pop(request_id, None)
@@ -144,6 +152,8 @@ class DecodeRole(RoleEngine):
         self._unread = [x for x in self._unread if not self._read_over(x)]
 
     def _advance(self, inc: Incoming, out: StepResult) -> None:
+        if clock() - inc.state_s > self.kv_config.lease_s:
+            return self._expire(inc, out)
         if inc.state == "waiting" and not inc.handle.staged:
             self._give_up(inc, "the prefill server staged no KV (its copy out failed)", out)
         elif inc.state == "waiting":
@@ -170,6 +180,7 @@ class DecodeRole(RoleEngine):
             if inc.local is None:
                 return
         inc.group, inc.state, inc.started_s = gid, "fetching", clock()
+        inc.state_s = inc.started_s
         inc.blocks = self.inner.arrivals.reserve(gid, inc.request)
         self.kv.stats.prealloc_wait_s.append(inc.started_s - inc.since_s)
         if same_host:
@@ -179,7 +190,7 @@ class DecodeRole(RoleEngine):
 
     def _read(self, inc: Incoming, stage: KvStage, arena: KvArena) -> None:
         arena.flags[stage.slot, READ].zero_()
-        inc.stage, inc.state = stage, "reading"
+        inc.stage, inc.state, inc.state_s = stage, "reading", clock()
         if self._fail_prob and self._rng.random() < self._fail_prob:
             stage = dataclasses.replace(stage, fail=True)
         self.inner.send_kv(inc.group, KvRecv(stage, inc.blocks))
@@ -203,6 +214,14 @@ class DecodeRole(RoleEngine):
         self._handoff_s[r.request_id] = secs
 
     # -- giving up ----------------------------------------------------------------------------
+
+    def _expire(self, inc: Incoming, out: StepResult) -> None:
+        """Over its state's lease: let go of what it holds (as an abort does), then the policy."""
+        self.kv.stats.lease_expiries += 1
+        what = {"waiting": "no decode blocks came free for it", "fetching": "its claim or pull went unanswered",
+                "reading": "its copy in did not finish"}[inc.state]
+        self._let_go(inc)
+        self._give_up(inc, f"{what} within {self.kv_config.lease_s:g} s (kv_transfer_config.lease_s)", out)
 
     def _give_up(self, inc: Incoming, why: str, out: StepResult) -> None:
         """Blocks freed, then the policy: recompute the prompt here, or fail the request."""
@@ -240,8 +259,11 @@ class DecodeRole(RoleEngine):
         self.client.release(inc.remote)
 
     def _read_over(self, inc: Incoming) -> bool:
+        """Its members answered (or never will: a lease after it was given up, the range is gone anyway)."""
         arena = self.kv.arena if inc.local is not None else self._arena(inc.handle.arena)
-        if arena is not None and flags_state(arena, inc.stage, READ, self.inner.kv_members(inc.group)) == BUSY:
+        late = clock() - inc.state_s > 2 * self.kv_config.lease_s
+        if not late and arena is not None and \
+                flags_state(arena, inc.stage, READ, self.inner.kv_members(inc.group)) == BUSY:
             return False
         self._finish_read(inc)
         return True
@@ -272,7 +294,8 @@ class DecodeRole(RoleEngine):
         x = self.inner.load()
         st = self.kv.stats
         return dataclasses.replace(x, running_per_role=(("decode", x.num_running),), num_handoffs=len(self.incoming),
-                                   handoff_counts=(("failures", st.failures), ("recomputes", st.recomputes)))
+                                   handoff_counts=(("failures", st.failures), ("recomputes", st.recomputes),
+                                                   ("lease_expiries", st.lease_expiries)))
 
     def shutdown(self) -> None:
         self.client.shutdown()
@@ -282,4 +305,4 @@ class DecodeRole(RoleEngine):
 
 
 def _remote(h: KvHandle) -> RemoteRange:
-    return RemoteRange(h.server_id, h.host, h.port, h.transfer_id, h.slot, h.offset_bytes, h.nbytes)
+    return RemoteRange(h.server_id, h.host, h.port, h.transfer_id, h.slot, h.offset_bytes, h.nbytes, h.token)

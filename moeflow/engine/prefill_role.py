@@ -17,14 +17,14 @@ import uuid
 from dataclasses import dataclass
 
 from moeflow.comm.kv_arena import WRITE
-from moeflow.comm.kv_link import host_id
+from moeflow.comm.kv_link import host_id, new_token
 from moeflow.comm.kv_server import KvServer, Offers
 from moeflow.config import KvTransferConfig
 from moeflow.core import Request, RequestError
 from moeflow.engine.base import Engine, KvTransfer, StepResult, clock
 from moeflow.engine.kv_handoff import DONE, FAILED
 from moeflow.engine.role import RoleEngine
-from moeflow.kv_handle import KvHandle
+from moeflow.kv_handle import UNKNOWN, KvHandle
 from moeflow.messages import KvSend, KvStage
 from moeflow.settings import pd_fail_prob
 
@@ -38,14 +38,15 @@ class Staging:
     blocks: tuple[int, ...]
     since_s: float  # first token sampled (the lease started)
     stage: KvStage | None = None  # arena room found, copy out sent
+    stage_s: float = 0.0  # ... when (the copy out has one lease from then)
 
 
 class PrefillRole(RoleEngine):
-    def __init__(self, inner: Engine, kv: KvTransferConfig):
-        super().__init__(inner, kv)
+    def __init__(self, inner: Engine, kv: KvTransferConfig, weights: str = ""):
+        super().__init__(inner, kv, weights)
         self.offers = Offers(kv.lease_s, clock)
         try:
-            self.server = KvServer(self.kv.arena, self.offers, kv.host, kv.port)
+            self.server = KvServer(self.kv.arena, self.offers, kv.host, kv.port, kv.secret)
         except BaseException:
             super().shutdown()
             raise
@@ -74,9 +75,12 @@ class PrefillRole(RoleEngine):
     def has_unfinished(self) -> bool:
         return self.inner.has_unfinished() or bool(self.staging)
 
-    def release_kv(self, handle: KvHandle) -> None:
-        if handle.server_id == self.server_id:  # the router found no decode server to take it
-            self.offers.release(handle.transfer_id)
+    def release_kv(self, handle: KvHandle) -> str:
+        """The router found no decode server to take it: ``kv_server.RELEASED``, ``REFUSED`` (a wrong
+        token, or a decode server claimed it) or ``UNKNOWN`` (not offered here, or not any more)."""
+        if handle.server_id != self.server_id:
+            return UNKNOWN
+        return self.offers.release(handle.transfer_id, handle.token)
 
     def step(self) -> StepResult:
         res = self.inner.step()
@@ -117,7 +121,7 @@ class PrefillRole(RoleEngine):
             return self._fail(s, out, f"its KV lease expired after {self.kv_config.lease_s:g} s: the staging "
                                       f"buffer had no room (kv_transfer_config.buffer_mib)")
         if s.stage is None:
-            s.stage = self.kv.open(r.num_prompt_tokens)
+            s.stage, s.stage_s = self.kv.open(r.num_prompt_tokens), clock()
             if s.stage is not None:
                 stage = s.stage
                 if self._fail_prob and self._rng.random() < self._fail_prob:
@@ -125,6 +129,11 @@ class PrefillRole(RoleEngine):
                 self.inner.send_kv(s.group, KvSend(stage, s.blocks))
             return
         state = self.kv.status(s.stage, WRITE, self.inner.kv_members(s.group))
+        if state not in (DONE, FAILED) and clock() - s.stage_s > self.kv_config.lease_s:
+            # NOTE: its members never answered (a member stalled): the stage drains (``_drop``) and
+            # the blocks are freed; a member's late copy out still comes before any later work on them
+            self.kv.stats.lease_expiries += 1
+            return self._fail(s, out, f"its KV copy out took more than {self.kv_config.lease_s:g} s")
         if state == FAILED:
             self.kv.stats.failures += 1
             self.kv.close(s.stage)
@@ -132,21 +141,22 @@ class PrefillRole(RoleEngine):
             if self.kv_config.failure_policy == "fail":
                 return self._fail(s, out, "its KV copy out of the prefill instance failed")
             self.kv.stats.recomputes += 1
-            return self._hand_over(s, out, staged=False)  # the decode server computes the prompt itself
+            return self._hand_over(s, out)  # the decode server computes the prompt itself
         if state == DONE:
             st, nbytes = s.stage, self.kv.bytes_for(s.stage.num_tokens)
-            self.offers.offer(st.transfer_id, st.slot, st.offset_bytes, nbytes)
+            token = new_token()
+            self.offers.offer(st.transfer_id, st.slot, st.offset_bytes, nbytes, token)
             self.offered[st.transfer_id] = st
-            self._hand_over(s, out)
+            self._hand_over(s, out, token)
             self.kv.stats.transfers += 1
             self.kv.stats.bytes_total += nbytes
             self.kv.stats.seconds.append(clock() - s.since_s)
             out.kv_transfers.append(KvTransfer(clock() - s.since_s, nbytes, "stage"))
 
-    def _hand_over(self, s: Staging, out: StepResult, staged: bool = True) -> None:
-        """The request finishes here with its handle: the staged range (the blocks are free now), or
-        none when its copy failed."""
-        r, st = s.request, s.stage
+    def _hand_over(self, s: Staging, out: StepResult, token: int | None = None) -> None:
+        """The request finishes here with its handle: the staged range under ``token`` (the blocks
+        are free now), or none (None) when its copy failed."""
+        r, st, staged = s.request, s.stage, token is not None
         del self.staging[r.request_id]
         self.inner.scheduler.pool.end_lease(r.request_id)
         first_lp, plp = self._logprobs.pop(r.request_id, (None, []))
@@ -155,7 +165,8 @@ class PrefillRole(RoleEngine):
         r.kv_handle = KvHandle(self.server_id, self.server.host, self.server.port, self.host_id, *where,
                                r.num_prompt_tokens, self.kv_layout, r.output_token_ids[0],
                                first_lp if r.params.logprobs is not None else None,
-                               tuple(plp) if r.params.prompt_logprobs is not None else (), staged)
+                               tuple(plp) if r.params.prompt_logprobs is not None else (), staged,
+                               token or 0, self.weights)
         out.finished.append(r)
 
     def _fail(self, s: Staging, out: StepResult, why: str) -> None:

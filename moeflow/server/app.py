@@ -7,6 +7,7 @@ bound, 500 when the engine failed the request, 503 when it no longer serves.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from moeflow.config import ConfigError
-from moeflow.kv_handle import KvHandle
+from moeflow.kv_handle import RELEASED, UNKNOWN, KvHandle
 from moeflow.server.async_engine import AsyncEngine
 from moeflow.server.config import ServerConfig
 from moeflow.server.errors import ApiError
@@ -29,7 +30,8 @@ from moeflow.server.serving import OpenAIServing
 logger = logging.getLogger("moeflow.server")
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
-_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
+_STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                 405: "invalid_request_error"}
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
@@ -81,8 +83,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException):  # unknown route, wrong method
-        return error_response(ApiError(exc.status_code, str(exc.detail),
-                                       type=_STATUS_TYPES.get(exc.status_code, "invalid_request_error")))
+        return error_response(ApiError(exc.status_code, str(exc.detail),  # a 405's Allow header included
+                                       type=_STATUS_TYPES.get(exc.status_code, "invalid_request_error"),
+                                       headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception):
@@ -117,12 +120,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
         if config.role is None:
             raise ApiError(404, "this server has no prefill/decode role (moeflow serve --role)", type="not_found_error")
         s, e = engine.snapshot(), engine.llm.engine
-        return {"role": config.role, "kv_layout": e.kv_layout.to_dict(), "kv_port": e.kv_port,
+        return {"role": config.role, "kv_layout": e.kv_layout.to_dict(), "weights": e.weights, "kv_port": e.kv_port,
                 "healthy": s.healthy, "num_free_kv_blocks": s.num_free_kv_blocks, "num_kv_blocks": s.num_kv_blocks,
                 "num_waiting": s.num_waiting, "num_running": s.num_running, "num_handoffs": s.num_handoffs}
 
-    @app.post("/v1/kv_transfer/release", responses=_ERRORS, summary="a prefill server's staged KV that no decode "
-              "server will take (the router's, when every decode server refused it): freed before its lease ends")
+    @app.post("/v1/kv_transfer/release", responses={**_ERRORS, 403: {"model": ErrorResponse}},
+              summary="a prefill server's staged KV that no decode server will take (the router's, when every decode "
+              "server refused it): freed before its lease ends. The body is the prefill answer's kv_transfer_params; "
+              "403 unless its remote_token is the range's and no decode server has claimed it")
     async def kv_release(body: dict[str, Any]):
         if config.role != "prefill":
             raise ApiError(404, "only a prefill server (moeflow serve --role prefill) stages KV", type="not_found_error")
@@ -131,8 +136,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
         except ValueError as e:
             raise ApiError(400, f"the body must be a prefill answer's kv_transfer_params: {e}",
                            param="kv_transfer_params") from None
-        engine.release_kv(handle)
-        return {"released": handle.transfer_id}
+        try:
+            outcome = await asyncio.wait_for(asyncio.wrap_future(engine.release_kv(handle)), 30.0)
+        except asyncio.TimeoutError:
+            raise ApiError(503, "the engine did not take the release in time; its lease frees the KV",
+                           type="server_error") from None
+        if outcome == RELEASED:
+            return {"released": handle.transfer_id}
+        if outcome == UNKNOWN:
+            raise ApiError(404, f"transfer {handle.transfer_id} is not offered by this server (any more)",
+                           type="not_found_error")
+        raise ApiError(403, f"transfer {handle.transfer_id}: the token is not the range's, or a decode server "
+                            f"has claimed it (only it releases it)", type="permission_error")
 
     @app.get("/expert_distribution", responses=_ERRORS, summary="tokens per MoE layer and expert since the "
              "deployment started: save it as a file and start the next with --init-expert-location FILE")

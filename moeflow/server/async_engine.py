@@ -20,6 +20,7 @@ import asyncio
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from typing import Callable
 
 from moeflow.core import EngineBusy, Request, RequestError
@@ -93,9 +94,12 @@ class AsyncEngine:
         """The handler stopped listening (client gone): cancel the request and free its KV blocks."""
         self._inbox.put(("abort", request_id))
 
-    def release_kv(self, handle) -> None:
-        """A refused handoff (``kv_handle.KvHandle``): its prefill server may free the KV now."""
-        self._inbox.put(("release", handle))
+    def release_kv(self, handle) -> Future:
+        """A refused handoff (``kv_handle.KvHandle``): its prefill server may free the KV now. The
+        future gets what the engine made of it (a prefill server's ``kv_server.RELEASED``, ...)."""
+        done: Future = Future()
+        self._inbox.put(("release", (handle, done)))
+        return done
 
     def snapshot(self) -> Snapshot:
         return self._snap
@@ -200,7 +204,11 @@ class AsyncEngine:
         if kind == "add":
             self._add(arg)
         elif kind == "release":
-            self.llm.engine.release_kv(arg)
+            handle, done = arg
+            try:
+                done.set_result(self.llm.engine.release_kv(handle))
+            except Exception as e:  # noqa: BLE001  (the route answers it; the engine goes on)
+                done.set_exception(e)
         elif kind == "abort" and self._tracked.pop(arg, None) is not None:
             self.llm.engine.abort(arg)
             self.metrics.finished.labels("abort").inc()

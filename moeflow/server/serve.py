@@ -46,6 +46,10 @@ def add_parser(sub) -> None:
     r.add_argument("--kv-host", default="127.0.0.1", help="prefill: the KV port's address, advertised to decode "
                    "servers (this host's address on the network they share)")
     r.add_argument("--kv-port", type=int, default=0, help="prefill: the KV port (0: any free one)")
+    r.add_argument("--kv-secret", default=None, help="what a decode server proves it knows (an HMAC of a fresh "
+                   "nonce) to pair with a prefill server's KV port; the same on every prefill and decode server "
+                   "(default: $MOEFLOW_KV_SECRET, else the API key; neither: any decode server that reaches the port "
+                   "may pair, and each staged range still needs its own token)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -67,6 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           api_key=args.api_key or settings.api_key(), max_pending_requests=args.max_pending_requests,
                           max_body_bytes=args.max_body_bytes, role=args.role)
     kwargs = {**engine_kwargs(args), "max_restarts": args.max_restarts, "restart_backoff_s": args.restart_backoff_s}
+    if args.role is not None:
+        kwargs["kv_transfer_config"]["secret"] = args.kv_secret or settings.kv_secret() or config.api_key
     metrics = ServerMetrics(config.busy_window_s, clock)
     http: list[uvicorn.Server] = []  # set below; the engine thread stops it when it gives up
     gave_up: list[str] = []
