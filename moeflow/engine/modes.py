@@ -22,6 +22,7 @@ from moeflow.engine.prefill_role import PrefillRole
 from moeflow.hardware import resolve_device, resolve_dtype
 from moeflow.layout import Layout
 from moeflow.layout.pd import DECODE_MODES, PREFILL_MODES
+from moeflow.model.checkpoint import weights_fingerprint
 from moeflow.model.weights import load_config
 from moeflow.scheduler.expert_location import TRIVIAL
 
@@ -63,7 +64,7 @@ def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engi
                           + (" (a pd deployment hands KV between its own instances)" if layout.mode == "pd" else ""))
     inner = cls(model_path, config, layout)
     try:
-        return role(inner, kv)
+        return role(inner, kv, weights_fingerprint(model_path))
     except BaseException:
         inner.shutdown()
         raise

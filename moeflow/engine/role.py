@@ -24,8 +24,10 @@ class RoleEngine(Engine):
     multinode = False
     kv_port: int | None = None  # a prefill server's KV link's port
 
-    def __init__(self, inner: Engine, kv: KvTransferConfig):
-        self.inner, self.kv_config = inner, kv
+    def __init__(self, inner: Engine, kv: KvTransferConfig, weights: str = ""):
+        """``weights``: the served checkpoint's fingerprint (``model.checkpoint.weights_fingerprint``):
+        a handle from a server with other weights is refused."""
+        self.inner, self.kv_config, self.weights = inner, kv, weights
         self.config: EngineConfig = inner.config
         self.model_config, self.max_model_len = inner.model_config, inner.max_model_len
         self.memory_plan = inner.memory_plan

@@ -2,8 +2,8 @@
 
 At start every server must answer ``GET /v1/kv_transfer`` in its role (a ``--prefill`` URL that is
 a decode server, or has no role, is refused by name) and every one must run the same KV layout
-(model, layers, dtype): a mismatch is refused at start, naming both servers, instead of surfacing
-as failed handoffs later. While serving, a poller reads each server's load a few times a second.
+(model, layers, dtype) and the same weights (their fingerprints): a mismatch is refused at start,
+naming both servers, instead of surfacing as failed handoffs or, worse, as other outputs later. While serving, a poller reads each server's load a few times a second.
 A request goes to the prefill server with the fewest of this router's requests in flight, then to
 the decode server with the most free KV blocks (its last report, less the blocks of the requests
 placed on it since), as SGLang's and vLLM's routers place them.
@@ -51,11 +51,13 @@ class Backends:
         """Every server up (waiting up to ``wait_s`` for those still loading), in its role, one KV layout."""
         deadline = time.monotonic() + wait_s
         layouts: dict[str, KvLayout] = {}
+        weights: dict[str, str] = {}
         for b in self.prefill + self.decode:
             info = await self._info(b, deadline)
             if info["role"] != b.role:
                 raise ConfigError(f"{b.url} is a {info['role']} server, given as --{b.role}")
             layouts[b.url] = KvLayout.from_dict(info["kv_layout"], f"{b.url}'s kv_layout")
+            weights[b.url] = str(info.get("weights"))
             b.num_free_kv_blocks = info["num_free_kv_blocks"]
             models = (await self.client.get(f"{b.url}/v1/models")).json()["data"][0]
             if self.model_name is None:
@@ -68,6 +70,10 @@ class Backends:
             if lay != layouts[first_url]:
                 raise ConfigError(f"{url} runs {lay.describe()} but {first_url} runs {layouts[first_url].describe()}: "
                                   f"a KV cache passes only between the same model and dtype")
+            if weights[url] != weights[first_url]:
+                raise ConfigError(f"{url} holds weights {weights[url]} but {first_url} holds {weights[first_url]} "
+                                  f"(fingerprints of their checkpoints): a KV cache passes only between the same "
+                                  f"weights; give every server the same checkpoint")
 
     async def _info(self, b: Backend, deadline: float) -> dict:
         last = None

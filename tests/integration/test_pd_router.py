@@ -2,7 +2,8 @@
 client: an asap prefill server hands each request's KV to an afd decode server; completions (whole
 and streamed) and chat equal a colocated run's greedy text and logprobs; both servers' /metrics
 count the handoffs; every block and staged range returns on both sides; a router over servers of
-two different models refuses to start, naming both."""
+two different models, or of one model with other weights, refuses to start, naming both; a staged
+range is released only by whoever holds its token."""
 from __future__ import annotations
 
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 from moeflow import LLM, SamplingParams
 
+from conftest import build_hf_model, save_checkpoint
 from server_harness import ServerProcess
 
 PREFILL = ["--role", "prefill", "--mode", "asap", "--attn-dp", "1", "--moe-workers", "1", "--min-batch-tokens", "8",
@@ -90,3 +92,51 @@ def test_router_refuses_servers_of_two_models(checkpoints, split, tmp_path):
         other.stop()
     assert p.returncode == 2
     assert f"{other.url} runs DeepseekV3ForCausalLM" in p.stderr and f"but {prefill.url} runs Qwen3Moe" in p.stderr
+
+
+def _handoff(prefill, ids) -> dict:
+    """A prefill answer's kv_transfer_params, asked for directly (as the router does)."""
+    r = httpx.post(prefill.url + "/v1/completions", timeout=30, json={
+        "model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+def test_a_staged_range_is_released_only_with_its_token(split):
+    """The red-team's forged release: the server id is in every answer and transfer ids count up, so
+    anyone could free anyone's staged KV (and, with it, a decode server's read flags)."""
+    _, prefill, decode, _ = split
+    h = _handoff(prefill, PROMPTS[2])
+    release = prefill.url + "/v1/kv_transfer/release"
+    forged = {**h, "remote_token": f"{(int(h['remote_token'], 16) + 1) % (1 << 63):016x}"}
+    r = httpx.post(release, json=forged, timeout=10)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
+    assert httpx.get(prefill.url + "/v1/kv_transfer").json()["num_handoffs"] == 1  # still offered
+    assert httpx.post(release, json={k: v for k, v in h.items() if k != "remote_token"}, timeout=10).status_code == 400
+    assert httpx.post(release, json=h, timeout=10).json() == {"released": h["remote_transfer_id"]}
+    assert httpx.post(release, json=h, timeout=10).status_code == 404  # gone
+    wait_clean(prefill, decode)
+
+
+def test_router_refuses_servers_of_other_weights(split, tmp_path):
+    """Same architecture, same KV layout, other weights: a decode server that took the KV would
+    answer with another model's text, silently. The router refuses to start, and the decode server
+    refuses the handle."""
+    path, prefill, _, _ = split
+    other_path = save_checkpoint(build_hf_model("qwen3_moe", seed=1), str(tmp_path / "qwen3-seed1"))
+    other = ServerProcess(other_path, *DECODE, *COMMON, log_path=str(tmp_path / "other.log"))
+    try:
+        ours = httpx.get(prefill.url + "/v1/kv_transfer").json()
+        theirs = httpx.get(other.url + "/v1/kv_transfer").json()
+        assert ours["kv_layout"] == theirs["kv_layout"] and ours["weights"] != theirs["weights"]
+        p = subprocess.run([sys.executable, "-m", "moeflow", "router", "--prefill", prefill.url, "--decode",
+                            other.url, "--wait-s", "10"], capture_output=True, text=True, timeout=60)
+        h = _handoff(prefill, PROMPTS[1])
+        r = httpx.post(other.url + "/v1/completions", timeout=30, json={
+            "model": "m", "prompt": PROMPTS[1], "max_tokens": 4, "kv_transfer_params": h})
+        httpx.post(prefill.url + "/v1/kv_transfer/release", json=h, timeout=10)
+    finally:
+        other.stop()
+    assert p.returncode == 2
+    assert f"{other.url} holds weights {theirs['weights']} but {prefill.url} holds {ours['weights']}" in p.stderr
+    assert r.status_code == 400 and "prefilled by weights" in r.json()["error"]["message"], r.text
