@@ -3,7 +3,8 @@
 Names are ``moeflow-<deployment>.<what>``; ``cleanup(deployment)`` removes everything of one
 deployment, so the process that launched it can clean up after workers that were SIGKILLed. A
 deployment id that starts with ``<pid>-`` (an engine's, ``<pid>-<hex>``) names the process that
-owns it: ``reclaim_stale`` unlinks what a SIGKILLed owner left behind when the next one starts.
+owns it: that process's reaper (``reaper.py``) unlinks what it left behind once it dies, SIGKILL
+included, and ``reclaim_stale`` does at the next start what a reaper could not (a killed reaper).
 Every segment reserves its bytes when created (``posix_fallocate``): on a full tmpfs that fails at
 once with the numbers (``space.py``) instead of a SIGBUS at the first page nobody can back.
 Files are created mode 0600 (owner only) under a temporary name, initialized, then renamed into
@@ -24,6 +25,7 @@ import errno
 import time
 from typing import Callable
 
+from moeflow.comm import reaper
 from moeflow.comm.space import refusal
 
 SHM_DIR = "/dev/shm"
@@ -74,7 +76,7 @@ def reclaim_stale() -> dict[str, int]:
     since reused by another program: kept until that one exits too)."""
     freed: dict[str, int] = {}
     for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*.*")):
-        deployment_id = os.path.basename(path)[len(PREFIX):].split(".", 1)[0]
+        deployment_id = _deployment_of(path)
         pid = owner_pid(deployment_id)
         if pid is None or pid_alive(pid):
             continue
@@ -85,6 +87,10 @@ def reclaim_stale() -> dict[str, int]:
             continue
         freed[deployment_id] = freed.get(deployment_id, 0) + size
     return freed
+
+
+def _deployment_of(path: str) -> str:
+    return os.path.basename(path)[len(PREFIX):].split(".", 1)[0]
 
 
 def pid_alive(pid: int) -> bool:
@@ -107,6 +113,8 @@ class Segment:
     @classmethod
     def create(cls, path: str, size_bytes: int, init: Callable[[mmap.mmap], None]) -> "Segment":
         """Create ``path`` (replacing any stale file), run ``init`` on the zeroed mapping, publish."""
+        if owner_pid(_deployment_of(path)) == os.getpid():
+            reaper.watch()  # before the file exists: it is never left behind, however we die
         tmp = f"{path}.tmp{os.getpid()}"
         if os.path.lexists(tmp):
             os.unlink(tmp)
