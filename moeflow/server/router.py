@@ -8,8 +8,9 @@ answer, streamed or whole, is the client's. So the first token reaches the clien
 server, after the handoff (SGLang's way): TTFT as the client measures it includes the transfer,
 and each server's ``/metrics`` says what its side took. A decode server that refuses (429, 503) or
 cannot be reached is skipped for the next; when none takes it, the prefill server is told to free
-the KV at once. A client that leaves closes the decode server's stream, which aborts the request
-there and releases the KV.
+the KV at once. A client that leaves is passed on: the router closes its call to whichever server
+has the request (which aborts it there and frees its KV), or releases the staged KV between the
+two. A decode server that dies mid-stream ends the client's stream with an error event.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from moeflow.server.middleware import ApiKeyAuth
 logger = logging.getLogger("moeflow.router")
 
 _RETRY = (429, 503)  # a decode server that answers these did not take the request: try the next
+_GONE = object()  # what a call comes to when the client left first
 
 
 def add_parser(sub) -> None:
@@ -52,7 +54,9 @@ def add_parser(sub) -> None:
 def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> FastAPI:
     app = FastAPI(title="moeflow router", version="0.1.0")
     client = backends.client
-    counts = {"ok": 0, "prefill_failed": 0, "no_decode": 0, "finished_on_prefill": 0}
+    # rejected: the prefill server refused the client's request (4xx); client_gone: it left first
+    counts = {"ok": 0, "rejected": 0, "prefill_failed": 0, "no_decode": 0, "finished_on_prefill": 0,
+              "client_gone": 0}
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
@@ -89,15 +93,23 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
                            param="n", code="unsupported")
         headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
         p = backends.pick_prefill()
-        handoff, first = await _prefill(p, path, body, headers)
+        got = await _unless_gone(raw, _prefill(p, path, body, headers))
+        if got is _GONE:
+            counts["client_gone"] += 1
+            return Response(status_code=499)  # nobody reads it
+        handoff, first = got
         if isinstance(first, Response):  # the prefill server's error, as it gave it
-            counts["prefill_failed"] += 1
+            counts["rejected" if 400 <= first.status_code < 500 else "prefill_failed"] += 1
             return first
         if handoff is None:  # its first token ended the request: the prefill answer is the answer
             counts["finished_on_prefill"] += 1
             return _as_stream(first) if body.get("stream") else JSONResponse(first)
-        answer = await _decode(path, {**body, "kv_transfer_params": handoff}, headers,
-                               int(handoff.get("remote_num_tokens") or 0))
+        answer = await _unless_gone(raw, _decode(path, {**body, "kv_transfer_params": handoff}, headers,
+                                                 int(handoff.get("remote_num_tokens") or 0)))
+        if answer is _GONE:  # the decode call (if any) was closed: its server aborts and frees; else free it here
+            counts["client_gone"] += 1
+            await _release(p, handoff, headers)
+            return Response(status_code=499)
         if answer is None:
             counts["no_decode"] += 1
             await _release(p, handoff, headers)
@@ -134,8 +146,11 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
                 r = await client.send(req, stream=True)
             except httpx.HTTPError as e:
                 d.in_flight -= 1
-                logger.warning("decode server %s unreachable: %s", d.url, e)
+                logger.warning("decode server %s failed the call: %s: %s", d.url, type(e).__name__, e)
                 continue
+            except BaseException:  # cancelled: the client left
+                d.in_flight -= 1
+                raise
             if r.status_code in _RETRY:
                 await r.aclose()
                 d.in_flight -= 1
@@ -144,10 +159,26 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
         return None
 
     def _relay(r: httpx.Response, d: Backend) -> Response:
+        sse = (r.headers.get("content-type") or "").startswith("text/event-stream")
+
         async def chunks():
+            tail = b""
             try:
                 async for c in r.aiter_raw():
-                    yield c
+                    if not sse:
+                        yield c
+                        continue
+                    # NOTE: whole events only, so that a stream cut mid-event still parses up to its error event
+                    tail += c
+                    whole, sep, tail = tail.rpartition(b"\n\n")
+                    if sep:
+                        yield whole + sep
+            except httpx.HTTPError as e:  # the decode server died or hung up mid-answer
+                logger.warning("decode server %s broke off an answer: %s: %s", d.url, type(e).__name__, e)
+                if sse:
+                    err = ApiError(502, f"the decode server {d.url} broke off the answer: {type(e).__name__}",
+                                   type="server_error", code="decode_server_failed")
+                    yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
             finally:  # the client left, or the answer ended: the decode server sees the stream close
                 await r.aclose()
                 d.in_flight -= 1
@@ -170,6 +201,34 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
 
     app.add_middleware(ApiKeyAuth, api_key=api_key)
     return app
+
+
+async def _unless_gone(raw: Request, call):
+    """``call``'s result, or ``_GONE`` if the client disconnects first (``call`` is then cancelled,
+    which closes its connection: the server it was talking to sees the client leave)."""
+    work = asyncio.ensure_future(call)
+    gone = asyncio.ensure_future(_disconnect(raw))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the router itself is stopping
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    try:
+        await work
+    except asyncio.CancelledError:
+        pass
+    return _GONE
+
+
+async def _disconnect(raw: Request) -> None:
+    """Returns when the client has disconnected (its body is read: the next message is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _as_stream(answer: dict) -> StreamingResponse:
