@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         for m in results[n].values():
             m["output_throughput_per_process"] = m["output_throughput"] / procs
     print(side_by_side([(f"{n} @{r:g}", results[n][r]) for r in rates for n, _, _, _ in SYSTEMS]))
+    slo = " and ".join(f"{k.upper()} <= {v:g} ms" for k, v in parse_goodput(args.goodput).items())
+    print(f"(request goodput: completed requests per second with {slo}; --goodput)")
     plot = os.path.join(args.out_dir, "ttft_vs_rate.png")
     plot_results([{"mode": n, "config": cfg, "slo_ttft_s": None,
                    "points": [{"rps": r, "ttft_mean_s": results[n][r]["mean_ttft_ms"] / 1000} for r in rates]}

@@ -33,6 +33,11 @@ def _documented(default=None, **json_schema):
     return Field(default, json_schema_extra=json_schema)
 
 
+def _required(**json_schema):
+    """A required field whose bounds the schema states (the server checks them, naming the field)."""
+    return Field(json_schema_extra=json_schema)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -168,7 +173,8 @@ def _check_top_n(param: str, n: int) -> None:
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # NOTE: JSON Schema applies minLength to a string and minItems to an array: an empty prompt either way is refused
+    prompt: str | list[int] | list[str] | list[list[int]] = _required(minLength=1, minItems=1)
     max_tokens: int | None = _documented(minimum=1)  # None: 16, as OpenAI
     logprobs: int | None = _documented(minimum=0, maximum=MAX_LOGPROBS)
     add_special_tokens: bool = True  # vLLM: BOS and the like added to a text prompt
@@ -218,7 +224,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = _required(minItems=1)
     max_tokens: int | None = _documented(minimum=1)  # None: the rest of the context
     max_completion_tokens: int | None = _documented(minimum=1)  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False

@@ -219,7 +219,15 @@ def test_unknown_route_and_method(server):
     r = httpx.get(server.url + "/expert_distribution")  # colocated: one process, no expert devices
     assert r.status_code == 404 and "records no expert load" in r.json()["error"]["message"]
     r = httpx.get(server.url + C)
-    assert r.status_code == 405 and "error" in r.json()
+    assert r.status_code == 405 and "error" in r.json() and r.headers["allow"] == "POST"  # RFC 9110: say which
+
+
+def test_the_schema_states_what_the_server_refuses(server):
+    """An empty prompt or message list is refused (above); the OpenAPI schema says so, so that a client
+    generated from it (or a fuzzer) does not send what is bound to fail."""
+    spec = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    prompt, messages = spec["CompletionRequest"]["properties"]["prompt"], spec["ChatCompletionRequest"]["properties"]
+    assert prompt["minLength"] == 1 and prompt["minItems"] == 1 and messages["messages"]["minItems"] == 1
 
 
 def test_still_serving_and_metrics_after_the_errors(server, client):
