@@ -118,11 +118,29 @@ def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str], s
     os._exit(0)
 
 
+@dataclass(frozen=True)
+class ExitedProcess:
+    """What a handle keeps of a local worker process once its process object is closed: who it
+    was and how it ended (a closed ``multiprocessing.Process`` raises on every question)."""
+
+    pid: int | None
+    exitcode: int | None
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
 @dataclass
 class WorkerHandle:
     role: str
     index: int
-    process: mp.process.BaseProcess
+    process: mp.process.BaseProcess | ExitedProcess  # or a RemoteProcess (its node closes it)
     conn: Connection  # engine end of the control pipe
     memory: dict = field(default_factory=dict)  # what it reported holding at start, bytes by kind
 
@@ -131,6 +149,19 @@ class WorkerHandle:
         node = getattr(self.process, "node", None)  # a RemoteProcess
         where = f" on node {node.node}" if node is not None else ""
         return f"{self.role} worker {self.index} (pid {self.process.pid}{where})"
+
+    def close(self) -> None:
+        """Close the control pipe and, once the worker has exited, its process object. NOTE: a
+        deployment's objects form reference cycles, so without this the process object's two
+        descriptors (its fork-server sentinel and the duplicate of the pipe its setup went
+        through) lived until a full garbage collection, which a server seldom runs: 4 pipes per
+        restart of a two-worker deployment. One still running (it outlived its kill) keeps its
+        process object. Idempotent."""
+        self.conn.close()
+        p = self.process
+        if isinstance(p, mp.process.BaseProcess) and p.exitcode is not None:
+            self.process = ExitedProcess(p.pid, p.exitcode)
+            p.close()
 
 
 def free_port() -> int:
@@ -258,7 +289,8 @@ class Deployment:
                              f"it can only come back with the whole deployment")
         old = self.workers[index]
         old.process.join(timeout=1.0)
-        old.conn.close()
+        stop_workers([old], 0.0)  # one that has not exited by now would keep its process object open
+        old.close()
         self.workers[index] = spawn(setup)
         return self.workers[index]
 
@@ -283,7 +315,7 @@ class Deployment:
         with lifecycle.shielded():  # a signal meanwhile would leave processes or segments behind
             stop_workers(self.workers, timeout_s)
             for w in self.workers:
-                w.conn.close()
+                w.close()
             for n in self.nodes:
                 n.close()
             cleanup(self.deployment_id)  # segments of workers that could not unlink their own

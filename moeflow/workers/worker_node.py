@@ -85,8 +85,9 @@ class NodeWorkers:
         stop_workers(self.workers, 0.0 if kill else grace_s)
         self._thread.join(timeout=2.0)  # reports the exits it has not yet
         self._stop.set()
+        self._thread.join(timeout=1.0)  # it waits on the sentinels that closing the handles releases
         for w in self.workers:
-            w.conn.close()
+            w.close()
         cleanup(self.deployment_id)
 
 
