@@ -2,7 +2,7 @@
 
 Pass: every request answered (no client-side timeout or broken connection), no unexpected 5xx
 (only the kill's 500s for requests in flight at the kill and 503s while the deployment was
-rebuilt), bad requests refused with their 4xx, no upward RSS trend in any process after warm-up,
+rebuilt), bad requests refused with their 4xx, no upward RSS trend in any process after its warm-up,
 no descriptor leak in the server, at most one deployment's segments in /dev/shm at any time, and
 no process or segment left after shutdown.
 """
@@ -48,9 +48,12 @@ def _series(samples: list[dict]) -> dict[str, dict]:
 
 
 def _trend(t: list[float], y: list[float]) -> tuple[float, float] | None:
-    """(slope MB/min, fitted growth over the span MB) after warm-up; None if too few samples."""
-    tt = np.array([x for x in t if x >= WARMUP_S])
-    yy = np.array([v for x, v in zip(t, y) if x >= WARMUP_S])
+    """(slope MB/min, fitted growth over the span MB) after the process's own warm-up (a worker
+    started by the restart warms up again: counted from the load's start, its first batches were
+    fitted as growth); None if too few samples."""
+    since = t[0] + WARMUP_S if t else 0.0
+    tt = np.array([x for x in t if x >= since])
+    yy = np.array([v for x, v in zip(t, y) if x >= since])
     if len(tt) < 6 or tt[-1] - tt[0] < 60:
         return None
     slope = float(np.polyfit(tt, yy, 1)[0])

@@ -31,9 +31,9 @@ def test_classify():
     assert classify(_a("disconnect", note="disconnected", finish=None), KILL) == "disconnected"
 
 
-def _record(rss_growth_mb: float, leftover_files: int = 0) -> dict:
+def _record(rss_growth_mb: float, leftover_files: int = 0, num_samples: int = 40) -> dict:
     samples = []
-    for i in range(40):
+    for i in range(num_samples):
         t = 5.0 * i
         samples.append({"t": t, "health": 200, "shm": {"mb": 10.0, "files": 4, "deployments": 1},
                         "procs": {"1": {"role": "server", "rss_mb": 500 + rss_growth_mb * t / 195, "fds": 30},
@@ -73,3 +73,21 @@ def test_the_soak_writes_only_where_it_is_told(capsys):
     with pytest.raises(SystemExit) as e:  # no default under docs/results: --out is required
         main(["bench", "soak", "--duration-s", "1"])
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_a_restarted_worker_gets_its_own_warm_up():
+    """A worker started by the restart at 100 s fills its caches over its first minute like the first
+    one did; that ramp is not growth, but growth after its own first minute is."""
+    def record(late_growth_mb: float) -> dict:
+        r = _record(rss_growth_mb=2.0, num_samples=60)  # to 295 s: 135 s after its warm-up
+        for s in r["samples"]:
+            age = s["t"] - 100.0
+            if age >= 0:  # ramp 300 MB over its first 50 s, then ``late_growth_mb`` over the rest
+                rss = 600 + 300 * min(age, 50.0) / 50 + late_growth_mb * max(0.0, age - 60.0) / 135
+                s["procs"]["3"] = {"role": "worker", "rss_mb": rss, "fds": 12}
+        return r
+
+    flat = judge(record(0.0))
+    assert flat["memory"]["3"]["bounded"] and flat["pass"], flat["memory"]
+    grown = judge(record(200.0))
+    assert not grown["memory"]["3"]["bounded"] and not grown["checks"]["bounded memory after warm-up"], grown["memory"]
