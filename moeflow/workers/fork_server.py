@@ -1,4 +1,4 @@
-"""What the worker fork server imports once, so that no worker pays for it (``launch.spawn``).
+"""What the worker fork server imports once, so that no worker pays for it (``launch.spawn``, ``entry.worker_main``).
 
 Workers start from multiprocessing's fork server: a process started with the first worker of an
 engine process, which imports this module and then forks every worker of every deployment of that

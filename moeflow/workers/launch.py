@@ -11,16 +11,10 @@ deployment starts by unlinking the segments of dead ones (``reclaim_stale``).
 """
 from __future__ import annotations
 
-import dataclasses
-import faulthandler
-import logging
 import multiprocessing as mp
 import os
-import signal
 import socket
-import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
@@ -32,6 +26,7 @@ from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
 from moeflow.messages import Shutdown, WorkerFailed, WorkerReady, WorkerSetup
 from moeflow.workers import fork_start
+from moeflow.workers.entry import worker_main
 from moeflow.workers.interface import choose
 from moeflow.workers.remote import RemoteNode
 from moeflow.workers.stdio import Stdio
@@ -63,59 +58,6 @@ def process_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
-
-
-def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str], stdio: Stdio) -> None:
-    """Entry point of every worker process; ``environ``, ``stdio``: the engine's at the worker's start."""
-    server = os.getppid()
-    lifecycle.die_with_parent()
-    faulthandler.enable()  # a crash in native code (a kernel, a signal) still leaves its Python stack on stderr
-    parent = mp.parent_process()  # the engine process
-    if os.getppid() != server or (parent is not None and not parent.is_alive()):  # either died before the prctl
-        os._exit(1)
-    from moeflow.workers.fork_server import become_worker  # already imported: this process was forked
-    become_worker(environ, stdio)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    if setup.cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {setup.cpu % (os.cpu_count() or 1)})  # the engine counted node 0's CPUs
-    import torch
-
-    torch.set_num_threads(setup.engine.num_threads)
-    from moeflow.comm import make_transport
-    from moeflow.hardware.device import worker_device
-    from moeflow.workers.roles import build_worker
-    from moeflow.workers.world import close_world, init_world
-
-    worker = None
-    try:
-        device = worker_device(setup.engine.device, setup.world_rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        setup = dataclasses.replace(setup, device=str(device))  # every tensor of this process is made there
-        if setup.comm is not None:  # payloads are copied out of the shared buffers onto it
-            setup = dataclasses.replace(setup, comm=dataclasses.replace(setup.comm, compute_device=setup.device))
-        tp = init_world(setup)
-        worker = build_worker(setup, make_transport(setup.comm), tp)
-        conn.send(WorkerReady(setup.role, setup.index, os.getpid(), worker.memory()))
-        worker.serve(conn)
-    except BaseException:
-        try:
-            conn.send(WorkerFailed(setup.role, setup.index, traceback.format_exc()))
-        except OSError:
-            pass
-        raise
-    finally:
-        if worker is not None:
-            worker.close()
-        close_world()
-    # Everything above is released (the engine unlinks what a worker could not): skip the interpreter's
-    # teardown of torch and the weights, ~0.5 s per worker here, at every shutdown and restart.
-    lifecycle.release_all()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @dataclass(frozen=True)
