@@ -14,18 +14,14 @@ two. A decode server that dies mid-stream ends the client's stream with an error
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import sys
-import time
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from moeflow import lifecycle, settings
 from moeflow.server.backends import Backend, Backends
 from moeflow.server.errors import ApiError
 from moeflow.server.middleware import ApiKeyAuth
@@ -34,21 +30,6 @@ logger = logging.getLogger("moeflow.router")
 
 _RETRY = (429, 503)  # a decode server that answers these did not take the request: try the next
 _GONE = object()  # what a call comes to when the client left first
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("router", help="an OpenAI-compatible front over prefill and decode servers "
-                                      "(moeflow serve --role prefill|decode)")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill servers' base URLs")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode servers' base URLs")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients (default: "
-                   "$MOEFLOW_API_KEY, else $VLLM_API_KEY); the same header goes on to the servers")
-    p.add_argument("--wait-s", type=float, default=120.0, help="how long to wait at start for servers still loading")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="one request's longest time at a server")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=cmd_router)
 
 
 def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> FastAPI:
@@ -247,34 +228,3 @@ def _as_stream(answer: dict) -> StreamingResponse:
         events.append(f"data: {json.dumps({**head, 'choices': [piece]})}\n\n")
     events.append("data: [DONE]\n\n")
     return StreamingResponse(iter(events), media_type="text/event-stream")
-
-
-def cmd_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    api_key = args.api_key or settings.api_key()
-    lifecycle.handle_signals()
-
-    async def main() -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
-            backends = Backends(args.prefill, args.decode, client)
-            t0 = time.monotonic()
-            await backends.check(args.wait_s)
-            backends.start()
-            app = build_router(backends, args.timeout_s, api_key)
-            print(f"moeflow: routing {backends.model_name!r} over {len(backends.prefill)} prefill and "
-                  f"{len(backends.decode)} decode servers (checked in {time.monotonic() - t0:.1f} s) on "
-                  f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-            server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                                   lifespan="off", timeout_graceful_shutdown=5))
-            try:
-                await server.serve()
-            finally:
-                await backends.stop()
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        return 130
-    return 0
