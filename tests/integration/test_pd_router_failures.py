@@ -95,6 +95,8 @@ def test_injected_copy_failures_under_load(path, tmp_path):
             answers = split.load(PROMPTS)
             stop.set()
             forger.result()
+        print(f"forged releases: {len(forged)} sent, {forged.count(403)} refused (403), {forged.count(404)} "
+              f"unknown (404); {sum(r.status_code == 200 for r in answers)}/{len(PROMPTS)} requests answered")
         assert len(forged) > len(PROMPTS) and set(forged) <= {403, 404}, sorted(set(forged))
         assert httpx.post(split.prefill.url + "/v1/kv_transfer/release", json=handle).status_code == 200  # its own
         assert [r.status_code for r in answers] == [200] * len(PROMPTS)

@@ -191,6 +191,8 @@ def test_the_port_asks_for_the_secret_and_a_silent_or_flooding_peer_delays_nobod
         fds0, threads0 = _fds(), _kv_threads()  # two live pairs (both ends here), the silent connection
         flood = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(100)]
         time.sleep(0.3)
+        print(f"100 bare connections: KV threads {threads0} -> {_kv_threads()}, descriptors {fds0} -> {_fds()}, "
+              f"{server.refused} refused at once")
         assert _kv_threads() <= threads0 + MAX_PENDING  # the bound
         assert server.refused >= 100 - MAX_PENDING
         for s in flood:
@@ -205,6 +207,8 @@ def test_the_port_asks_for_the_secret_and_a_silent_or_flooding_peer_delays_nobod
         while _kv_threads() > threads0 - 1 or _fds() > fds0 - 1:  # all of it back, the silent one's too
             assert time.monotonic() < deadline, (_kv_threads(), threads0, _fds(), fds0)
             time.sleep(0.1)
+        print(f"after the flood: KV threads {_kv_threads()}, descriptors {_fds()} (silent one answered at "
+              f"{time.monotonic() - t0:.1f} s)")
         clients[4].claim(ranges[2], "again")  # the port still pairs
         (a,) = _wait(clients[4])
         assert a.ok
