@@ -159,7 +159,9 @@ class ClusterConfig:
         return self.nnodes > 1
 
 
-TRANSPORTS = ("shm", "dist", "cuda-ipc")  # cuda-ipc: shm with payloads and published weights on the GPU
+# cuda-ipc: shm with payloads and published weights on the GPU; deferred: its rehearsal on the CPU
+TRANSPORTS = ("shm", "dist", "cuda-ipc", "deferred")
+ONE_HOST_SHARED = ("shm", "cuda-ipc", "deferred")  # a host's processes map each other's memory
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_ADMISSIONS = ("on-demand", "reserve")  # scheduler/pool.py  # "auto": resolved once per deployment (hardware/dtype.py)
 

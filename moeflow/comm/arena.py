@@ -6,11 +6,13 @@ payload moves:
 
 - ``host``: the payload area of the segment itself (shared memory), copied synchronously;
 - ``cuda_ipc``: one device allocation per mailbox, made by its owner (the reader), whose CUDA-IPC
-  handle is published in the segment before it appears; writers map it. Copies run on a
+  handle is published in the segment before it appears; writers map it (``ipc_memory.py``; the
+  owner's own writer uses the owner's tensor: CUDA refuses a same-process open). Copies run on a
   communication stream (``cudaMemcpyAsync``), so they are complete only once synchronised;
-- ``deferred`` (the CPU fake of ``cuda_ipc``): host memory whose copies land only when the
-  arena is synchronised, as a stream's do: a protocol step that stores a flag before
-  synchronising publishes stale bytes, which the checksummed stress tests then see.
+- ``deferred`` (the CPU rehearsal of ``cuda_ipc``): the same handle and ownership rules over host
+  memory in a /dev/shm file of its own, and copies that land only when the arena is synchronised,
+  as a stream's do: a protocol step that stores a flag before synchronising publishes stale
+  bytes, and a same-process open that bypasses the owner's tensor is refused, as on a GPU.
 
 The ordering every arena needs, and which the mailbox keeps in one place: ``Mailbox.set_flag``,
 ``set_progress`` and ``clear_flag`` call ``arena.release()`` (synchronise every copy issued
@@ -20,11 +22,11 @@ overwrite the slot.
 """
 from __future__ import annotations
 
-import pickle
 import struct
 
 import torch
 
+from moeflow.comm.ipc_memory import IpcMemory
 from moeflow.comm.spec import DTYPE_BYTES
 
 ARENAS: dict[str, type["PayloadArena"]] = {}
@@ -58,8 +60,9 @@ class PayloadArena:
         self._slots: list[list[torch.Tensor]] = []
 
     @classmethod
-    def allocate(cls, layout, device: str) -> "PayloadArena":
-        """The owner's arena, before its segment exists (``publish`` then ``map`` follow)."""
+    def allocate(cls, layout, device: str, path: str) -> "PayloadArena":
+        """The owner's arena for the mailbox at ``path``, before its segment exists (``publish``
+        then ``map`` follow)."""
         return cls()
 
     def publish(self, buf, layout) -> None:
@@ -72,7 +75,7 @@ class PayloadArena:
     @classmethod
     def open(cls, buf, layout, device: str) -> "PayloadArena":
         """A writer's arena, from the published segment."""
-        return cls.allocate(layout, device).map(buf, layout)
+        return cls().map(buf, layout)
 
     def slot(self, lane: int, slot: int) -> torch.Tensor:
         """Slot ``(lane, slot)``'s payload area, [R, H]."""
@@ -104,19 +107,66 @@ class HostArena(PayloadArena):
         return self
 
 
+class IpcArena(PayloadArena):
+    """A payload outside the segment, in one allocation of the owner that others map by the handle
+    published in the segment (``ipc_memory.py``)."""
+
+    handle_bytes = 4096
+    in_segment = False
+
+    def __init__(self, memory: IpcMemory, layout) -> None:
+        super().__init__()
+        self.memory = memory
+        self.base = memory.tensor.view(getattr(torch, layout.dtype))[:_elems(layout)]
+        self._slots = _slot_views(self.base, layout)
+
+    @classmethod
+    def allocate(cls, layout, device: str, path: str) -> "IpcArena":
+        nbytes = _elems(layout) * DTYPE_BYTES[layout.dtype]
+        return cls(IpcMemory.allocate(nbytes, cls.memory_device(device), f"{path}-payload"), layout)
+
+    @classmethod
+    def memory_device(cls, device: str) -> str:
+        return device
+
+    def publish(self, buf, layout) -> None:
+        blob = self.memory.handle
+        if len(blob) + 8 > self.handle_bytes:
+            raise ValueError(f"a memory handle of {len(blob)} bytes does not fit the segment's {self.handle_bytes - 8}")
+        off = layout.handle_offset
+        buf[off:off + 8 + len(blob)] = struct.pack("<q", len(blob)) + blob
+
+    @classmethod
+    def open(cls, buf, layout, device: str) -> "IpcArena":
+        off = layout.handle_offset
+        (n,) = struct.unpack("<q", bytes(buf[off:off + 8]))
+        return cls(IpcMemory.open(bytes(buf[off + 8:off + 8 + n])), layout)
+
+    def close(self) -> None:
+        self.release()
+        super().close()
+        self.base = None
+        self.memory.close()
+
+
 @register
-class DeferredArena(HostArena):
-    """The CPU fake of an asynchronous arena: copies are queued and run at ``release``, in order,
-    reading their source then (as a stream does), so a store published before its release
-    carries stale bytes. ``num_deferred`` counts the copies that were queued: a test can see
-    that the fake actually deferred something."""
+class DeferredArena(IpcArena):
+    """The CPU rehearsal of ``cuda_ipc``: host memory shared by handle (same-process opens refused
+    as CUDA refuses them), and copies queued and run at ``release``, in order, reading their
+    source then (as a stream does), so a store published before its release carries stale bytes.
+    ``num_deferred`` counts the copies that were queued: a test can see that the fake actually
+    deferred something."""
 
     name = "deferred"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, memory: IpcMemory, layout) -> None:
+        super().__init__(memory, layout)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_deferred = 0
+
+    @classmethod
+    def memory_device(cls, device: str) -> str:
+        return "cpu"  # a rehearsal computes on the CPU
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._pending.append((dst, src))
@@ -131,46 +181,25 @@ class DeferredArena(HostArena):
 
 
 @register
-class CudaIpcArena(PayloadArena):
+class CudaIpcArena(IpcArena):
     """One device allocation per mailbox, shared through CUDA IPC. The owner allocates it and
     keeps it alive (the mailbox lives as long as its reader); writers open the published handle.
     Copies go on a side stream that first waits for the caller's stream (the source was computed
     there, or the destination is still being read there); ``release`` synchronises that stream."""
 
     name = "cuda_ipc"
-    handle_bytes = 4096
-    in_segment = False
 
-    def __init__(self, base: torch.Tensor, layout) -> None:
-        super().__init__()
-        self.base, self.device = base, base.device
+    def __init__(self, memory: IpcMemory, layout) -> None:
+        super().__init__(memory, layout)
+        self.device = self.base.device
         self.stream = torch.cuda.Stream(device=self.device)
-        self._slots = _slot_views(base, layout)
         self._busy = False  # a copy was issued since the last release
 
     @classmethod
-    def allocate(cls, layout, device: str) -> "CudaIpcArena":
-        dev = torch.device(device)
-        if dev.type != "cuda":
+    def memory_device(cls, device: str) -> str:
+        if torch.device(device).type != "cuda":
             raise ValueError(f"the cuda_ipc payload arena needs a CUDA compute device, got {device!r}")
-        return cls(torch.zeros(_elems(layout), dtype=getattr(torch, layout.dtype), device=dev), layout)
-
-    def publish(self, buf, layout) -> None:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        blob = pickle.dumps(reduce_tensor(self.base))
-        if len(blob) + 8 > self.handle_bytes:
-            raise ValueError(f"a CUDA-IPC handle of {len(blob)} bytes does not fit the segment's "
-                             f"{self.handle_bytes - 8}")
-        off = layout.handle_offset
-        buf[off:off + 8 + len(blob)] = struct.pack("<q", len(blob)) + blob
-
-    @classmethod
-    def open(cls, buf, layout, device: str) -> "CudaIpcArena":
-        off = layout.handle_offset
-        (n,) = struct.unpack("<q", bytes(buf[off:off + 8]))
-        rebuild, args = pickle.loads(bytes(buf[off + 8:off + 8 + n]))
-        return cls(rebuild(*args), layout)
+        return device
 
     def _issue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -184,8 +213,3 @@ class CudaIpcArena(PayloadArena):
         if self._busy:
             self.stream.synchronize()
             self._busy = False
-
-    def close(self) -> None:
-        self.release()
-        super().close()
-        self.base = None

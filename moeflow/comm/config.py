@@ -24,7 +24,7 @@ class CommConfig:
     # chunks of about this size, so the receiver's copy overlaps the sender's; 0: one copy each
     rank_nodes: tuple[int, ...] = ()  # links: the host of each world rank; (): all on one host
     # shm: where the mailboxes' payload bytes live (comm/arena.py): host (the shared segment),
-    # cuda_ipc (device memory on compute_device, shared by CUDA IPC), deferred (its CPU fake)
+    # cuda_ipc (device memory on compute_device, shared by CUDA IPC), deferred (its CPU rehearsal)
     arena: str = "host"
 
     def __post_init__(self) -> None:
@@ -47,10 +47,10 @@ class CommConfig:
 
         if self.arena not in ARENAS:
             raise ConfigError(f"CommConfig.arena must be one of {sorted(ARENAS)}, got {self.arena!r}")
-        if self.arena != "host" and self.transport not in ("shm", "shm-handshake", "cuda-ipc"):
+        if self.arena != "host" and self.transport not in ("shm", "shm-handshake", "cuda-ipc", "deferred"):
             raise ConfigError(f"CommConfig.arena {self.arena!r} is for the one-host mailboxes (transport shm, "
-                              f"shm-handshake or cuda-ipc); transport {self.transport!r} moves payloads through "
-                              f"host memory")
+                              f"shm-handshake, cuda-ipc or deferred); transport {self.transport!r} moves payloads "
+                              f"through host memory")
         if self.arena == "cuda_ipc" and not self.compute_device.startswith("cuda"):
             raise ConfigError(f"CommConfig.arena 'cuda_ipc' keeps payloads in device memory: compute_device must "
                               f"be a CUDA device, got {self.compute_device!r}")

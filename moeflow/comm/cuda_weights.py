@@ -4,17 +4,19 @@
 device allocation, and what a peer needs to map it (the CUDA-IPC handle and the tensors' layout)
 is published in a small shared-memory segment (``weights<rank>``); a pull is a device-to-device
 copy out of the mapped allocation, on whatever stream the puller has made current (the
-prefetcher's side stream). The owner keeps the allocation alive as long as its store is open.
+prefetcher's side stream). The owner keeps the allocation alive as long as its store is open;
+a rank that reads its own published tensors gets the owner's (``ipc_memory.py``). On a CPU
+compute device it is the rehearsal (transport ``deferred``): the same handles over host memory.
 """
 from __future__ import annotations
 
-import json
 import math
 import pickle
 import struct
 
 import torch
 
+from moeflow.comm.ipc_memory import IpcMemory
 from moeflow.comm.segment import Segment, segment_path
 from moeflow.comm.weights import PeerWeights, WeightStore, pack
 
@@ -27,31 +29,31 @@ class CudaIpcWeightStore(WeightStore):
     def __init__(self, config, publishers=None):
         super().__init__(config, publishers)
         self._segments: list[Segment] = []
-        self._owned: list[torch.Tensor] = []  # published allocations: alive while peers may map them
+        self._memory: list[IpcMemory] = []  # published allocations (alive while peers may map them), and mappings
         self.device = torch.device(config.compute_device)
-        if self.device.type != "cuda":
-            raise ValueError(f"the CUDA-IPC weight store needs a CUDA compute device, got {config.compute_device!r}")
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"the CUDA-IPC weight store needs a CUDA compute device (or the CPU, to rehearse), got "
+                             f"{config.compute_device!r}")
 
     def _path(self, rank: int) -> str:
         return segment_path(self.config.deployment_id, f"weights{rank}")
 
     def publish(self, rank, tensors):
-        from torch.multiprocessing.reductions import reduce_tensor
-
         layout, offset = pack(tensors, _ALIGN)
-        base = torch.empty(max(offset, 1), dtype=torch.uint8, device=self.device)
-        views = {name: _view(base, spec) for name, spec in layout.items()}
+        memory = IpcMemory.allocate(offset, str(self.device), f"{self._path(rank)}-heap")
+        self._memory.append(memory)
+        views = {name: _view(memory.tensor, spec) for name, spec in layout.items()}
         for name, t in tensors.items():
             views[name].copy_(t)
-        torch.cuda.synchronize(self.device)  # every byte in place before a peer can map it
-        blob = pickle.dumps((reduce_tensor(base), layout))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every byte in place before a peer can map it
+        blob = pickle.dumps((memory.handle, layout))
 
         def init(buf) -> None:
             _HEAD.pack_into(buf, 0, _MAGIC, len(blob))
             buf[_HEAD.size:_HEAD.size + len(blob)] = blob
 
         self._segments.append(Segment.create(self._path(rank), _HEAD.size + len(blob), init))
-        self._owned.append(base)
         return views
 
     def peer(self, rank, timeout_s=None):
@@ -61,15 +63,18 @@ class CudaIpcWeightStore(WeightStore):
         seg = Segment.attach(self._path(rank), published, timeout_s or self.config.attach_timeout_s, writable=False)
         self._segments.append(seg)
         n = _HEAD.unpack_from(seg.buf, 0)[1]
-        (rebuild, args), layout = pickle.loads(bytes(seg.buf[_HEAD.size:_HEAD.size + n]))
-        base = rebuild(*args)
-        return PeerWeights({name: _view(base, spec) for name, spec in layout.items()})
+        handle, layout = pickle.loads(bytes(seg.buf[_HEAD.size:_HEAD.size + n]))
+        memory = IpcMemory.open(handle)
+        self._memory.append(memory)
+        return PeerWeights({name: _view(memory.tensor, spec) for name, spec in layout.items()})
 
     def close(self):
         for seg in self._segments:
             seg.close()
         self._segments.clear()
-        self._owned.clear()
+        for m in reversed(self._memory):  # mappings first, then what this store published
+            m.close()
+        self._memory.clear()
 
 
 def _view(base: torch.Tensor, spec: dict) -> torch.Tensor:

@@ -2,8 +2,9 @@
 flag table and a byte heap, and the block copies in and out of it.
 
 The heap lives in the segment (host shared memory), or with ``--transport cuda-ipc`` in one device
-allocation of the owner whose CUDA-IPC handle the segment carries (``create(..., device)``): the
-members then copy device to device, and only the flags stay host words. Between hosts the heap is
+allocation of the owner whose CUDA-IPC handle the segment carries (``create(..., by_handle=True)``,
+``ipc_memory.py``; the rehearsal transport ``deferred`` does the same in host memory): the members
+then copy device to device, and only the flags stay host words. Between hosts the heap is
 read and filled over gloo, through pinned host staging when it is on a device (``gloo_buffer``).
 
 It knows caches as tensors ``[L, N, *e]`` per entry and positions as slot indices; not requests.
@@ -20,20 +21,20 @@ the member synchronised its stream); x86 is TSO, so a reader that sees the flag 
 from __future__ import annotations
 
 import math
-import pickle
 import struct
 
 import torch
 
+from moeflow.comm.ipc_memory import IpcMemory
 from moeflow.comm.segment import Segment, segment_path
 
 MAX_SLOTS = 1024  # transfers in flight at once (flag-table rows)
 MAX_MEMBERS = 16  # TP members per side (flag-table columns)
 _ALIGN = 64
 _FLAGS_BYTES = MAX_SLOTS * 2 * MAX_MEMBERS * 8  # int64 [slot, side (0 write, 1 read), member]
-_HANDLE_BYTES = 4096  # after the flags: the heap's kind, and a device heap's pickled CUDA-IPC handle
+_HANDLE_BYTES = 4096  # after the flags: the heap's kind, and a handle heap's pickled memory handle
 _KIND = struct.Struct("<qq")  # kind, handle length
-CUDA_HEAP = 1  # the kind word; 0 (a fresh segment's zeros): the heap is the segment's own bytes
+HANDLE_HEAP = 1  # the kind word; 0 (a fresh segment's zeros): the heap is the segment's own bytes
 WRITE, READ = 0, 1
 
 Entries = dict[str, torch.Tensor]  # entry name -> [L, N, *e] one cache's tensor
@@ -45,22 +46,23 @@ def arena_path(deployment_id: str) -> str:
 
 class KvArena:
     """A mapped staging arena: ``flags`` [MAX_SLOTS, 2, MAX_MEMBERS] int64 and ``heap`` [bytes] uint8
-    (the segment's own bytes after the flags, or a device allocation)."""
+    (the segment's own bytes after the flags, or an allocation shared by handle)."""
 
-    def __init__(self, segment: Segment, heap: torch.Tensor | None = None):
-        """``heap``: the owner's device heap; others open it at first use (one that only reads the
+    def __init__(self, segment: Segment, memory: IpcMemory | None = None):
+        """``memory``: the owner's handle heap; others open it at first use (one that only reads the
         flags, a decode engine probing a prefill server's arena, never maps the device memory)."""
-        self.segment, self._heap = segment, heap
+        self.segment, self._memory = segment, memory
+        self._heap = None if memory is None else memory.tensor
         self.flags = torch.frombuffer(segment.buf, dtype=torch.int64, count=_FLAGS_BYTES // 8).view(
             MAX_SLOTS, 2, MAX_MEMBERS)
         self.kind, self._handle_len = _KIND.unpack_from(segment.buf, _FLAGS_BYTES)
 
     @property
     def heap(self) -> torch.Tensor:
-        if self._heap is None and self.kind == CUDA_HEAP:
+        if self._heap is None and self.kind == HANDLE_HEAP:
             at = _FLAGS_BYTES + _KIND.size
-            rebuild, args = pickle.loads(bytes(self.segment.buf[at:at + self._handle_len]))
-            self._heap = rebuild(*args)
+            self._memory = IpcMemory.open(bytes(self.segment.buf[at:at + self._handle_len]))
+            self._heap = self._memory.tensor
         elif self._heap is None:
             at = _FLAGS_BYTES + _HANDLE_BYTES
             self._heap = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=self.segment.size_bytes - at,
@@ -70,27 +72,32 @@ class KvArena:
     heap_bytes = property(lambda self: self.heap.numel())
 
     @classmethod
-    def create(cls, path: str, heap_bytes: int, device: str = "cpu") -> "KvArena":
-        """The owner's arena; ``device``: where the heap lives (a CUDA device: shared by CUDA IPC)."""
+    def create(cls, path: str, heap_bytes: int, device: str = "cpu", by_handle: bool = False) -> "KvArena":
+        """The owner's arena; ``device``: where the heap lives (a CUDA device: shared by CUDA IPC);
+        ``by_handle``: a host heap outside the segment, shared as a device one is (the rehearsal)."""
         dev = torch.device(device)
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"a KV staging heap lives in host shared memory or on a CUDA device, got {device!r}")
-        heap, blob = None, b""
-        if dev.type == "cuda":
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            heap = torch.empty(heap_bytes, dtype=torch.uint8, device=dev)
-            blob = pickle.dumps(reduce_tensor(heap))
+        memory, blob = None, b""
+        if dev.type == "cuda" or by_handle:
+            memory = IpcMemory.allocate(heap_bytes, device, f"{path}-heap")
+            blob = memory.handle
             if _KIND.size + len(blob) > _HANDLE_BYTES:
-                raise ValueError(f"a CUDA-IPC handle of {len(blob)} bytes does not fit the arena's {_HANDLE_BYTES}")
+                memory.close()
+                raise ValueError(f"a memory handle of {len(blob)} bytes does not fit the arena's {_HANDLE_BYTES}")
 
         def init(buf) -> None:
-            if heap is not None:
-                _KIND.pack_into(buf, _FLAGS_BYTES, CUDA_HEAP, len(blob))
+            if memory is not None:
+                _KIND.pack_into(buf, _FLAGS_BYTES, HANDLE_HEAP, len(blob))
                 buf[_FLAGS_BYTES + _KIND.size:_FLAGS_BYTES + _KIND.size + len(blob)] = blob
 
-        size = _FLAGS_BYTES + _HANDLE_BYTES + (0 if heap is not None else heap_bytes)
-        return cls(Segment.create(path, size, init), heap)
+        size = _FLAGS_BYTES + _HANDLE_BYTES + (0 if memory is not None else heap_bytes)
+        try:
+            return cls(Segment.create(path, size, init), memory)
+        except BaseException:
+            if memory is not None:
+                memory.close()
+            raise
 
     @classmethod
     def attach(cls, path: str, timeout_s: float = 10.0) -> "KvArena":
@@ -115,6 +122,8 @@ class KvArena:
 
     def close(self) -> None:
         self.flags = self._heap = None
+        if self._memory is not None:
+            self._memory.close()
         self.segment.close()
 
 

@@ -143,7 +143,7 @@ class Mailbox:
     def create(cls, path: str, layout: MailboxLayout, device: str = "cpu") -> "Mailbox":
         """Create (or atomically replace a stale) mailbox at ``path``; the caller owns and reads it.
         ``device``: where an arena outside the segment allocates the payload."""
-        arena = ARENAS[layout.arena].allocate(layout, device)
+        arena = ARENAS[layout.arena].allocate(layout, device, path)
 
         def init(buf) -> None:
             ctrl = memoryview(buf)[:64].cast("q")

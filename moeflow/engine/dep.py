@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from moeflow.comm import CommConfig, CommSpec, WaitPolicy
-from moeflow.config import ConfigError, EngineConfig
+from moeflow.config import ONE_HOST_SHARED, ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
 from moeflow.engine.eplb import attach, check_live, expert_process, start_placement
 from moeflow.engine.memory import ProcessFootprint
@@ -55,8 +55,9 @@ class DepEngine(ProcessEngine):
         if layout.tp != 1:
             raise ConfigError(f"dep layout tp={layout.tp}: the engine runs dep ranks of one process (tp 1); "
                               f"tensor-parallel ranks are the simulator's")
-        if config.transport not in ("shm", "dist", "cuda-ipc"):  # dist: a rank's link to itself is a Loopback
-            raise ConfigError(f"mode 'dep' runs its all-to-all over shm, cuda-ipc or dist, not {config.transport!r}")
+        if config.transport not in (*ONE_HOST_SHARED, "dist"):  # dist: a rank's link to itself is a Loopback
+            raise ConfigError(f"mode 'dep' runs its all-to-all over shm, cuda-ipc (deferred) or dist, not "
+                              f"{config.transport!r}")
         check_live(config, "dep")
         dp = layout.dp
         # rank r holds the r-th 1/N of every layer, or what --init-expert-location places there
@@ -67,7 +68,7 @@ class DepEngine(ProcessEngine):
         comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
-        world = self._world(dp) if transport not in ("shm", "cuda-ipc") else None
+        world = self._world(dp) if transport not in ONE_HOST_SHARED else None
         self._launch([self._setup(model_path, comm, experts, world, "dep", r, r, r % nnodes) for r in range(dp)])
         self.ranks = list(self.deployment.workers)
         attach(self, mc, experts, self.ranks, self.ranks, polls=False)

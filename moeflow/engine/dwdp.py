@@ -13,7 +13,7 @@ from __future__ import annotations
 from moeflow.comm import CommConfig
 from moeflow.comm.segment import SHM_DIR
 from moeflow.comm.space import ShmSpaceError, check_room
-from moeflow.config import ConfigError, EngineConfig
+from moeflow.config import ONE_HOST_SHARED, ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock, context_len
 from moeflow.engine.eplb import attach, check_live, start_placement
 from moeflow.engine.memory import ProcessFootprint
@@ -46,7 +46,7 @@ class DwdpEngine(ProcessEngine):
         mc = self.model_config
         if not mc.num_moe_layers:
             raise ConfigError("mode 'dwdp' needs a model with MoE layers")
-        if config.transport not in ("shm", "cuda-ipc"):
+        if config.transport not in ONE_HOST_SHARED:
             raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over {config.transport!r}")
         check_live(config, "dwdp", computes=False)
         start_placement(config, layout, mc, (), "dwdp", computes=False)  # refuses a starting placement file
@@ -58,7 +58,7 @@ class DwdpEngine(ProcessEngine):
         comm = CommConfig(None, transport, self.deployment_id, rank_nodes=rank_nodes)
         config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
-        world = self._world(layout.dp) if transport not in ("shm", "cuda-ipc") else None
+        world = self._world(layout.dp) if transport not in ONE_HOST_SHARED else None
         fp = weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype])
         self._published = [fp.experts(len(ids)) for ids in self.experts_held]  # each rank's experts in /dev/shm
         self._launch([self._setup(model_path, comm, self.experts_held, world, "dwdp", r, r, r % nnodes)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from moeflow.config import ConfigError
+from moeflow.config import ONE_HOST_SHARED, ConfigError
 from moeflow.engine.expert_load import ExpertLoadWindow, window_for
 from moeflow.layout.expert_map import ExpertMap
 from moeflow.logs import get_logger
@@ -159,7 +159,7 @@ def check_live(config, mode: str, computes: bool = True) -> None:
     if not computes:
         raise ConfigError(f"--enable-eplb: mode {mode} has no placement to rebalance (dwdp ranks compute their own "
                           f"tokens with every expert; afd's topology 'block' gives every daemon all of them)")
-    if config.transport not in ("shm", "cuda-ipc"):
+    if config.transport not in ONE_HOST_SHARED:
         raise ConfigError("--enable-eplb moves expert weights through a weight store: shared memory within a host "
                           "and gloo across hosts (transport shm), or device memory (transport cuda-ipc); transport "
                           f"{config.transport!r} has none")

@@ -42,16 +42,20 @@ class TransferStats:
     prealloc_wait_s: list[float] = field(default_factory=list)  # per handoff: first token -> decode room
 
 
-def heap_device(config) -> str:
-    """Where a server's staging heap lives: device memory shared by CUDA IPC under ``--transport
-    cuda-ipc`` (the members copy device to device), else host shared memory."""
-    return resolve_device(config.device) if config.transport == "cuda-ipc" else "cpu"
+def heap_device(config) -> tuple[str, bool]:
+    """Where a server's staging heap lives, and whether others map it by handle: device memory shared
+    by CUDA IPC under ``--transport cuda-ipc`` (the members copy device to device), host memory the
+    same way under its rehearsal ``deferred``, else the arena segment's own bytes."""
+    if config.transport == "cuda-ipc":
+        return resolve_device(config.device), True
+    return "cpu", config.transport == "deferred"
 
 
 class KvConnector:
     def __init__(self, deployment_id: str, heap_bytes: int, num_layers: int, dtype: str,
-                 entries: tuple[tuple[str, tuple[int, ...]], ...], device: str = "cpu"):
-        self.arena = KvArena.create(arena_path(deployment_id), heap_bytes, device)
+                 entries: tuple[tuple[str, tuple[int, ...]], ...], heap: tuple[str, bool] = ("cpu", False)):
+        """``heap``: its device and whether it is shared by handle (``heap_device``)."""
+        self.arena = KvArena.create(arena_path(deployment_id), heap_bytes, *heap)
         self.heap = HeapRanges(heap_bytes)
         self.num_layers, self.dtype, self.entries = num_layers, dtype, entries
         self.itemsize = getattr(torch, dtype).itemsize

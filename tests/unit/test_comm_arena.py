@@ -31,6 +31,35 @@ def pair():
     cleanup(dep)
 
 
+def test_a_same_process_open_gets_the_owners_memory_and_any_other_is_refused_as_on_cuda(pair, tmp_path):
+    """CUDA refuses to open a memory handle in the process that exported it; the owner's own writer
+    (dep attaches every rank's mailbox, its own included) must get the owner's tensor instead. The
+    rehearsal refuses a same-process open that bypasses that, and another process maps the memory."""
+    import subprocess
+    import sys
+
+    from moeflow.comm import ipc_memory
+    from moeflow.comm.ipc_memory import IpcMemory
+
+    reader, writer = pair
+    assert writer.arena.base.data_ptr() == reader.arena.base.data_ptr()  # not a second mapping
+    mem = IpcMemory.allocate(4096, "cpu", segment_path(f"a{uuid.uuid4().hex[:10]}", "mem"))
+    try:
+        assert IpcMemory.open(mem.handle).tensor.data_ptr() == mem.tensor.data_ptr()
+        own = ipc_memory._OWN.pop(mem.handle)  # as if the exporter had not kept it
+        with pytest.raises(RuntimeError, match="cannot open a memory handle it exported itself"):
+            IpcMemory.open(mem.handle)
+        ipc_memory._OWN[mem.handle] = own
+        script = ("import sys, torch; from moeflow.comm.ipc_memory import IpcMemory; "
+                  "m = IpcMemory.open(bytes.fromhex(sys.argv[1])); m.tensor[:4] = torch.tensor([1, 2, 3, 4]); m.close()")
+        p = subprocess.run([sys.executable, "-c", script, mem.handle.hex()], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert mem.tensor[:4].tolist() == [1, 2, 3, 4]
+    finally:
+        mem.close()
+    assert ipc_memory.exported() == 1  # the pair's mailbox only
+
+
 def test_the_flag_store_releases_the_writers_copy(pair):
     reader, writer = pair
     src = torch.arange(8 * 16, dtype=torch.float32).view(8, 16)
@@ -92,7 +121,7 @@ def test_bad_arenas_are_refused_by_name():
     with pytest.raises(ValueError, match="arena must be one of"):
         MailboxLayout(**LAYOUT, arena="gpu")
     with pytest.raises(ValueError, match="needs a CUDA compute device, got 'cpu'"):
-        CudaIpcArena.allocate(MailboxLayout(**LAYOUT, arena="cuda_ipc"), "cpu")
+        CudaIpcArena.allocate(MailboxLayout(**LAYOUT, arena="cuda_ipc"), "cpu", "/dev/shm/moeflow-x.box")
 
 
 def test_the_cuda_transport_is_refused_where_it_cannot_run():
@@ -104,5 +133,13 @@ def test_the_cuda_transport_is_refused_where_it_cannot_run():
         LLM("tiny", mode="dep", dp=2, device="cpu", transport="cuda-ipc")
     spec = CommSpec(num_regions=1, lanes_per_region=1, num_expert_ranks=1, num_experts=2, top_k=1, hidden_size=16,
                     max_batch_tokens=4)
-    with pytest.raises(ValueError, match="weight store needs a CUDA compute device, got 'cpu'"):
-        CudaIpcWeightStore(CommConfig(spec, transport="cuda-ipc"))
+    with pytest.raises(ValueError, match="weight store needs a CUDA compute device .or the CPU, to rehearse., got 'meta'"):
+        CudaIpcWeightStore(CommConfig(spec, transport="cuda-ipc", compute_device="meta"))
+    from types import SimpleNamespace
+
+    from moeflow.comm.cuda_ipc import check_engine
+    from moeflow.config import ClusterConfig
+
+    with pytest.raises(ConfigError, match="transport 'deferred' is cuda-ipc's rehearsal on the CPU: it needs device "
+                                          "cpu, got 'cuda:0'"):
+        check_engine(SimpleNamespace(transport="deferred", device="cuda:0", cluster=ClusterConfig()))

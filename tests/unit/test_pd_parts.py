@@ -2,6 +2,8 @@
 pre-allocation on the pool's ints."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -80,23 +82,27 @@ def test_stage_out_and_in_against_the_oracle(tmp_path, members):
 
 
 def test_a_member_sees_the_owners_heap_and_flags_and_a_bad_heap_device_is_named(tmp_path):
-    """Attached by path, the arena's flags and host heap are the owner's bytes; a heap on another
-    object (a device heap, here a plain tensor) serves the same views; an unknown device is refused."""
+    """Attached by path, the arena's flags and host heap are the owner's bytes; a heap shared by
+    handle (a device heap; here its rehearsal in host memory) serves the same views, outside the
+    segment, and the owner's process attaching it gets the owner's tensor; an unknown device is refused."""
     path = f"/dev/shm/moeflow-test-{id(tmp_path)}.kv-arena"
     owner = KvArena.create(path, 1 << 12)
     member = KvArena.attach(path)
+    other = KvArena.create(path + "2", 1 << 10, by_handle=True)
+    again = KvArena.attach(path + "2")
     try:
         assert member.heap_bytes == owner.heap_bytes == 1 << 12
         member.heap_view(128, 8).copy_(torch.arange(8, dtype=torch.uint8))
         member.flags[3, 1, 2] = 7
         assert owner.heap_view(128, 8).tolist() == list(range(8)) and int(owner.flags[3, 1, 2]) == 7
-        other = KvArena(owner.segment, torch.zeros(1 << 10, dtype=torch.uint8))
         v = other.views(64, 2, 3, torch.float32, (("k", (4,)), ("v", (4,))))
         assert v["k"].shape == (2, 3, 4) and v["v"].data_ptr() - v["k"].data_ptr() == 128  # 96 B, aligned to 64
         assert other.heap_bytes == 1 << 10 and owner.heap_view(0, 4).data_ptr() != other.heap_view(0, 4).data_ptr()
+        assert again.heap.data_ptr() == other.heap.data_ptr()  # the owner's process: its tensor, not a second map
+        assert os.path.getsize(path + "2") == os.path.getsize(path) - (1 << 12)  # the heap is not in the segment
     finally:
-        member.close()
-        owner.close()
+        for a in (again, other, member, owner):
+            a.close()
     with pytest.raises(ValueError, match="host shared memory or on a CUDA device, got 'meta'"):
         KvArena.create(path, 1 << 12, device="meta")
 
