@@ -4,6 +4,11 @@ transformers reference on the device, a tie-aware greedy comparison, and where n
 Every test module sets ``pytestmark = GPU``: marked ``gpu`` (so ``pytest -m gpu --collect-only``
 lists them anywhere) and skipped, with the reason, where torch sees no CUDA device. transformers
 is imported inside the functions, so collecting these tests costs only torch and moeflow.
+
+The rehearsal (``MOEFLOW_GPU_REHEARSAL=1``): the same tests on the CPU, ``cuda-ipc`` replaced by its
+rehearsal ``deferred`` (the same handles and ownership rules over host memory) and decode attention
+on the gather path a GPU takes, so that every GPU test's logic runs in the CPU suite
+(``tests/integration/test_gpu_rehearsal.py``); what only a GPU can show is skipped there, saying so.
 """
 from __future__ import annotations
 
@@ -14,9 +19,27 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch sees none)")]
-DEVICE = "cuda"
+REHEARSAL = os.environ.get("MOEFLOW_GPU_REHEARSAL", "") not in ("", "0")
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA and not REHEARSAL, reason="needs a CUDA device (torch sees "
+                                           "none; MOEFLOW_GPU_REHEARSAL=1 runs them on the CPU)")]
+DEVICE = "cpu" if REHEARSAL else "cuda"
+TRANSPORT = "deferred" if REHEARSAL else "cuda-ipc"  # between processes: device memory by handle, or its rehearsal
 RESULTS_ENV = "MOEFLOW_GPU_CHECK_OUT"  # verify/gpu_check.sh points it at $OUT/results
+
+
+def gpu_only(what: str) -> None:
+    """Skip the rest of a test in the rehearsal: ``what`` is a fact of a GPU, not of the logic."""
+    if REHEARSAL:
+        pytest.skip(f"rehearsal on the CPU: {what} is a GPU's")
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (rehearsal)"
 
 
 def prompts(seed: int, vocab_size: int, lengths: tuple[int, ...] | list[int]) -> list[list[int]]:

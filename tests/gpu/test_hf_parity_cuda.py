@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_support import DEVICE, GPU, assert_greedy_matches, hf_logprobs, hf_on_device, prompts
+from cuda_support import DEVICE, GPU, assert_greedy_matches, gpu_only, hf_logprobs, hf_on_device, prompts
 from moeflow import LLM, SamplingParams
 
 pytestmark = GPU
@@ -102,6 +102,7 @@ def _param_bytes(model) -> int:
 
 def test_weights_load_onto_the_device_and_auto_means_cuda(checkpoints):
     """``device="auto"`` on a machine with CUDA deploys there; the weights (and KV cache) take GPU memory."""
+    gpu_only("where device='auto' deploys, and the device memory the weights take,")
     ck = checkpoints("qwen3")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -115,6 +116,7 @@ def test_weights_load_onto_the_device_and_auto_means_cuda(checkpoints):
 
 def test_auto_dtype_is_the_checkpoints_bf16_on_the_gpu():
     """The embedded model is stored in bfloat16; a GPU with native bf16 computes in it."""
+    gpu_only("which dtype auto picks")
     if not torch.cuda.is_bf16_supported():
         pytest.skip(f"{torch.cuda.get_device_name()} has no native bfloat16")
     with LLM("tiny", device=DEVICE, num_kv_blocks=64) as llm:

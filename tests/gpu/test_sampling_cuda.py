@@ -44,7 +44,7 @@ def llm(checkpoints, llm_cache):
 
 
 def test_the_llm_samples_on_the_gpu(llm):
-    assert str(llm.config.device).startswith("cuda"), llm.config.device
+    assert str(llm.config.device).startswith(DEVICE), llm.config.device
 
 
 def test_sampler_functions_on_cuda_logits():

@@ -16,15 +16,19 @@ import time
 import pytest
 import torch
 
-from cuda_support import DEVICE, GPU, assert_greedy_matches, hf_generate, hf_on_device, matching_prefix, prompts, record
+from cuda_support import (DEVICE, GPU, REHEARSAL, assert_greedy_matches, device_name, hf_generate, hf_on_device,
+                          matching_prefix, prompts, record, synchronize)
 from moeflow import LLM, SamplingParams
 
-pytestmark = GPU
+# NOTE: in the rehearsal a timing on the CPU proves only that the comparison runs: make test-slow's
+pytestmark = [*GPU, *([pytest.mark.slow] if REHEARSAL else [])]
 
 NEW_TOKENS = 32
 REPEATS = 3
 TIE_ATOL = 1e-3  # float32 logits of std ~0.6 over 8 layers of width 1024
 CASES = [("float32", 1, 128), ("float32", 16, 512), ("bfloat16", 16, 512)]  # (dtype, batch, context)
+if REHEARSAL:  # the same comparison at a size a CPU runs in seconds (batch 16 at 512 took 5 minutes there)
+    CASES = [("float32", 1, 32), ("float32", 4, 64), ("bfloat16", 4, 64)]
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +39,10 @@ def tiny() -> str:
 
 
 def _timed(fn, n: int):
-    torch.cuda.synchronize()
+    synchronize()
     t0 = time.perf_counter()
     out = fn(n)
-    torch.cuda.synchronize()
+    synchronize()
     return out, time.perf_counter() - t0
 
 
@@ -85,7 +89,7 @@ def test_decode_tokens_per_s_colocated_vs_transformers(tiny, dtype, batch, conte
     m, t = numbers["moeflow"]["decode_tok_s"], numbers["transformers"]["decode_tok_s"]
     result = {"checkpoint": "tiny", "dtype": dtype, "batch": batch, "context": context, "new_tokens": NEW_TOKENS,
               "repeats": REPEATS, **numbers, "moeflow_over_transformers": m / t if m and t else None,
-              "agreeing_tokens": agree, "tokens": batch * NEW_TOKENS, "device": torch.cuda.get_device_name(),
+              "agreeing_tokens": agree, "tokens": batch * NEW_TOKENS, "device": device_name(),
               "torch": torch.__version__}
     record(f"decode_compare_{dtype}_b{batch}_c{context}", result)
     print(f"decode tok/s, {dtype} batch {batch} context {context}: moeflow {m}, transformers {t}")

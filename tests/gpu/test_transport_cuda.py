@@ -4,10 +4,13 @@ A two-process-per-role stress of the ``cuda-ipc`` transport with checksums again
 reference (the CPU suite runs the same plan over host and deferred arenas), then the modes whose
 processes exchange activations or weights, on one GPU, against colocated on that GPU: asap with
 one attention and one MoE process, dep with two ranks (and with live rebalances moving experts
-device to device), dwdp with two ranks pulling each other's experts device to device, and pd
-(asap prefill, dep decode) whose KV handoff stages in a device heap shared by CUDA IPC (greedy
-tokens equal, prompt logprobs within 1e-3 in float32). Before them, the KV staging heap on its own:
-a member process opens the owner's device heap from the handle in the segment and writes into it.
+device to device), dwdp with two ranks pulling each other's experts device to device, afd with one
+attention instance and one FFN daemon, and pd (asap prefill, dep decode) whose KV handoff stages in
+a device heap shared by CUDA IPC (greedy tokens equal, prompt logprobs within 1e-3 in float32).
+Before them, the KV staging heap on its own: a member process opens the owner's device heap from
+the handle in the segment and writes into it. dep, dep with EPLB and pd open their own process's
+handles (every rank attaches every rank's mailbox; one process owns the arena and reads it): the
+owner's tensor, never a second CUDA-IPC open, which CUDA refuses.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import time
 
 import pytest
 
-from cuda_support import DEVICE, GPU
+from cuda_support import DEVICE, GPU, TRANSPORT
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration"))
 from comm_deploy import SHM_STRESS, check_against_reference, run_deployment, stress_config  # noqa: E402
@@ -32,11 +35,11 @@ PROMPTS = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(40, 70)), list(r
 def test_cuda_ipc_stress_matches_reference(tmp_path):
     from moeflow.comm import list_segments
 
-    config = stress_config("cuda-ipc", device=DEVICE, **SHM_STRESS)
+    config = stress_config(TRANSPORT, device=DEVICE, **SHM_STRESS)
     plan = Plan(seed=6, num_batches=200, inflight=2, device=DEVICE)
-    results = run_deployment(config, plan, tmp_path, timeout_s=240.0)
+    results = run_deployment(config, plan, tmp_path, timeout_s=150.0)
     n = check_against_reference(config, plan, results)
-    print(f"cuda-ipc stress: {n} messages")
+    print(f"{TRANSPORT} stress: {n} messages")
     assert n >= 2000
     assert list_segments(config.deployment_id) == []
 
@@ -45,9 +48,10 @@ MEMBER = """
 import sys, torch
 from moeflow.comm.kv_arena import KvArena
 arena = KvArena.attach(sys.argv[1])
-assert arena.heap.device.type == "cuda", arena.heap.device
+assert arena.heap.device.type == sys.argv[2], arena.heap.device
 arena.heap_view(4096, 1 << 20).copy_(torch.arange(1 << 20, device=arena.heap.device) % 251)
-torch.cuda.synchronize()  # the copy, before the flag (as a KV-holding worker does)
+if sys.argv[2] == "cuda":
+    torch.cuda.synchronize()  # the copy, before the flag (as a KV-holding worker does)
 arena.flags[5, 0, 1] = 42
 arena.close()
 """
@@ -59,10 +63,10 @@ def test_kv_heap_on_the_device_is_written_by_a_member_process(tmp_path):
     from moeflow.comm.kv_arena import KvArena
 
     path = f"/dev/shm/moeflow-gpu-{os.getpid()}.kv-arena"
-    owner = KvArena.create(path, 8 << 20, DEVICE)
+    owner = KvArena.create(path, 8 << 20, DEVICE, by_handle=True)
     try:
-        assert owner.heap.device.type == "cuda" and os.path.getsize(path) < (1 << 20)  # the heap is not in shm
-        p = subprocess.run([sys.executable, "-c", MEMBER, path], capture_output=True, text=True, timeout=120)
+        assert owner.heap.device.type == DEVICE and os.path.getsize(path) < (1 << 20)  # the heap is not in the segment
+        p = subprocess.run([sys.executable, "-c", MEMBER, path, DEVICE], capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
         deadline = time.monotonic() + 10
         while int(owner.flags[5, 0, 1]) != 42 and time.monotonic() < deadline:
@@ -86,13 +90,14 @@ EPLB = dict(num_redundant_experts=2, enable_eplb=True, eplb_config={"step_interv
 
 
 @pytest.mark.parametrize("mode,layout", [("asap", dict(attn_dp=1, moe_workers=1)), ("dep", dict(dp=2)),
-                                         ("dwdp", dict(dp=2)),
-                                         ("dep", dict(dp=2, **EPLB))])  # live rebalances: moves device to device
+                                         ("dwdp", dict(dp=2)), ("afd", dict(attn_workers=1, ffn_workers=1)),
+                                         ("dep", dict(dp=2, **EPLB))],  # live rebalances: moves device to device
+                         ids=["asap", "dep", "dwdp", "afd", "dep-eplb"])
 def test_modes_over_cuda_ipc_match_colocated(colocated, mode, layout):
     from moeflow import LLM
 
     params, refs = colocated
-    with LLM("tiny", mode=mode, device=DEVICE, dtype="float32", num_kv_blocks=64, transport="cuda-ipc",
+    with LLM("tiny", mode=mode, device=DEVICE, dtype="float32", num_kv_blocks=64, transport=TRANSPORT,
              **layout) as llm:
         rounds = [llm.generate(PROMPTS, params) for _ in range(3 if "enable_eplb" in layout else 1)]
         history = llm.engine.eplb.history if llm.engine.eplb is not None else []
@@ -107,13 +112,15 @@ def test_modes_over_cuda_ipc_match_colocated(colocated, mode, layout):
 
 def test_pd_on_one_gpu_hands_the_kv_over_in_device_memory(colocated):
     from moeflow import LLM
+    from moeflow.comm.kv_arena import HANDLE_HEAP
 
     params, refs = colocated
     with LLM("tiny", mode="pd", prefill=dict(mode="asap", attn_dp=1, moe_workers=1), decode=dict(mode="dep", dp=2),
-             device=DEVICE, dtype="float32", num_kv_blocks=64, transport="cuda-ipc") as llm:
+             device=DEVICE, dtype="float32", num_kv_blocks=64, transport=TRANSPORT) as llm:
         outs = llm.generate(PROMPTS, params)
-        heap, stats = llm.engine.kv.arena.heap, llm.engine.kv.stats
-    assert heap.device.type == "cuda" and stats.transfers == len(PROMPTS) and stats.recomputes == 0
+        arena, stats = llm.engine.kv.arena, llm.engine.kv.stats
+        assert arena.heap.device.type == DEVICE and arena.kind == HANDLE_HEAP  # shared by handle, not in the segment
+    assert stats.transfers == len(PROMPTS) and stats.recomputes == 0
     for o, r in zip(outs, refs, strict=True):
         assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids
         for x, y in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
