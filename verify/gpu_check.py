@@ -2,6 +2,7 @@
 
     python3 verify/gpu_check.py env FILE.json           # versions and the device, printed and written
     python3 verify/gpu_check.py dry-run -- BENCH_ARGV   # what a run needs is in place (no GPU needed)
+    python3 verify/gpu_check.py bare -- MOEFLOW_ARGV    # a moeflow command with the server's packages refused
     python3 verify/gpu_check.py summary OUT             # OUT/summary.{json,md} from the steps' files
 
 Standard library at the top: torch and moeflow are imported inside the commands (``env`` reports
@@ -13,6 +14,7 @@ import contextlib
 import glob
 import importlib
 import importlib.abc
+import importlib.metadata
 import io
 import json
 import os
@@ -23,20 +25,23 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_TESTS = os.path.join(ROOT, "tests", "gpu")
-# what moeflow serve needs and the GPU machine lacks: neither the GPU tests nor bench decode may
-SERVER_ONLY = ("fastapi", "uvicorn", "prometheus_client", "starlette")
+# what moeflow serve needs and the GPU machine lacks: neither the GPU tests nor the bench commands may
+SERVER_ONLY = ("fastapi", "uvicorn", "prometheus_client", "starlette", "httpx")
 # what the GPU tests import inside their functions, beyond what collecting them imports
 LAZY_IMPORTS = (("transformers", "AutoModelForCausalLM"), ("moeflow.engine.llm", "resolve_model"),
                 ("moeflow.model.tiny", "write_tiny"))
-PACKAGES = ("torch", "transformers", "triton", "safetensors", "numpy", "yaml", "pytest", "fastapi", "uvicorn")
+# module name -> its distribution's (versions are read from the installed metadata: importing the
+# server's packages to ask would defeat the refusal that follows)
+PACKAGES = {"torch": "torch", "transformers": "transformers", "triton": "triton", "safetensors": "safetensors",
+            "numpy": "numpy", "yaml": "PyYAML", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
+            "fastapi": "fastapi", "uvicorn": "uvicorn"}
 
 
 def _version(name: str) -> str | None:
     try:
-        mod = importlib.import_module(name)
-    except Exception:  # noqa: BLE001  (absent or broken: reported as absent)
+        return importlib.metadata.version(PACKAGES.get(name, name))
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return str(getattr(mod, "__version__", "present"))
 
 
 def _commit() -> str | None:
@@ -84,6 +89,15 @@ class _Refuse(importlib.abc.MetaPathFinder):
         if fullname.split(".")[0] in self.names:
             raise ModuleNotFoundError(f"No module named {fullname!r} (refused: the GPU machine lacks it)")
         return None
+
+
+def cmd_bare(argv: list[str]) -> int:
+    """``moeflow ARGV`` in this process with the server's packages refused, as on the GPU machine."""
+    sys.meta_path.insert(0, _Refuse(SERVER_ONLY))
+    sys.path.insert(0, ROOT)
+    from moeflow.cli import main as moeflow_main
+
+    return moeflow_main(argv)
 
 
 def cmd_dry_run(bench_argv: list[str]) -> int:
@@ -144,15 +158,15 @@ def _parses(argv: list[str]) -> tuple[bool, str]:
     return device == "cuda", f"`moeflow {' '.join(argv)}` parses (device={device!r})"
 
 
-def _test_counts(out: str) -> dict | None:
-    """Counts from mini_pytest's JSON or pytest's JUnit XML, whichever the tests step wrote."""
+def _test_counts(out: str, junit: str = "pytest.xml") -> dict | None:
+    """Counts from mini_pytest's JSON or pytest's JUnit XML (``junit``), whichever the tests step wrote."""
     path = os.path.join(out, "tests.json")
     if os.path.exists(path):
         with open(path) as f:
             d = json.load(f)
         failed = [t["id"] for t in d["tests"] if t["outcome"] == "failed"]
         return {"runner": "mini_pytest", **{k: d[k] for k in ("passed", "failed", "skipped", "errors")}, "failed_ids": failed}
-    path = os.path.join(out, "pytest.xml")
+    path = os.path.join(out, junit)
     if not os.path.exists(path):
         return None
     root = ET.parse(path).getroot()
@@ -237,6 +251,9 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "dry-run":
         rest = argv[1:]
         return cmd_dry_run(rest[1:] if rest[:1] == ["--"] else rest)
+    if argv and argv[0] == "bare":
+        rest = argv[1:]
+        return cmd_bare(rest[1:] if rest[:1] == ["--"] else rest)
     if len(argv) >= 2 and argv[0] == "summary":
         return cmd_summary(argv[1])
     print(__doc__, file=sys.stderr)

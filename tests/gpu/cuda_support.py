@@ -99,11 +99,15 @@ def assert_greedy_matches(model, prompt: list[int], ours: list[int], ref: list[i
 
 
 def record(name: str, data: dict) -> None:
-    """Print one result line and, under the GPU check, write it as ``$MOEFLOW_GPU_CHECK_OUT/<name>.json``."""
+    """Print one result line and, under the GPU check, write it: ``$MOEFLOW_GPU_CHECK_OUT/<name>.json``,
+    or one line of ``$MOEFLOW_GPU_CHECK_OUT`` when that is a ``.jsonl`` file (gpu_run.sh: few files come back)."""
     line = json.dumps(data, sort_keys=True)
     print(f"RESULT {name} {line}")
     out = os.environ.get(RESULTS_ENV)
-    if out:
+    if out and out.endswith(".jsonl"):
+        with open(out, "a") as f:
+            f.write(json.dumps({"name": name, **data}, sort_keys=True) + "\n")
+    elif out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             f.write(line + "\n")

@@ -66,3 +66,41 @@ def test_the_summary_reads_pytests_junit_xml(tmp_path):
     s = json.load(open(f"{out}/summary.json"))
     assert s["tests"] == {"runner": "pytest", "passed": 1, "failed": 1, "skipped": 1, "errors": 0, "failed_ids": ["t::c"]}
     assert s["ok"] is True and s["bench_decode"] is None and s["decode_compare"] == []
+
+
+def test_a_bench_command_runs_where_the_servers_packages_cannot_be_imported(tmp_path):
+    """The GPU machine has no fastapi, uvicorn, prometheus_client or httpx: `moeflow bench decode` must
+    run without them (``gpu_check.py bare`` refuses them in its process, as the dry run does)."""
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, "verify/gpu_check.py", "bare", "--", "bench", "decode", "--model", "tiny",
+                        "--context", "64", "--batch", "2", "--steps", "4", "--repeats", "1", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json.load(open(out))["results"]
+    refused = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'verify'); import gpu_check; "
+                              "sys.meta_path.insert(0, gpu_check._Refuse(gpu_check.SERVER_ONLY)); import fastapi"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "refused: the GPU machine lacks it" in refused.stderr
+
+
+def test_gpu_run_refuses_what_it_does_not_know_and_sums_up_a_call(tmp_path):
+    for args in ([], ["c"], ["a", "--fast"]):
+        r = subprocess.run(["bash", "verify/gpu_run.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and "usage:" in r.stderr, args
+    import gpu_probe
+
+    out = str(tmp_path)
+    _write(f"{out}/a-steps.tsv", "facts\t0\t2\t20\nipc\t0\t9\t45\ntests\t124\t170\t170\n")
+    _write(f"{out}/a-facts.json", {"device": "NVIDIA H200", "nvidia_smi": "NVIDIA H200, 570.1", "commit": "abc",
+                                   "packages": {"torch": "2.11.0"}})
+    _write(f"{out}/a-ipc.json", {"device": "cuda", "peer_writes": {"ok": True, "bytes_equal": True},
+                                 "peer_reads": {"ok": True, "bytes_equal": True},
+                                 "same_process_raw_open": {"refused": True, "error": "RuntimeError: invalid context"},
+                                 "same_process_moeflow_open": {"own_tensor": True}})
+    _write(f"{out}/a-tests.xml", '<testsuites><testsuite><testcase classname="t" name="a"/>'
+                                 '<testcase classname="t" name="c"><failure/></testcase></testsuite></testsuites>')
+    assert gpu_probe.main(["summary", out, "a"]) == 0
+    md = open(f"{out}/a-summary.md").read()
+    assert "| tests | 124 (timed out) | 170 (170) |" in md and "NVIDIA H200" in md and "commit abc" in md
+    assert "refused (RuntimeError: invalid context)" in md and "its own tensor" in md
+    assert "1 passed, 1 failed" in md and "failed: t::c" in md and md.rstrip().endswith("overall: FAILED")
