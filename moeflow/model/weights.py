@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -67,12 +68,31 @@ def load_config(path: str) -> tuple[ModelConfig, Family]:
     return family.to_model_config(hf), family
 
 
+class WeightReader(Protocol):
+    """Key -> tensor in the reader's dtype on its device: a checkpoint (``CheckpointReader``) or random
+    values of the shape asked (``random_weights.RandomReader``)."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    def has(self, key: str) -> bool: ...
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+    def maybe(self, key: str, shape: tuple[int, ...], wanted: bool) -> torch.Tensor | None: ...
+
+
 def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec(), device: torch.device | str = "cpu",
                  router_skew: float = 0.0) -> tuple[ModelConfig, ModelWeights]:
     """``spec``'s part of the checkpoint at ``path`` in ``dtype``, loaded straight onto ``device``;
     ``router_skew``: the benchmarks' Zipf tilt of every router's selection (``router.skewed``)."""
     cfg, fam = load_config(path)
-    r = CheckpointReader(path, dtype, device)
+    return cfg, assemble_weights(CheckpointReader(path, dtype, device), cfg, fam, spec, router_skew)
+
+
+def assemble_weights(r: WeightReader, cfg: ModelConfig, fam: Family, spec: LoadSpec = LoadSpec(),
+                     router_skew: float = 0.0) -> ModelWeights:
+    """``spec``'s part of the model, each tensor read from ``r`` by the family's key names."""
     layers = tuple(range(cfg.num_layers)) if spec.layers is None else spec.layers
     for lid in layers:
         if not 0 <= lid < cfg.num_layers:
@@ -94,10 +114,10 @@ def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec(), dev
     w.routers = {lid: skewed(g, lid, router_skew) for lid, g in w.routers.items()}
     if spec.routed_experts and cfg.num_moe_layers:
         w.experts = _load_experts(r, fam, cfg, [l for l in layers if cfg.sparse_layers[l]], spec.experts)
-    return cfg, w
+    return w
 
 
-def _load_attention_side(r: CheckpointReader, fam: Family, cfg: ModelConfig, kind: AttentionKind, lid: int,
+def _load_attention_side(r: WeightReader, fam: Family, cfg: ModelConfig, kind: AttentionKind, lid: int,
                          w: ModelWeights) -> None:
     h = cfg.hidden_size
     w.attention[lid] = kind.load(r, fam.attention_prefix(lid), input_norm=r.get(fam.input_norm_key(lid), (h,)),
@@ -119,14 +139,14 @@ def _load_attention_side(r: CheckpointReader, fam: Family, cfg: ModelConfig, kin
             down=r.get(fam.dense_key(lid, "down_proj"), (h, f)))
 
 
-def _load_router(r: CheckpointReader, fam: Family, cfg: ModelConfig, lid: int) -> RouterWeights:
+def _load_router(r: WeightReader, fam: Family, cfg: ModelConfig, lid: int) -> RouterWeights:
     fp32 = router_for(cfg).fp32_weights
     bias_key = fam.router_bias_key(lid)
     return RouterWeights(r.get(fam.router_key(lid), (cfg.num_experts, cfg.hidden_size), torch.float32 if fp32 else None),
                          r.get(bias_key, (cfg.num_experts,), torch.float32) if bias_key else None)
 
 
-def _load_experts(r: CheckpointReader, fam: Family, cfg: ModelConfig, moe_layers: list[int],
+def _load_experts(r: WeightReader, fam: Family, cfg: ModelConfig, moe_layers: list[int],
                   experts: tuple | None) -> ExpertWeights:
     expert_ids = tuple(range(cfg.num_experts)) if experts is None else tuple(experts)
     per_layer = bool(expert_ids) and isinstance(expert_ids[0], tuple)
