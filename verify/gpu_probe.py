@@ -182,9 +182,11 @@ def cmd_summary(out: str, part: str) -> int:
                       f"{'refused (' + raw.get('error', '') + ')' if raw.get('refused') else 'allowed'}; through "
                       f"moeflow: {'its own tensor' if ipc.get('same_process_moeflow_open', {}).get('own_tensor') else 'NOT its own'}"]
     for name in ("a-ceilings.json", "b-roofline.json"):
-        r = _load(os.path.join(out, name))
-        if r and r.get("ceilings"):
-            lines += ["", f"ceilings ({name}): " + ", ".join(f"{k} {v}" for k, v in r["ceilings"].items())]
+        c = (_load(os.path.join(out, name)) or {}).get("ceilings")
+        if c:
+            gemm, copy = c.get("gemm") or {}, c.get("copy") or {}
+            lines += ["", f"ceilings ({name}): GEMM {_rate(gemm.get('flop_per_s'), 'FLOP/s')}, copy "
+                          f"{_rate(copy.get('bytes_per_s'), 'B/s')}"]
     tests = gpu_check._test_counts(out, f"{part}-tests.xml") if part == "a" else None
     if tests:
         lines += ["", f"tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped, "
@@ -199,6 +201,15 @@ def cmd_summary(out: str, part: str) -> int:
         f.write(md)
     print(md)
     return 0
+
+
+def _rate(x, unit: str) -> str:
+    if not x:
+        return "-"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if x >= scale:
+            return f"{x / scale:.1f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
 
 
 def _ok(r: dict | None) -> str:

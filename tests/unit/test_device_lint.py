@@ -19,6 +19,8 @@ ALLOWED = {
     ("comm/weights.py", "_view", "frombuffer"): "dwdp's weight store is host shared memory",
     ("comm/kv_arena.py", "__init__", "frombuffer"): "the KV handoff's flag table is host shared memory",
     ("comm/kv_arena.py", "heap", "frombuffer"): "a host KV staging heap is the arena's shared memory",
+    ("comm/ipc_memory.py", "allocate", "frombuffer"): "the CPU rehearsal's memory by handle is a /dev/shm file",
+    ("comm/ipc_memory.py", "open", "frombuffer"): "the CPU rehearsal's memory by handle is a /dev/shm file",
 }
 
 
