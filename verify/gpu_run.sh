@@ -55,16 +55,16 @@ step() {
 }
 
 if [ "$PART" = a ]; then
-  # limits: 20 + 45 + 45 + 170 = 280 s, inside the 5 minutes with the summary
-  step facts 20 "$PYTHON" verify/gpu_probe.py facts "$OUT/a-facts.json"
-  step ipc 45 "$PYTHON" verify/gpu_probe.py ipc "$OUT/a-ipc.json"
-  step ceilings 45 "$PYTHON" -m moeflow bench roofline --ceilings-only --device "$DEVICE" --json "$OUT/a-ceilings.json"
+  # limits: 15 + 30 + 30 + 220 = 295 s, inside the 5 minutes with the summary
+  step facts 15 "$PYTHON" verify/gpu_probe.py facts "$OUT/a-facts.json"
+  step ipc 30 "$PYTHON" verify/gpu_probe.py ipc "$OUT/a-ipc.json"
+  step ceilings 30 "$PYTHON" -m moeflow bench roofline --ceilings-only --device "$DEVICE" --json "$OUT/a-ceilings.json"
   PER_TEST=()
   "$PYTHON" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=60)
   export MOEFLOW_GPU_CHECK_OUT="$OUT/a-results.jsonl"  # tests/gpu record(): one line per result
   MARK="gpu"
   [ "$REHEARSE" = 1 ] && MARK="gpu and not slow"
-  step tests 170 "$PYTHON" -m pytest -m "$MARK" tests/gpu -q -rfEs -p no:cacheprovider "${PER_TEST[@]}" \
+  step tests 220 "$PYTHON" -m pytest -m "$MARK" tests/gpu -q -rfEs -p no:cacheprovider "${PER_TEST[@]}" \
     --junitxml="$OUT/a-tests.xml"
 else
   # limits: 270 + 150 = 420 s, inside the 7 minutes with the summary
