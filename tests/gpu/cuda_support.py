@@ -24,6 +24,8 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA and not REHEARSAL, reaso
                                            "none; MOEFLOW_GPU_REHEARSAL=1 runs them on the CPU)")]
 DEVICE = "cpu" if REHEARSAL else "cuda"
 TRANSPORT = "deferred" if REHEARSAL else "cuda-ipc"  # between processes: device memory by handle, or its rehearsal
+if REHEARSAL:  # the rehearsal is a pytest run of its own: decode attention on a GPU's path, for every worker too
+    os.environ["MOEFLOW_PAGED_ATTENTION"] = "gather"
 RESULTS_ENV = "MOEFLOW_GPU_CHECK_OUT"  # verify/gpu_check.sh points it at $OUT/results
 
 
