@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -72,7 +73,9 @@ def test_the_printed_command_starts_the_deployment_it_names(name):
     assert kw["num_kv_blocks"] == c.system["engine"]["num_kv_blocks"]
 
 
-BASE = {"model": "tiny", "hardware": "cpu-here", "cost": "profiled", "profile": "docs/results/sim/profile_cpu_here.json",
+# a copy of docs/results/sim/profile_cpu_here.json: a result file may be replaced by a new measurement
+PROFILE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "profile_cpu_here.json")
+BASE = {"model": "tiny", "hardware": "cpu-here", "cost": "profiled", "profile": PROFILE,
         "slo_ttft_s": 2.0, "workload": {"kind": "fixed", "fixed_len": 256, "output_len": 8, "num_requests": 40, "seed": 0}}
 
 
