@@ -5,8 +5,8 @@ one ``simulate`` runs). Candidates run in parallel processes; the ranking is goo
 """
 from __future__ import annotations
 
+import contextlib
 import math
-import multiprocessing as mp
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +15,8 @@ from moeflow.experiment.serve import parse_experiment
 from moeflow.measure.slo import SloMetric, SloSearch, StopRule, find_slo_rps
 from moeflow.plan import estimate
 from moeflow.plan.candidates import Candidate, side_devices
+from moeflow.plan.progress import Progress
+from moeflow.plan.workers import SimulationFailed, Workers
 from moeflow.sim.run import build_cost, run_point
 
 
@@ -95,25 +97,23 @@ def _evaluate(job):
         return kind, key, {"name": key, "feasible": False, "reason": f"not simulated: {e}", "rps": None}
 
 
-def _run(work: list, jobs: int, progress, what: str) -> list:
-    out = []
-    if not work:
-        return out
-    pool = mp.get_context("spawn").Pool(min(jobs, len(work))) if jobs > 1 else None
-    results = pool.imap_unordered(_one, work) if pool is not None else map(_one, work)
+def _job_name(job) -> str:
+    kind, key, _ = job
+    return f"candidate {key}" if kind == "whole" else f"the {kind} side {key}"
+
+
+def _simulated(work: list, workers: Workers | None):
+    """Each job's result as it ends (simulated in ``workers``, or here when None)."""
+    if workers is None:
+        return map(_in_process, work)
+    return workers.imap_unordered(work, _job_name)
+
+
+def _in_process(job):
     try:
-        for k, r in enumerate(results, 1):
-            out.append(r)
-            if progress is not None:
-                bar = "#" * (30 * k // len(work))
-                print(f"\rplan: [{bar:<30}] {k}/{len(work)} {what}", end="", file=progress, flush=True)
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-        if progress is not None:
-            print(file=progress)
-    return out
+        return _one(job)
+    except Exception as e:
+        raise SimulationFailed(f"simulating {_job_name(job)} failed: {type(e).__name__}: {e}") from e
 
 
 def search(cands: list[Candidate], base: dict, slo: Slo, start_rps: float | None, jobs: int,
@@ -141,13 +141,29 @@ def search(cands: list[Candidate], base: dict, slo: Slo, start_rps: float | None
             else:
                 args = (lay, side_devices(lay), base, slo, mem, hbm_bytes)
             jobs_by_key.setdefault(key, args)
-    done = {(k, key): r for k, key, r in _run([(s_, k_, a) for (s_, k_), a in jobs_by_key.items()], jobs, progress,
-                                              "sides simulated")}
-    cores = shared_cores(base) if ok else None
-    est = []
-    for c in ok:
-        got = {side: done[(side, estimate.side_key(lay))] for side, lay in estimate.sides_of(c)}
-        est.append((c, estimate.compose(c, got["prefill"], got.get("decode"), n, cores)))
+    side_work = [(s_, k_, a) for (s_, k_), a in jobs_by_key.items()]
+    shown = Progress(progress, jobs)
+    with contextlib.ExitStack() as stack:
+        workers = stack.enter_context(Workers(_one, jobs)) if jobs > 1 and side_work else None
+        done, walls = {}, []
+        for kind, key, r in _simulated(side_work, workers):
+            done[(kind, key)] = r
+            walls.append(r["wall_s"])
+            shown.sides(len(done), len(side_work), walls)
+        shown.end()
+        cores = shared_cores(base) if ok else None
+        est = []
+        for c in ok:
+            got = {side: done[(side, estimate.side_key(lay))] for side, lay in estimate.sides_of(c)}
+            est.append((c, estimate.compose(c, got["prefill"], got.get("decode"), n, cores)))
+        _confirm(est, base, slo, start_rps, jobs, workers, shown, confirm, top, include)
+    out += [r for _, r in est]
+    return sorted(out, key=lambda r: (not r["feasible"], -r.get("goodput_per_device", 0.0), r["name"]))
+
+
+def _confirm(est: list[tuple[Candidate, dict]], base: dict, slo: Slo, start_rps: float | None, jobs: int,
+             workers: Workers | None, shown: Progress, confirm: int, top: int, include: tuple[str, ...]) -> None:
+    """``search``'s whole simulations, ``jobs`` a round, each result written over its estimate in ``est``."""
     confirmed = 0
     while True:
         best = sorted((cr for cr in est if cr[1]["feasible"]), key=lambda cr: -cr[1]["goodput_per_device"])
@@ -157,17 +173,22 @@ def search(cands: list[Candidate], base: dict, slo: Slo, start_rps: float | None
         todo = todo[:max(jobs, 1)]
         if not todo:
             break
+        # rounds go on while fewer than ``confirm`` were simulated, then only for ``include``
+        estimated = [r for _, r in best if r["estimated"]]
+        rounds = -(-max(0, confirm - confirmed) // max(jobs, 1))
+        at_most = min(len(estimated), rounds * max(jobs, 1) + sum(r["name"] in include for r in estimated))
         whole = [("whole", r["name"], (_whole(c, r), base, slo, start_rps)) for c, r in todo]
-        for _, name, w in _run(whole, jobs, progress, "candidates simulated whole"):
+        shown.whole(len(whole), at_most)
+        for k, (_, name, w) in enumerate(_simulated(whole, workers), 1):
+            shown.whole(len(whole) - k, at_most - k, w["wall_s"])
             r = next(r for _, r in est if r["name"] == name)
             r.update(estimated=False, estimated_goodput_per_device=r["goodput_per_device"],
-                     **{k: w.get(k) for k in ("slo_rps", "slo_rps_at_least", "upper_rps", "goodput_per_device", "used",
+                     **{f: w.get(f) for f in ("slo_rps", "slo_rps_at_least", "upper_rps", "goodput_per_device", "used",
                                               "bottleneck", "busy", "at_slo", "probes", "wall_s", "start_rps")})
             if not w["feasible"]:
                 r.update(feasible=False, reason=w.get("reason"))
         confirmed += len(todo)
-    out += [r for _, r in est]
-    return sorted(out, key=lambda r: (not r["feasible"], -r.get("goodput_per_device", 0.0), r["name"]))
+    shown.end()
 
 
 def shared_cores(base: dict) -> int | None:
