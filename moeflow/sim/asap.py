@@ -4,7 +4,9 @@ groups; each batch walks its layers on its own, joined to the MoE workers by one
 Entities: ``attn_dp`` attention groups (a compute resource with a ready queue: two interleaved
 batches take turns) and ``moe_workers`` expert devices, each with a receive port, a compute
 stream and a send port. Ports and compute streams are FIFO, so a dispatch can be priced through
-every worker the moment it is sent: two events per batch and layer (attention done, combine back).
+every worker the moment it is sent (``sim/moe_workers.py``): two events per batch and layer
+(attention done, combine back). Nearly every one of them is the next event anyway when it is
+scheduled, so it runs in place (``EventLoop.take``): a lone batch walks its layers without the heap.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeflow.core import Batch, Request, Work
+from moeflow.sim.moe_workers import MoeWorkers
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.system import System
 
@@ -26,12 +29,12 @@ class _Flight:
     batch: Batch
     attn_s: float  # one MoE layer's attention block on the group
     attn_dense_s: float
-    # [MoE layer (one row for all layers when expert loads are balanced and undisturbed), MoE worker]:
+    # [MoE layer (one row for all layers when expert loads are balanced and undisturbed)][MoE worker]:
     pairs: np.ndarray  # (token, expert) pairs sent to the worker (its dispatch and combine size)
-    experts_s: np.ndarray  # the layer's experts on the worker
+    experts_s: list[list[float]]  # the layer's experts on the worker
     # derived once per batch, not per layer: the ports' seconds and each row's totals
-    in_add: np.ndarray  # pairs x seconds per pair on the receive link
-    out_add: np.ndarray
+    in_add: list[list[float]]  # pairs x seconds per pair on the receive link
+    out_add: list[list[float]]
     busy_s: list[float]  # per experts_s row: the workers' compute summed
     gather_s: list[float]  # per pairs row: the combines taken in through the group's links
     attn_f: list[float] | None = None  # per layer, the group's jitter factor (its slowest device's); None: 1
@@ -48,7 +51,9 @@ class _Group:
 
 
 class AsapSystem(System):
-    vectorised = True  # price all MoE workers of a layer with array operations (False: the loop, its oracle)
+    # False: every layer's events through the event heap and the workers priced one by one: the oracle
+    # of the fast path (events run in place, ``EventLoop.take``; the workers' recurrences on floats)
+    fast = True
 
     def __init__(self, spec, cost, trace_until_s=0.0):
         super().__init__(spec, cost, trace_until_s)
@@ -58,15 +63,12 @@ class AsapSystem(System):
         self.groups = [_Group() for _ in range(cfg.attn_dp)]
         e = cfg.moe_workers
         self.local_experts = max(1, self.model.num_experts // e)
-        self.moe_in_free = np.zeros(e)  # receive port
-        self.moe_free = np.zeros(e)  # compute stream
-        self.moe_out_free = np.zeros(e)  # send port
         self.loads = self.expert_loads(e)
         self.bw = self.cost.link_bw_Bps
         # seconds one (token, expert) pair takes on a link, sent to the experts and back
         self.in_s, self.out_s = (self.cost.dispatch_bytes(1) / self.model.top_k / self.bw,
                                  self.cost.combine_bytes(1) / self.model.top_k / self.bw)
-        self.latency = self.cost.transfer_s(0)
+        self.workers = MoeWorkers(e, self.overlap, self.cost.transfer_s(0))
         self._wakeup_at: float | None = None
         self.num_entities = {"attention": cfg.attn_dp, "moe": e}
         self.busy_s = {"attention": 0.0, "moe": 0.0}
@@ -106,18 +108,22 @@ class AsapSystem(System):
             if j.on:  # every worker's time of every layer drawn apart; the layer waits for the last combine
                 times = np.broadcast_to(times, (m.num_moe_layers, e)) * j.factors(m.num_moe_layers, e)
             f = _Flight(work.group, b, c.attention_s(shape, cfg.attn_tp, False), c.attention_s(shape, cfg.attn_tp, True),
-                        pairs, times, pairs * self.in_s, pairs * self.out_s, times.sum(axis=1).tolist(),
-                        (pairs.sum(axis=1) * self.out_s / cfg.attn_tp).tolist(),
+                        pairs, times.tolist(), (pairs * self.in_s).tolist(), (pairs * self.out_s).tolist(),
+                        times.sum(axis=1).tolist(), (pairs.sum(axis=1) * self.out_s / cfg.attn_tp).tolist(),
                         j.factors(m.num_layers, cfg.attn_tp).max(axis=1).tolist() if j.on else None)
             self.started([s.request_id for s in b.seqs], m.num_dense_layers * f.attn_dense_s
                           + m.num_moe_layers * f.attn_s, now)
             g.ready.append(f)
-        self._run_group(work.group)
+        nxt = self._start_attention(work.group)
+        if nxt is not None:
+            self.loop.at(nxt[0], self._attention_done, nxt[1])
 
-    def _run_group(self, gid: int) -> None:
+    def _start_attention(self, gid: int) -> tuple[float, _Flight] | None:
+        """The group's next ready flight starts its attention now: (when it ends, the flight); None
+        while the group computes or has nothing ready."""
         g = self.groups[gid]
         if g.busy or not g.ready:
-            return
+            return None
         f = g.ready.popleft()
         g.busy = True
         now = self.loop.now
@@ -127,17 +133,86 @@ class AsapSystem(System):
         end = self.finish_at(now, dur, self.layout.attn_tp)
         if now < self.trace_until_s:
             self.span(f"attn{gid}/main", f"attention L{f.layer}", end - dur, end)
-        self.loop.at(end, self._attention_done, f)
+        return end, f
 
     def _attention_done(self, f: _Flight) -> None:
-        now = self.loop.now
+        self._flight(self._after_attention(f))
+
+    def _combined(self, f: _Flight) -> None:
+        self._flight(self._after_combine(f))
+
+    def _flight(self, ev: tuple[float, _Flight, bool] | None) -> None:
+        """``ev`` (when, the flight, whether its attention ends then or else its combine is back)
+        and the events that follow it, run in place while each is the next event anyway; the first
+        that is not goes on the heap."""
+        loop, dense = self.loop, self.model.num_dense_layers
+        while ev is not None:
+            t, f, attention = ev
+            if not (self.fast and loop.take(t)):
+                loop.at(t, self._attention_done if attention else self._combined, f)
+                return
+            if not attention:
+                ev = self._after_combine(f)
+            elif f.layer >= dense and self.cores is None:
+                ev = self._moe_layers_in_place(f)
+            else:
+                ev = self._after_attention(f)
+
+    def _moe_layers_in_place(self, f: _Flight) -> tuple[float, _Flight, bool] | None:
+        """``_after_attention`` then ``_after_combine``, layer after layer, written out for the case
+        that takes nearly all of a run's events: a flight whose group has no other flight ready, on
+        cores of its own, outside the trace window. ``f``'s attention at a MoE layer has just ended
+        (taken in place); returns the event left to schedule, as they do."""
+        loop, g, busy, workers = self.loop, self.groups[f.group], self.busy_s, self.workers
+        first, last = self.model.num_dense_layers, self.model.num_layers - 1
+        by_layer_t, by_layer_p = len(f.busy_s) > 1, len(f.gather_s) > 1
+        while True:
+            sent = loop.now
+            if g.ready or sent < self.trace_until_s:
+                return self._after_attention(f)  # NOTE: only ever on the first pass (nothing else runs meanwhile)
+            g.busy = False
+            i = f.layer - first
+            t, p = i if by_layer_t else 0, i if by_layer_p else 0
+            busy["moe"] += f.busy_s[t]
+            price = workers.price_free if workers.free_by(sent) else workers.price
+            back = price(f.in_add[p], f.experts_s[t], f.out_add[p], sent)
+            port = g.in_port_free_s + f.gather_s[p]
+            arrive = back if back >= port else port
+            g.in_port_free_s = arrive
+            if not loop.take(arrive):  # the combine: the only event this attention leaves
+                loop.at(arrive, self._combined, f)
+                return None
+            if f.layer == last:
+                return self._after_combine(f)
+            f.layer += 1  # _next_layer and _start_attention: the group's stream takes f's next layer at once
+            g.busy = True
+            now = loop.now
+            dur = f.attn_s * (f.attn_f[f.layer] if f.attn_f else 1.0)
+            busy["attention"] += dur
+            if not loop.take(now + dur):
+                loop.at(now + dur, self._attention_done, f)
+                return None
+
+    def _after_attention(self, f: _Flight) -> tuple[float, _Flight, bool] | None:
+        """``f``'s attention has ended: the group's stream is free, a MoE layer's dispatch goes out.
+        Returns the event this leaves to schedule last (None: nothing)."""
         g = self.groups[f.group]
         g.busy = False
         if f.layer < self.model.num_dense_layers:
             self._next_layer(f)
-        else:
-            self.loop.at(self._through_experts(f, now), self._combined, f)
-        self._run_group(f.group)
+            nxt = self._start_attention(f.group)
+            return None if nxt is None else (*nxt, True)
+        back = self._through_experts(f, self.loop.now)
+        nxt = self._start_attention(f.group)
+        if nxt is None:
+            return back, f, False
+        self.loop.at(back, self._combined, f)  # NOTE: before the group's next attention, as the heap orders ties
+        return (*nxt, True)
+
+    def _after_combine(self, f: _Flight) -> tuple[float, _Flight, bool] | None:
+        self._next_layer(f)
+        nxt = self._start_attention(f.group)
+        return None if nxt is None else (*nxt, True)
 
     def _through_experts(self, f: _Flight, sent_s: float) -> float:
         """Price the dispatch, expert compute and combine of one layer on every MoE worker (FIFO
@@ -145,67 +220,22 @@ class AsapSystem(System):
         i = f.layer - self.model.num_dense_layers
         t, p = i if len(f.busy_s) > 1 else 0, i if len(f.gather_s) > 1 else 0
         self.busy_s["moe"] += f.busy_s[t]
-        if self.vectorised and self.cores is None and not sent_s < self.trace_until_s:
-            back = self._workers_at_once(f.in_add[p], f.experts_s[t], f.out_add[p], sent_s)
+        if self.fast and self.cores is None and not sent_s < self.trace_until_s:
+            back = self.workers.price(f.in_add[p], f.experts_s[t], f.out_add[p], sent_s)
         else:
-            back = self._worker_by_worker(f, f.pairs[p].tolist(), f.experts_s[t].tolist(), sent_s)
+            cores, now = self.cores, self.loop.now
+
+            def span(w: int, start: float, end: float) -> None:
+                if start < self.trace_until_s:
+                    self.span(f"moe{w}/main", f"experts L{f.layer} g{f.group}", start, end)
+            back = self.workers.price_one_by_one(
+                f.pairs[p].tolist(), f.experts_s[t], sent_s, self.in_s, self.out_s,
+                None if cores is None else (lambda ready, d: cores.reserve(ready, d, now)), span)
         g = self.groups[f.group]
         # the group's T devices take the combines in through its links, one message after another
         arrive = max(back, g.in_port_free_s + f.gather_s[p])
         g.in_port_free_s = arrive
         return arrive
-
-    def _workers_at_once(self, in_add: np.ndarray, times: np.ndarray, out_add: np.ndarray, sent_s: float) -> float:
-        """The fast path: the workers' FIFO recurrences are independent, so one array operation
-        prices them all (``_worker_by_worker`` is its oracle, and the only path with shared cores
-        or a trace)."""
-        lat = self.latency
-        in_free, free, out_free = self.moe_in_free, self.moe_free, self.moe_out_free
-        if self.overlap:
-            np.maximum(in_free, sent_s, out=in_free)
-            in_free += in_add
-            np.maximum(in_free + lat, free, out=free)
-            free += times
-            np.maximum(free, out_free, out=out_free)
-            out_free += out_add
-            return float(out_free.max()) + lat
-        np.maximum(free, sent_s + lat, out=free)  # one stream: receive, compute, send
-        free += in_add
-        free += times
-        free += out_add
-        return float(free.max()) + lat
-
-    def _worker_by_worker(self, f: _Flight, pairs: list[float], times: list[float], sent_s: float) -> float:
-        lat, in_s, out_s = self.latency, self.in_s, self.out_s
-        in_free, free, out_free = self.moe_in_free, self.moe_free, self.moe_out_free
-        cores, now = self.cores, self.loop.now
-        back = 0.0
-        for w in range(self.layout.moe_workers):
-            if self.overlap:
-                recv_end = max(sent_s, in_free[w]) + pairs[w] * in_s
-                in_free[w] = recv_end
-                start = max(recv_end + lat, free[w])
-                if cores is not None:
-                    start = cores.reserve(start, times[w], now)
-                end = start + times[w]
-                free[w] = end
-                send_end = max(end, out_free[w]) + pairs[w] * out_s
-                out_free[w] = send_end
-            else:  # one stream: receive, compute and send one after another, all on the worker's core
-                start = max(sent_s + lat, free[w])
-                if cores is not None:
-                    start = cores.reserve(start, pairs[w] * (in_s + out_s) + times[w], now)
-                end = start + pairs[w] * in_s + times[w]
-                send_end = end + pairs[w] * out_s
-                free[w] = send_end
-            if start < self.trace_until_s:
-                self.span(f"moe{w}/main", f"experts L{f.layer} g{f.group}", start, end)
-            back = max(back, send_end + lat)
-        return back
-
-    def _combined(self, f: _Flight) -> None:
-        self._next_layer(f)
-        self._run_group(f.group)
 
     def _next_layer(self, f: _Flight) -> None:
         f.layer += 1

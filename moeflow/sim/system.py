@@ -121,8 +121,7 @@ class System(abc.ABC):
             self.loop.at(w.arrival_s, self._arrive, r)
         self._pending = len(workload)
         n = len(workload)
-        self.loop.run((lambda: False) if stop is None else
-                      (lambda: self.loop.num_events % 4096 == 0 and stop.fails(*self._progress(), n, self.loop.now)))
+        self.loop.run(None if stop is None else (lambda: stop.fails(*self._progress(), n, self.loop.now)), every=4096)
         stopped = self._pending > 0
         end = self.loop.now
         busy_s, num_entities, preemptions, split_s = self.totals()

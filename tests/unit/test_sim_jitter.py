@@ -146,7 +146,7 @@ def test_asap_prices_its_moe_workers_at_once_as_the_loop_does(monkeypatch, overr
     cfg = load_experiment("configs/asap-cm384.yaml", overrides)
     cost = build_cost(cfg)
     fast, _ = run_point(cfg.systems["asap"], cost, cfg, 8.0, num_requests=60)
-    monkeypatch.setattr(AsapSystem, "vectorised", False)
+    monkeypatch.setattr(AsapSystem, "fast", False)
     slow, _ = run_point(cfg.systems["asap"], cost, cfg, 8.0, num_requests=60)
     assert fast["completed"] == slow["completed"] == 60
     assert fast == slow
