@@ -43,6 +43,8 @@ def unit_bytes(model) -> dict[str, int]:
 
 
 class DwdpSystem(System):
+    fast = True  # False: every batch's layers through the general loop (``_layers_on_cores``): the oracle
+
     def __init__(self, spec, cost, trace_until_s=0.0):
         if spec.sim.resident_experts == "memory":
             spec = dataclasses.replace(spec, layout=dataclasses.replace(
@@ -69,6 +71,7 @@ class DwdpSystem(System):
         self.cycle = [0] * n  # per rank: pulls issued so far (k)
         self.pulled_at: list[dict[int, float]] = [{} for _ in range(n)]  # per rank: pull k -> when it is in
         self.next_pass = [0] * n  # per rank: the pull index of its next pass's first MoE layer
+        self._sliced_s: dict[int, float] = {}  # per rank: a sliced pull's time
         # per rank: computing (slowed while pulling), its copy engine pulling, its experts waiting on a pull
         self.num_entities = {"rank": n, "copy_engine": n, "pull_wait": n}
         self.busy_s = {"rank": 0.0, "copy_engine": 0.0, "pull_wait": 0.0}
@@ -89,9 +92,18 @@ class DwdpSystem(System):
         per, c = self.by_source[rank], self.cost
         if not per:
             return 0.0
-        if self.layout.copy_plan == "sliced":  # slices interleave the sources: one stream, pipelined
-            return c.transfer_s(sum(per.values())) * self.sliced_factor
+        fixed = self._pull_s(rank)
+        if fixed is not None:
+            return fixed
         return sum(c.transfer_s(b) * (self.draws.draw() if self.draws else 1) for b in per.values())
+
+    def _pull_s(self, rank: int) -> float | None:
+        """A sliced pull's time on ``rank`` (the same every time); None: naive pulls draw theirs."""
+        if self.layout.copy_plan != "sliced":  # slices interleave the sources: one stream, pipelined
+            return None
+        if rank not in self._sliced_s:
+            self._sliced_s[rank] = self.cost.transfer_s(sum(self.by_source[rank].values())) * self.sliced_factor
+        return self._sliced_s[rank]
 
     def _issue(self, rank: int, upto: int) -> None:
         """Issue ``rank``'s pulls up to index ``upto``, in order, as its copy engine does: pull j starts
@@ -127,8 +139,25 @@ class DwdpSystem(System):
         shape = AttnShape.of_batch(batch, m.index_topk)
         attn, attn_dense = c.attention_s(shape, 1, False), c.attention_s(shape, 1, True)
         experts = c.experts_s(round(shape.num_tokens * m.top_k), m.num_experts) + self.merge_s  # every expert runs here
+        now = self.loop.now
+        walk = self._layers if self.fast and self.cores is None else self._layers_on_cores
+        t, waited, core_waited = walk(rank, now, attn, attn_dense, experts, c.head_s(shape, 1))
+        compute = t - now - waited - core_waited
+        self.busy_s["pull_wait"] += waited
+        self.busy_s["rank"] += compute
+        self.started([s.request_id for s in batch.seqs], compute, now)
+        if now < self.trace_until_s:
+            self.span(f"rank{rank}/main", "batch", now, t)
+        self.loop.at(t, self._done, rank, batch)
+
+    def _layers_on_cores(self, rank: int, now: float, attn: float, attn_dense: float, experts: float,
+                         head: float) -> tuple[float, float, float]:
+        """The batch's layers and head on ``rank`` from ``now``: when they end, the seconds its
+        experts waited for their pulls, and those it waited for a core (the oracle of ``_layers``,
+        and the only path with shared cores)."""
+        m = self.model
         pulls = bool(self.by_source[rank])
-        t = now = self.loop.now
+        t = now
         waited = core_waited = 0.0
 
         def on_core(t: float, d: float) -> float:  # later while every shared core is taken (sim/cores.py)
@@ -152,14 +181,44 @@ class DwdpSystem(System):
             t = on_core(max(t, ready), experts)
             self.released[rank][k % 2] = t
         self.next_pass[rank] = k0 + m.num_moe_layers
-        t = on_core(t, c.head_s(shape, 1))
-        compute = t - now - waited - core_waited
-        self.busy_s["pull_wait"] += waited
-        self.busy_s["rank"] += compute
-        self.started([s.request_id for s in batch.seqs], compute, now)
-        if now < self.trace_until_s:
-            self.span(f"rank{rank}/main", "batch", now, t)
-        self.loop.at(t, self._done, rank, batch)
+        return on_core(t, head), waited, core_waited
+
+    def _layers(self, rank: int, now: float, attn: float, attn_dense: float, experts: float,
+                head: float) -> tuple[float, float, float]:
+        """``_layers_on_cores`` on cores of their own, written out: the same pulls, kernels and
+        sums in the same order (a batch walks every layer here)."""
+        m, compute = self.model, self._compute
+        pulls = bool(self.by_source[rank])
+        pulled_at, released = self.pulled_at[rank], self.released[rank]
+        pull_s, busy, windows = self._pull_s(rank), self.busy_s, self.windows[rank]
+        t, waited = now, 0.0
+        k0 = self.next_pass[rank]
+        if pulls:
+            self._issue(rank, k0 + 1)
+        for _ in range(m.num_dense_layers):
+            t = compute(rank, t, attn_dense)
+        for k in range(k0, k0 + m.num_moe_layers):
+            if not pulls:
+                t = compute(rank, compute(rank, t, attn), experts)
+                released[k % 2] = t
+                continue
+            if pull_s is not None and self.cycle[rank] == k + 1:  # _issue(rank, k + 1) of a sliced pull, written out
+                start, slot = self.copy_free[rank], released[(k + 1) % 2]
+                start = start if start >= slot else slot
+                busy["copy_engine"] += pull_s
+                self.copy_free[rank] = pulled_at[k + 1] = start + pull_s
+                windows.append((start, start + pull_s))
+                self.cycle[rank] = k + 2
+            else:
+                self._issue(rank, k + 1)
+            t = compute(rank, t, attn)
+            ready = pulled_at.pop(k)
+            d = ready - t
+            waited += d if d > 0.0 else 0.0
+            t = compute(rank, t if t >= ready else ready, experts)
+            released[k % 2] = t
+        self.next_pass[rank] = k0 + m.num_moe_layers
+        return compute(rank, t, head), waited, 0.0
 
     def _done(self, rank: int, batch) -> None:
         finished = self.sched.update(rank, batch, {s.request_id: 0 for s in batch.seqs if s.is_last_chunk})

@@ -91,3 +91,10 @@ def test_asap_in_place_is_the_heap(name, rate):
     fast, slow = _both(_deepseek(name), rate, num_requests=None if rate < 10 else math.ceil(rate * 30))
     assert fast == slow
     assert fast["sim_events"] > 0 and (rate < 10 or fast.get("stopped_early"))
+
+
+@pytest.mark.parametrize("devices,rate,plan", [(8, 0.5, "sliced"), (8, 6.0, "sliced"), (4, 3.0, "naive")])
+def test_dwdp_written_out_layers_are_the_loop(devices, rate, plan):
+    """Lone batches, every rank busy, and naive pulls (drawn contention: the loop's own _issue)."""
+    fast, slow = _both({**_deepseek(f"dwdp{devices}", devices), "copy_plan": plan}, rate)
+    assert fast == slow and fast["completed"] > 0
