@@ -66,6 +66,11 @@ class CostModel(abc.ABC):
     def all_to_all_s(self, nbytes: float) -> float:
         """One synchronous all-to-all in which each device sends ``nbytes`` (the baselines' collective)."""
 
+    def all_to_all_s_many(self, nbytes: np.ndarray) -> np.ndarray:
+        """``all_to_all_s`` of every element of ``nbytes`` (a cost model may vectorize it)."""
+        flat = [self.all_to_all_s(float(x)) for x in np.ravel(nbytes)]
+        return np.reshape(np.array(flat, dtype=float), np.shape(nbytes))
+
     @abc.abstractmethod
     def device_copy_s(self, nbytes: float) -> float:
         """A copy of ``nbytes`` from one buffer to another in the same device's memory."""
@@ -201,6 +206,13 @@ class AnalyticCost(CostModel):
         if hw.a2a_bw_Bps:
             return hw.a2a_latency_s + nbytes / hw.a2a_bw_Bps
         return self.links.transfer_s(nbytes)
+
+    def all_to_all_s_many(self, nbytes):
+        # all_to_all_s over an array, the same formula (a unit test holds them equal)
+        hw = self.hw
+        if hw.a2a_bw_Bps:
+            return hw.a2a_latency_s + np.asarray(nbytes, dtype=float) / hw.a2a_bw_Bps
+        return hw.link_latency_s + np.asarray(nbytes, dtype=float) / self.links.bw_Bps
 
     @property
     def link_bw_Bps(self):

@@ -43,23 +43,33 @@ class DepSystem(StepSystem):
         self.busy_s = {"rank": 0.0}
         # summed over ranks: a step's time by what the rank did (attention includes embedding and head)
         self.split_s = {"attention": 0.0, "ffn": 0.0, "transport": 0.0, "wait": 0.0}
+        idle, c = AttnShape.of([], self.model.index_topk), self.cost  # an idle rank's dummy step
+        self._idle = idle, c.attention_s(idle, layout.tp, False), c.attention_s(idle, layout.tp, True), c.head_s(idle, layout.tp)
 
     def run_step(self, works, now: float) -> None:
         batches = [w.batches[0] for w in works]
         m, c, tp = self.model, self.cost, self.layout.tp
-        shapes = [AttnShape.of_batch(b, m.index_topk) for b in batches]
+        shapes, attn, attn_dense, head = [], [], [], []
+        for b in batches:
+            if b.seqs:
+                s = AttnShape.of_batch(b, m.index_topk)
+                s, a, d, h = s, c.attention_s(s, tp, False), c.attention_s(s, tp, True), c.head_s(s, tp)
+            else:  # most ranks of a lightly loaded deployment idle: their dummy step's costs, kept
+                s, a, d, h = self._idle
+            shapes.append(s)
+            attn.append(a)
+            attn_dense.append(d)
+            head.append(h)
         tokens = [s.num_tokens for s in shapes]
-        attn = [c.attention_s(s, tp, False) for s in shapes]
-        attn_dense = [c.attention_s(s, tp, True) for s in shapes]
-        head = [c.head_s(s, tp) for s in shapes]
         dispatch, experts, combine, experts_mean, per_device = self._moe_layers(tokens)
         j = self.jitter
         # per layer, the slowest rank's attention (each rank's TP group waits for its slowest member)
         attn_moe = j.slowest(m.num_moe_layers, np.array(attn), tp)
         attn_dense_l = j.slowest(m.num_dense_layers, np.array(attn_dense), tp)
+        sent, sent_back = sum(dispatch), sum(combine)
         if self.cores is None:
             step = (max(head) + float(attn_dense_l.sum()) + float(attn_moe.sum())
-                    + sum(dispatch) + sum(experts) + sum(combine))
+                    + sent + sum(experts) + sent_back)
         else:
             step = self._step_on_shared_cores(now, attn, attn_dense, head, dispatch, per_device, combine) - now
         for i, b in enumerate(batches):
@@ -69,8 +79,8 @@ class DepSystem(StepSystem):
             self.split_s["attention"] += mine
             # a rank's own expert device computes the mean load; waiting for the most loaded one is wait
             self.split_s["ffn"] += experts_mean
-            self.split_s["transport"] += sum(dispatch) + sum(combine)
-            self.split_s["wait"] += step - mine - experts_mean - sum(dispatch) - sum(combine)
+            self.split_s["transport"] += sent + sent_back
+            self.split_s["wait"] += step - mine - experts_mean - sent - sent_back
             self.started([s.request_id for s in b.seqs], own, now)
         if now < self.trace_until_s:
             if self.cores is None:
@@ -118,8 +128,8 @@ class DepSystem(StepSystem):
         loads = self.loads.draw(pairs)  # [L, ep]
         peak = loads.max(axis=1)  # the most loaded receiver of each layer
         per_pair_in, per_pair_out = c.dispatch_bytes(1) / m.top_k, c.combine_bytes(1) / m.top_k
-        dispatch = [c.all_to_all_s(max(send, p * per_pair_in * share)) for p in peak.tolist()]
-        combine = [c.all_to_all_s(max(send_back, p * per_pair_out * share)) for p in peak.tolist()]
+        dispatch = c.all_to_all_s_many(np.maximum(send, peak * per_pair_in * share)).tolist()
+        combine = c.all_to_all_s_many(np.maximum(send_back, peak * per_pair_out * share)).tolist()
         per_device = c.experts_s_many(loads, local) + host
         experts = self.jitter.slowest(n, per_device).tolist()  # the slowest device: load and jitter
         experts_mean = float(per_device.mean(axis=1).sum())

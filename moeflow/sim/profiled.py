@@ -174,6 +174,10 @@ class ProfiledCost(CostModel):
         latency, bw = self.transport["dep"]
         return latency + nbytes / bw
 
+    def all_to_all_s_many(self, nbytes):
+        latency, bw = self.transport["dep"]
+        return latency + np.asarray(nbytes, dtype=float) / bw
+
     def device_copy_s(self, nbytes):
         return self.transfer_s(nbytes)  # a shared-memory transfer here is a memcpy too
 

@@ -63,6 +63,15 @@ def test_experts_s_many_is_experts_s():
     assert cost.experts_s_many(n, 16).tolist() == [[cost.experts_s(int(x), 16) for x in row] for row in n]
 
 
+@pytest.mark.parametrize("a2a_bw", [None, 0.0])
+def test_all_to_all_s_many_is_all_to_all_s(a2a_bw):
+    """Both the collective's own bandwidth and (none given) the links'."""
+    hw = ASCEND if a2a_bw is None else ASCEND.with_overrides(a2a_bw_Bps=a2a_bw)
+    cost = AnalyticCost(DS, hw)
+    nbytes = np.array([[0.0, 1.0, 3.5e6], [7.25e8, 1e9 / 3, 2.0 ** 40]])
+    assert cost.all_to_all_s_many(nbytes).tolist() == [[cost.all_to_all_s(float(x)) for x in row] for row in nbytes]
+
+
 def test_skew_model_statistics():
     e, cv = 256, 0.8
     pop = popularity(e, 400, cv, seed=1)
@@ -129,7 +138,7 @@ def test_asap_workers_take_their_own_loads():
     m, c, e, t = cost.model, cost.for_system(spec.sim), 16, 4
     loads = ExpertLoads(m.num_experts, m.num_moe_layers, e, 1.0, "contiguous", 0).draw(n * m.top_k)
     shape = AttnShape.of([(0, n, True)], m.index_topk)
-    lat, in_s, out_s = sim.latency, sim.in_s, sim.out_s
+    lat, in_s, out_s = sim.workers.latency, sim.in_s, sim.out_s
     now = spec.layout.scheduler.max_batch_wait_s + m.num_dense_layers * c.attention_s(shape, t, True)  # a lone batch waits
     port = 0.0
     for row in loads:  # one batch through idle FIFO ports: the slowest worker's round trip, then the group's port
@@ -208,3 +217,14 @@ def test_five_simulated_minutes_at_20_rps_take_under_10_s(system):
     t0 = time.process_time()
     p, res = run_point(cfg.systems[system], cost, cfg, 20.0)
     assert time.process_time() - t0 < 10.0 and p["completed"] > 5000
+
+
+def test_a_profiled_all_to_all_s_many_is_all_to_all_s():
+    import os
+
+    from moeflow.sim.profiled import ProfiledCost
+
+    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "profile_cpu_here.json")
+    cost = ProfiledCost.load(model_preset("tiny"), path)
+    nbytes = np.array([0.0, 1.0, 3.5e6, 7.25e8, 1e9 / 3])
+    assert cost.all_to_all_s_many(nbytes).tolist() == [cost.all_to_all_s(float(x)) for x in nbytes]
