@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from moeflow.measure.provenance import write_json
     from moeflow.plan.candidates import check_memory, enumerate_candidates, with_batch_tokens
     from moeflow.plan.command import engine_runs, serve_command
-    from moeflow.plan.search import Slo, search
+    from moeflow.plan.search import Slo, search, shared_cores
     from moeflow.sim.hardware import hardware_preset
     from moeflow.sim.model_spec import model_preset
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         r["layout"] = system
         r["command"] = serve_command(args.model, system) if r["feasible"] else None
         r["engine_note"] = engine_runs(system)
-    _print(ranked, wall)
+    _print(ranked, wall, cpu_host=shared_cores(base) is not None)
     best = next((r for r in ranked if r["feasible"] and r["goodput_per_device"] > 0), None)
     if best is not None:
         how = " (estimated from its sides; --top 1 simulates it whole)" if best.get("estimated") else ""
@@ -128,11 +128,12 @@ def _sides_of(name: str) -> tuple[str, str]:
     return name, ""
 
 
-def _print(ranked: list[dict], wall: float) -> None:
+def _print(ranked: list[dict], wall: float, cpu_host: bool) -> None:
+    """The top ``TOP``; ``cpu_host``: the profiled cost of a machine whose cores the processes share."""
     print(f"searched {len(ranked)} candidates in {wall:.1f} s; the top {TOP} by goodput per device "
           f"(~: estimated from its sides, not simulated whole):")
     print(f"  {'deployment':<40} {'SLO rps':>9} {'rps/device':>10} {'TTFT p90':>9} {'TPOT p90':>9}  bottleneck"
-          "  (rps/device: per core used on a CPU host)")
+          + ("  (rps/device: per core used, the processes sharing this host's cores)" if cpu_host else ""))
     for r in [r for r in ranked if r["feasible"]][:TOP]:
         rps = f"{r['slo_rps']:.3g}" if r["slo_rps"] is not None else (
             f">={r['slo_rps_at_least']:.3g}" if r["slo_rps_at_least"] is not None else "none")

@@ -114,3 +114,17 @@ def test_rate_matching_picks_the_split_a_brute_force_of_whole_simulations_picks(
         c = Candidate(pair.name, {**pair.system, "prefill_instances": x, "decode_instances": y}, x + y, "pd")
         whole[(x, y)] = evaluate(c, BASE, slo, None)["goodput_per_device"]
     assert max(whole, key=whole.get) == (chosen["prefill_instances"], chosen["decode_instances"]), (whole, chosen)
+
+
+@pytest.mark.parametrize("target", [["--hardware", "gb200"], ["--profile", PROFILE],
+                                    ["--profile", os.path.join(os.path.dirname(PROFILE), "profile_tiny_fp32.json")]])
+def test_rates_are_said_to_be_per_core_only_for_a_cpu_host(target, capsys):
+    """A device preset's processes each have a device; a profiled host's share its cores where
+    the profile knows them (profile_cpu_here.json predates provenance: it does not)."""
+    from moeflow.cli import main
+
+    model = "deepseek-r1" if target[0] == "--hardware" else "tiny"
+    assert main(["plan", "--model", model, *target, "--devices", "1", "--isl", "256", "--osl", "8", "--ttft-s", "2",
+                 "--confirm", "0", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "bottleneck" in out and ("per core used" in out) == target[1].endswith("fp32.json"), out
