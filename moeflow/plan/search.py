@@ -21,6 +21,7 @@ from moeflow.sim.run import build_cost, run_point
 
 
 _SPAN_TTFTS = 10  # a probe's arrivals span at least this many TTFT bounds
+AHEAD = True  # an idle worker simulates the next round's picks ahead of it (False: only each round's, the oracle)
 _MAX_REQUESTS = 20_000  # ... up to this many requests
 
 
@@ -163,8 +164,17 @@ def search(cands: list[Candidate], base: dict, slo: Slo, start_rps: float | None
 
 def _confirm(est: list[tuple[Candidate, dict]], base: dict, slo: Slo, start_rps: float | None, jobs: int,
              workers: Workers | None, shown: Progress, confirm: int, top: int, include: tuple[str, ...]) -> None:
-    """``search``'s whole simulations, ``jobs`` a round, each result written over its estimate in ``est``."""
-    confirmed = 0
+    """``search``'s whole simulations, ``jobs`` a round, each result written over its estimate in ``est``.
+
+    A round waits for its slowest simulation. Meanwhile an idle worker simulates the best estimate
+    not yet simulated, ahead of its turn, while ``confirm`` leaves a next round: that round picks it
+    unless no estimate passes any more (estimates only leave the ranking for whole results), and
+    the rounds, their picks and every result are those without it. NOTE: a simulation that fails
+    ahead of its turn stops the search as one in its round would."""
+    confirmed, results = 0, {}  # name -> its whole simulation's result, from its round or ahead of it
+
+    def job(c: Candidate, r: dict) -> tuple:
+        return "whole", r["name"], (_whole(c, r), base, slo, start_rps)
     while True:
         best = sorted((cr for cr in est if cr[1]["feasible"]), key=lambda cr: -cr[1]["goodput_per_device"])
         top_whole = max((r["goodput_per_device"] for _, r in best if not r["estimated"]), default=0.0)
@@ -177,11 +187,20 @@ def _confirm(est: list[tuple[Candidate, dict]], base: dict, slo: Slo, start_rps:
         estimated = [r for _, r in best if r["estimated"]]
         rounds = -(-max(0, confirm - confirmed) // max(jobs, 1))
         at_most = min(len(estimated), rounds * max(jobs, 1) + sum(r["name"] in include for r in estimated))
-        whole = [("whole", r["name"], (_whole(c, r), base, slo, start_rps)) for c, r in todo]
-        shown.whole(len(whole), at_most)
-        for k, (_, name, w) in enumerate(_simulated(whole, workers), 1):
-            shown.whole(len(whole) - k, at_most - k, w["wall_s"])
-            r = next(r for _, r in est if r["name"] == name)
+        names = [r["name"] for _, r in todo]
+        shown.whole(len(todo), at_most)
+        if workers is None:
+            for k, (_, name, w) in enumerate(map(_in_process, [job(c, r) for c, r in todo]), 1):
+                results[name] = w
+                shown.whole(len(todo) - k, at_most - k, w["wall_s"])
+        else:
+            # the next round's picks, as far as ``confirm`` leaves it any
+            ahead = [cr for cr in best if cr[1]["estimated"] and cr[1]["name"] not in names]
+            ahead = ahead[:max(0, min(jobs, confirm - confirmed - len(todo)))] if AHEAD else []
+            _round(workers, [job(c, r) for c, r in todo], results, [job(*cr) for cr in ahead],
+                   lambda k, w: shown.whole(len(todo) - k, at_most - k, w["wall_s"]))
+        for name in names:
+            w, r = results[name], next(r for _, r in est if r["name"] == name)
             r.update(estimated=False, estimated_goodput_per_device=r["goodput_per_device"],
                      **{f: w.get(f) for f in ("slo_rps", "slo_rps_at_least", "upper_rps", "goodput_per_device", "used",
                                               "bottleneck", "busy", "at_slo", "probes", "wall_s", "start_rps")})
@@ -189,6 +208,32 @@ def _confirm(est: list[tuple[Candidate, dict]], base: dict, slo: Slo, start_rps:
                 r.update(feasible=False, reason=w.get("reason"))
         confirmed += len(todo)
     shown.end()
+
+
+def _round(workers: Workers, jobs: list, results: dict, ahead: list, on_done) -> None:
+    """Until every one of ``jobs`` has its result in ``results`` (by name): each to a worker once
+    one is idle (unless it ran or runs already, ahead of its round), and an idle worker with none of
+    them left takes the first of ``ahead`` not simulated yet. ``on_done(k, result)`` when the k-th
+    of ``jobs`` has ended."""
+    names = {j[1] for j in jobs}
+    pending = [j for j in jobs if j[1] not in results and j[1] not in {r[1] for r in workers.running()}]
+    while not names <= results.keys():
+        unwanted = [j for j in workers.running() if j[1] not in names]
+        if pending and not workers.num_idle and unwanted:  # ahead of its turn, and not this round's: cancelled
+            workers.cancel(unwanted[-1])
+        while pending and workers.num_idle:
+            workers.submit(pending.pop(0))
+        busy = {r[1] for r in workers.running()} | results.keys()
+        for j in ahead:
+            if not workers.num_idle:
+                break
+            if j[1] not in busy:
+                workers.submit(j)
+                busy.add(j[1])
+        (_, name, _), (_, _, w) = workers.next_done(_job_name)
+        results[name] = w
+        if name in names:
+            on_done(sum(n in results for n in names), w)
 
 
 def shared_cores(base: dict) -> int | None:

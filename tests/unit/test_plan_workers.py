@@ -43,3 +43,43 @@ def test_a_worker_that_dies_is_reported_by_its_job_not_waited_for():
             list(w.imap_unordered([7], lambda j: f"job {j}"))
     assert not any(_alive(p) for p in pids)
 
+
+
+def test_simulating_the_next_round_ahead_changes_no_pick_and_no_result(monkeypatch):
+    """Four processes of tiny on this machine's profile, two at a time: the rounds with an idle
+    worker simulating ahead pick and rank exactly what rounds without it do, and it did run ahead."""
+    from moeflow.plan import search as plan_search
+    from moeflow.plan.candidates import enumerate_candidates
+    from test_plan import BASE
+
+    cands = [c for c in enumerate_candidates(4) if c.name in ("dep4", "dep2_tp2", "dwdp4", "afd_2a2f_m2", "afd_3a1f_m1",
+                                                               "pd_dep1_dep1", "pd_dep1_dep2", "pd_dep2_dep1")]
+    slo = plan_search.Slo(2.0, 0.5, "p90")
+    ahead_of_round = []
+    real_round, real_submit = plan_search._round, Workers.submit
+
+    def spy_round(workers, jobs, *a, **k):
+        spy_round.names = {j[1] for j in jobs}
+        return real_round(workers, jobs, *a, **k)
+
+    def spy_submit(self, job):
+        if job[0] == "whole" and job[1] not in spy_round.names:
+            ahead_of_round.append(job[1])
+        return real_submit(self, job)
+
+    monkeypatch.setattr(plan_search, "_round", spy_round)
+    monkeypatch.setattr(Workers, "submit", spy_submit)
+    run = lambda: _without_wall(plan_search.search(cands, BASE, slo, None, jobs=2, progress=None, memory_gib=2.0,
+                                                   confirm=5, top=3))
+    ahead = run()
+    assert ahead_of_round, "no whole simulation ran ahead of its round"
+    monkeypatch.setattr(plan_search, "AHEAD", False)
+    assert run() == ahead and sum(not r.get("estimated", True) for r in ahead) == 5
+
+
+def _without_wall(x):
+    if isinstance(x, dict):
+        return {k: _without_wall(v) for k, v in x.items() if k != "wall_s"}
+    if isinstance(x, list):
+        return [_without_wall(v) for v in x]
+    return x
