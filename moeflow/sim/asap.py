@@ -136,57 +136,65 @@ class AsapSystem(System):
         return end, f
 
     def _attention_done(self, f: _Flight) -> None:
-        self._flight(self._after_attention(f))
+        self._flight(self._handle(f, True))
 
     def _combined(self, f: _Flight) -> None:
-        self._flight(self._after_combine(f))
+        self._flight(self._handle(f, False))
+
+    def _handle(self, f: _Flight, attention: bool) -> tuple[float, _Flight, bool] | None:
+        """``f``'s event now (its attention ended, or its combine is back); returns the one it
+        leaves to schedule last."""
+        if not (self.fast and self.cores is None):
+            return self._after_attention(f) if attention else self._after_combine(f)
+        if attention and f.layer < self.model.num_dense_layers:
+            return self._after_attention(f)
+        return self._moe_layers(f, not attention)
 
     def _flight(self, ev: tuple[float, _Flight, bool] | None) -> None:
         """``ev`` (when, the flight, whether its attention ends then or else its combine is back)
         and the events that follow it, run in place while each is the next event anyway; the first
         that is not goes on the heap."""
-        loop, dense = self.loop, self.model.num_dense_layers
+        loop = self.loop
         while ev is not None:
             t, f, attention = ev
             if not (self.fast and loop.take(t)):
                 loop.at(t, self._attention_done if attention else self._combined, f)
                 return
-            if not attention:
-                ev = self._after_combine(f)
-            elif f.layer >= dense and self.cores is None:
-                ev = self._moe_layers_in_place(f)
-            else:
-                ev = self._after_attention(f)
+            ev = self._handle(f, attention)
 
-    def _moe_layers_in_place(self, f: _Flight) -> tuple[float, _Flight, bool] | None:
-        """``_after_attention`` then ``_after_combine``, layer after layer, written out for the case
-        that takes nearly all of a run's events: a flight whose group has no other flight ready, on
-        cores of its own, outside the trace window. ``f``'s attention at a MoE layer has just ended
-        (taken in place); returns the event left to schedule, as they do."""
+    def _moe_layers(self, f: _Flight, combined: bool) -> tuple[float, _Flight, bool] | None:
+        """``_after_attention`` (at a MoE layer) and ``_after_combine``, written out for the case
+        that takes nearly all of a run's events, and run in place layer after layer while each
+        event is the next one anyway: a group with no other flight ready (nor computing, when a
+        combine comes back), cores of their own, outside the trace window. ``f``'s event is now:
+        its combine back (``combined``) or its attention ended; returns the event left to
+        schedule, as they do."""
         loop, g, busy, workers = self.loop, self.groups[f.group], self.busy_s, self.workers
         first, last = self.model.num_dense_layers, self.model.num_layers - 1
         by_layer_t, by_layer_p = len(f.busy_s) > 1, len(f.gather_s) > 1
         while True:
-            sent = loop.now
-            if g.ready or sent < self.trace_until_s:
-                return self._after_attention(f)  # NOTE: only ever on the first pass (nothing else runs meanwhile)
-            g.busy = False
-            i = f.layer - first
-            t, p = i if by_layer_t else 0, i if by_layer_p else 0
-            busy["moe"] += f.busy_s[t]
-            price = workers.price_free if workers.free_by(sent) else workers.price
-            back = price(f.in_add[p], f.experts_s[t], f.out_add[p], sent)
-            port = g.in_port_free_s + f.gather_s[p]
-            arrive = back if back >= port else port
-            g.in_port_free_s = arrive
-            if not loop.take(arrive):  # the combine: the only event this attention leaves
-                loop.at(arrive, self._combined, f)
-                return None
-            if f.layer == last:
+            if not combined:
+                sent = loop.now
+                if g.ready or sent < self.trace_until_s:
+                    return self._after_attention(f)
+                g.busy = False
+                i = f.layer - first
+                t, p = i if by_layer_t else 0, i if by_layer_p else 0
+                busy["moe"] += f.busy_s[t]
+                price = workers.price_free if workers.free_by(sent) else workers.price
+                back = price(f.in_add[p], f.experts_s[t], f.out_add[p], sent)
+                port = g.in_port_free_s + f.gather_s[p]
+                arrive = back if back >= port else port
+                g.in_port_free_s = arrive
+                if not loop.take(arrive):  # the combine: the only event this attention leaves
+                    loop.at(arrive, self._combined, f)
+                    return None
+            combined = False
+            now = loop.now
+            if f.layer == last or g.ready or g.busy or now < self.trace_until_s:
                 return self._after_combine(f)
             f.layer += 1  # _next_layer and _start_attention: the group's stream takes f's next layer at once
             g.busy = True
-            now = loop.now
             dur = f.attn_s * (f.attn_f[f.layer] if f.attn_f else 1.0)
             busy["attention"] += dur
             if not loop.take(now + dur):
