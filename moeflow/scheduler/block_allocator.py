@@ -30,6 +30,10 @@ class BlockAllocator:
 
     def allocate(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
         """Grow the request's table to cover ``num_tokens`` positions; returns the whole table."""
+        return tuple(self.grow(request_id, num_tokens))
+
+    def grow(self, request_id: str, num_tokens: int) -> list[int]:
+        """``allocate`` without the copy: the request's own table (not to be kept or changed)."""
         table = self._tables.setdefault(request_id, [])
         need = self.blocks_for(num_tokens) - len(table)
         if need > len(self._free):
@@ -37,7 +41,7 @@ class BlockAllocator:
         if need > 0:  # the last ``need`` free ids, last first: what ``need`` pops would hand out
             table.extend(reversed(self._free[-need:]))
             del self._free[-need:]
-        return tuple(table)
+        return table
 
     def num_held(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))

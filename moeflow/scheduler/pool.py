@@ -129,7 +129,7 @@ class RequestPool:
         g = self.groups[gid]
         self.waiting.remove(r)
         self.pinned.pop(r.request_id, None)
-        g.allocator.allocate(r.request_id, self._admit_tokens(r))
+        g.allocator.grow(r.request_id, self._admit_tokens(r))
         r.status = RequestStatus.RUNNING
         g.requests.append(r)
         self.group_of[r.request_id] = gid
@@ -149,7 +149,7 @@ class RequestPool:
                     self.preempt(r)
                 return False
             self.preempt(victim)
-        a.allocate(r.request_id, upto)
+        a.grow(r.request_id, upto)  # NOTE: not allocate: a step takes each table once, in seq
         return True
 
     def preempt(self, r: Request) -> None:
