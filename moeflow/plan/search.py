@@ -21,8 +21,8 @@ from moeflow.sim.run import build_cost, run_point
 
 
 _SPAN_TTFTS = 10  # a probe's arrivals span at least this many TTFT bounds
-AHEAD = True  # an idle worker simulates the next round's picks ahead of it (False: only each round's, the oracle)
 _MAX_REQUESTS = 20_000  # ... up to this many requests
+AHEAD = True  # an idle worker simulates the next round's picks ahead of it (False: only each round's, the oracle)
 
 
 @dataclass(frozen=True)
@@ -166,11 +166,11 @@ def _confirm(est: list[tuple[Candidate, dict]], base: dict, slo: Slo, start_rps:
              workers: Workers | None, shown: Progress, confirm: int, top: int, include: tuple[str, ...]) -> None:
     """``search``'s whole simulations, ``jobs`` a round, each result written over its estimate in ``est``.
 
-    A round waits for its slowest simulation. Meanwhile an idle worker simulates the best estimate
-    not yet simulated, ahead of its turn, while ``confirm`` leaves a next round: that round picks it
-    unless no estimate passes any more (estimates only leave the ranking for whole results), and
-    the rounds, their picks and every result are those without it. NOTE: a simulation that fails
-    ahead of its turn stops the search as one in its round would."""
+    A round waits for its slowest simulation. Meanwhile an idle worker simulates the best estimates
+    not yet simulated, ahead of their turn, while ``confirm`` leaves a next round: the estimates
+    left keep their order, so that round picks the first of them unless it picks none. The rounds,
+    their picks and every result are those without it (``AHEAD = False``). NOTE: a simulation that
+    fails ahead of its turn stops the search as one in its round would."""
     confirmed, results = 0, {}  # name -> its whole simulation's result, from its round or ahead of it
 
     def job(c: Candidate, r: dict) -> tuple:
