@@ -83,15 +83,44 @@ MEAN = SloMetric("mean", None)
 
 
 @dataclass(frozen=True)
+class TpotBound:
+    """A TPOT bound on the statistic a score reads: ``quantile`` q as ``np.percentile`` takes it
+    (linear between ranks, over the completed requests with two or more output tokens), or None:
+    their mean."""
+
+    slo_s: float
+    quantile: float | None
+
+    def certainly_fails(self, lower_s: list[float], num_total: int) -> bool:
+        """``lower_s``: a lower bound of each such request's TPOT, for requests certain to complete
+        (a finished one's own; one still decoding: its time since its first token over its output
+        tokens after the first). Whatever count C <= ``num_total`` completes, the quantile is at least
+        the sorted TPOTs' value at floor(q(C-1)), which exceeds the bound once C - floor(q(C-1))
+        of them do; that count only grows with C, so C = num_total is the case to beat. The mean
+        over C is at least the bounds' sum over ``num_total``."""
+        if not num_total or not lower_s:
+            return False
+        if self.quantile is None:
+            return sum(lower_s) / num_total > self.slo_s
+        misses = sum(t > self.slo_s for t in lower_s)
+        return misses >= num_total - math.floor(self.quantile * (num_total - 1))
+
+
+@dataclass(frozen=True)
 class StopRule:
     """Stop a probe as soon as it has certainly missed the SLO: an overloaded probe would
-    otherwise take as long to drain its queue as it took to fill it."""
+    otherwise take as long to drain its queue as it took to fill it. With ``tpot``, a probe whose
+    TPOT certainly misses its bound stops too (a decode-bound probe otherwise runs to its end)."""
 
     metric: SloMetric
     slo_s: float
+    tpot: TpotBound | None = None
 
-    def fails(self, ttft_done_s: list[float], waiting_since_s: list[float], num_total: int, now_s: float) -> bool:
-        return self.metric.certainly_fails(ttft_done_s, waiting_since_s, num_total, now_s, self.slo_s)
+    def fails(self, ttft_done_s: list[float], waiting_since_s: list[float], num_total: int, now_s: float,
+              tpot_lower_s: list[float] | None = None) -> bool:
+        if self.metric.certainly_fails(ttft_done_s, waiting_since_s, num_total, now_s, self.slo_s):
+            return True
+        return self.tpot is not None and tpot_lower_s is not None and self.tpot.certainly_fails(tpot_lower_s, num_total)
 ALL_METRICS = tuple(SloMetric.parse(m) for m in ("mean", "p50", "p90", "p99")) + (SloMetric.parse("attainment:0.95"),)
 
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from moeflow.experiment.serve import parse_experiment
-from moeflow.measure.slo import SloMetric, SloSearch, StopRule, find_slo_rps
+from moeflow.measure.slo import SloMetric, SloSearch, StopRule, TpotBound, find_slo_rps
 from moeflow.plan import estimate
 from moeflow.plan.candidates import Candidate, side_devices
 from moeflow.plan.progress import Progress
@@ -37,8 +37,19 @@ class Slo:
         ttft = SloMetric.parse(self.percentile).score(point)
         if self.tpot_s is None or not point.get("completed"):
             return ttft
-        tpot = point.get(f"tpot_{self.percentile}_s", point.get("tpot_mean_s"))
+        tpot = point.get(self._tpot_key(), point.get("tpot_mean_s"))
         return ttft if tpot is None else max(ttft, tpot / self.tpot_s * self.ttft_s)
+
+    def _tpot_key(self) -> str:
+        return f"tpot_{self.percentile}_s"
+
+    def tpot_bound(self) -> TpotBound | None:
+        """The TPOT statistic ``score`` reads, for a probe's stop rule (the points carry p50 and p90;
+        any other percentile reads the mean)."""
+        if self.tpot_s is None:
+            return None
+        q = {"tpot_p50_s": 0.5, "tpot_p90_s": 0.9}.get(self._tpot_key())
+        return TpotBound(self.tpot_s, q)
 
 
 def evaluate(c: Candidate, base: dict, slo: Slo, start_rps: float | None, probes: int = 4) -> dict:
@@ -52,6 +63,7 @@ def evaluate(c: Candidate, base: dict, slo: Slo, start_rps: float | None, probes
     used = min(c.devices, cost.shared_cores or c.devices)  # a CPU host: its processes share its cores
     points: dict[float, dict] = {}
     metric = SloMetric.parse(slo.percentile)
+    stop = StopRule(metric, slo.ttft_s, slo.tpot_bound())
     if start_rps is None:
         lone, _ = run_point(spec, cost, cfg, 1e-3, num_requests=1)
         latency = lone["ttft_mean_s"] + (lone.get("tpot_mean_s") or 0.0) * (cfg.workload.output_len - 1)
@@ -61,7 +73,7 @@ def evaluate(c: Candidate, base: dict, slo: Slo, start_rps: float | None, probes
         # NOTE: a fixed count of requests at a high rate is a burst shorter than the TTFT bound, which
         # a deployment slower than the rate still serves within it: the arrivals span ten bounds
         n = min(_MAX_REQUESTS, max(cfg.workload.num_requests or 0, math.ceil(rate * _SPAN_TTFTS * slo.ttft_s)))
-        p, _ = run_point(spec, cost, cfg, rate, stop=StopRule(metric, slo.ttft_s), num_requests=n)
+        p, _ = run_point(spec, cost, cfg, rate, stop=stop, num_requests=n)
         points[rate] = p
         return math.inf if p.get("stopped_early") else slo.score(p)
 

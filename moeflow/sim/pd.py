@@ -70,6 +70,10 @@ class PdSystem(System):
     def models_skew(self) -> bool:
         return all(s.models_skew() for s in self.prefill + self.decode)
 
+    def _may_fail(self, request_id: str) -> bool:
+        # a handoff still waiting for decode room fails when its lease runs out under policy fail
+        return self.layout.kv_load_failure_policy == "fail" and request_id in self.waiting
+
     def _prefilled(self, i: int, first: Request, t: _Track, now: float) -> None:
         """Prefill instance ``i`` sampled ``first``'s token: the client has it; its KV waits for room."""
         r = self.requests[first.request_id]

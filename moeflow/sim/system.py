@@ -48,6 +48,7 @@ class _Track:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     compute_s: float = 0.0
+    max_tokens: int = 0  # its output tokens at most (0: not known here)
 
 
 _NO_LIMIT = 1 << 40  # max_model_len None: the simulator caps nothing
@@ -92,6 +93,7 @@ class System(abc.ABC):
             self.spans.append(Span(name, track, start_s, end_s))
 
     num_failed = 0  # requests failed on purpose (they have no record and are not pending)
+    stop_check_every = 4096  # events between a stop rule's checks (each walks every request)
     # where finished requests go: None, this system's records; a composition (sim/pd.py) takes them
     # itself, as ``sink(request, its track, now)``
     sink = None
@@ -121,7 +123,9 @@ class System(abc.ABC):
             self.loop.at(w.arrival_s, self._arrive, r)
         self._pending = len(workload)
         n = len(workload)
-        self.loop.run(None if stop is None else (lambda: stop.fails(*self._progress(), n, self.loop.now)), every=4096)
+        self.loop.run(None if stop is None else (lambda: stop.fails(
+            *self._progress(), n, self.loop.now, self._tpot_lower() if stop.tpot is not None else None)),
+            every=self.stop_check_every)
         stopped = self._pending > 0
         end = self.loop.now
         busy_s, num_entities, preemptions, split_s = self.totals()
@@ -151,8 +155,22 @@ class System(abc.ABC):
         waiting = [t.arrival_s for t in self.track.values() if t.arrival_s <= now and t.first_token_s is None]
         return done, waiting
 
+    def _tpot_lower(self) -> list[float]:
+        """A lower bound of the TPOT of every request with two or more output tokens that is certain
+        to complete: a finished one's own; one past its first token: its time since then over its
+        output tokens after the first (it stops at ``max_tokens`` or earlier, which only raises it)."""
+        now = self.loop.now
+        out = [t for r in self.records if (t := r.tpot_s) is not None and t > 0]
+        out += [(now - t.first_token_s) / (t.max_tokens - 1) for rid, t in self.track.items()
+                if t.first_token_s is not None and t.max_tokens > 1 and not self._may_fail(rid)]
+        return out
+
+    def _may_fail(self, request_id: str) -> bool:
+        """Whether a request past its first token may still end without a record (not here)."""
+        return False
+
     def _arrive(self, r: Request) -> None:
-        self.track[r.request_id] = _Track(r.arrival_s)
+        self.track[r.request_id] = _Track(r.arrival_s, max_tokens=r.params.max_tokens)
         self.add(r)
 
     def started(self, request_ids, compute_s: float, now: float) -> None:
@@ -187,6 +205,7 @@ class StepSystem(System):
     as the last one ends, idle while the scheduler has nothing."""
 
     busy = False
+    stop_check_every = 256  # an event here is a whole step of the deployment, not one layer's
     # a list: every step's (start time, work items, busy_s and split_s before it) is appended (sim/decode.py)
     step_log: list | None = None
     split_s: dict[str, float] = {}  # summed over entities: step time by kind, where a system keeps it
