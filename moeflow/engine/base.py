@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from moeflow.config import ConfigError, EngineConfig, ModelConfig
 from moeflow.core import Request, RequestError
 from moeflow.layout import Layout
-from moeflow.scheduler.handoff import Arrivals
+from moeflow.scheduler.handoff.port import KvPort
 
 
 def clock() -> float:
@@ -133,31 +133,27 @@ class Engine(abc.ABC):
                           sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups),
                           tuple(g.preemptions for g in pool.groups), **eplb)
 
-    # -- the decode side of a prefill/decode handoff (engine/pd.py) -------------------------------
+    # -- a KV handoff's side on this deployment (scheduler/handoff/) -----------------------------
 
     max_wait_s: float = 0.05  # longest a step blocks for an answer when nothing else is due
 
-    @property
-    def arrivals(self):
-        """Blocks pre-allocated for requests whose prompt KV is on its way (``scheduler/handoff.py``)."""
-        if getattr(self, "_arrivals", None) is None:
-            self._arrivals = Arrivals(self.scheduler.pool)
-        return self._arrivals
+    def handoff_port(self) -> KvPort:
+        """What a KV handoff's side may do to this deployment: its pool's leases and reservations,
+        and its KV-holding members (``scheduler/handoff/port.py``)."""
+        if getattr(self, "_kv_port", None) is None:
+            self._kv_port = KvPort(self.scheduler.pool, self._kv_members, self._send_kv, self._kv_arrived)
+        return self._kv_port
 
-    def admit_arrived(self, request: Request) -> int:
-        """``request``'s prompt KV is in the blocks ``arrivals`` reserved: it decodes from the next step
-        (its first token already in its output); returns its group."""
-        validate_request(request, self.model_config)
-        return self.arrivals.arrive(request)
-
-    def kv_members(self, group: int) -> int:
+    def _kv_members(self, group: int) -> int:
         """How many processes hold a share of group ``group``'s KV cache (TP members)."""
         return 1
 
-    def send_kv(self, group: int, message) -> None:
+    def _send_kv(self, group: int, message) -> None:
         """Hand a ``KvSend``/``KvRecv`` to every process holding group ``group``'s KV cache; each
         stores its flag in the staging arena when its copy is done."""
         raise ConfigError(f"mode {self.mode_name!r} cannot hand KV blocks over")
+
+    _kv_arrived = None  # (request) -> None: what else a request decoding from handed-over KV needs
 
     def release_kv(self, handle) -> None:
         """Free the staged KV that ``handle`` (``kv_handle.KvHandle``) names, or tell its prefill server

@@ -48,13 +48,11 @@ class ColocatedEngine(Engine):
         self.runner.add_request(request.request_id, request.prompt_token_ids, request.params,
                                 request.eos_token_ids, tuple(request.output_token_ids))
 
-    def admit_arrived(self, request: Request) -> int:
-        group = super().admit_arrived(request)
+    def _kv_arrived(self, request: Request) -> None:
         self.runner.add_request(request.request_id, request.prompt_token_ids, request.params,
                                 request.eos_token_ids, tuple(request.output_token_ids))
-        return group
 
-    def send_kv(self, group: int, message) -> None:
+    def _send_kv(self, group: int, message) -> None:
         with torch.inference_mode():
             self._kv.handle(message)
 

@@ -24,10 +24,12 @@ from moeflow.comm.kv_link import host_id
 from moeflow.config import KvTransferConfig
 from moeflow.core import EngineBusy, Request, RequestError
 from moeflow.engine.base import Engine, KvTransfer, StepResult, clock, validate_request
-from moeflow.engine.kv_handoff import BUSY, DONE, FAILED, flags_state
+from moeflow.engine.kv_copier import EngineCopier
+from moeflow.engine.kv_handoff import BUSY, DONE, FAILED
 from moeflow.engine.role import RoleEngine
 from moeflow.kv_handle import KvHandle
-from moeflow.messages import KvRecv, KvStage, SeqOutput
+from moeflow.messages import KvStage, SeqOutput
+from moeflow.scheduler.handoff.sides import DecodeSide
 from moeflow.settings import pd_fail_prob
 
 _IDLE_WAIT_S = 2e-3  # longest a step waits for the KV link when nothing else runs
@@ -59,7 +61,10 @@ class DecodeRole(RoleEngine):
         self._orphans: dict[int, Incoming] = {}  # given up while a claim or pull was out: freed on its answer
         self._unread: list[Incoming] = []  # given up while the members copied: released once they answered
         self._later: list = []  # live handoffs' answers seen between steps, for the next step
-        self._fail_prob, self._rng = pd_fail_prob(), random.Random(self.config.seed)
+        self.port = inner.handoff_port()
+        self.copier = EngineCopier(self.kv, self.port, pd_fail_prob(), random.Random(self.config.seed),
+                                   arena_of=self._arena_of)
+        self.side = DecodeSide(self.port, self.copier)
 
     # -- intake -------------------------------------------------------------------------------
 
@@ -80,7 +85,7 @@ class DecodeRole(RoleEngine):
             raise RequestError(f"request {rid}: its KV handle stages {h.num_tokens} positions ({h.nbytes} bytes) "
                                f"but the prompt has {request.num_prompt_tokens} tokens")
         validate_request(request, self.model_config)
-        self.inner.scheduler.pool.check(request, None)
+        self.port.check(request)
         if rid in self.incoming:
             raise RequestError(f"request {rid}: a request with this id is running")
         if len(self.incoming) >= self.kv_config.max_pending:
@@ -146,9 +151,9 @@ class DecodeRole(RoleEngine):
                 self._give_up(inc, a.error, out)
             elif inc.local is not None:  # pulled: the prefill server may free its range now
                 self.client.release(inc.remote)
-                self._read(inc, inc.local, self.kv.arena)
+                self._read(inc, inc.local)
             else:
-                self._read(inc, self._stage_of(inc.handle), self._arena(inc.handle.arena))
+                self._read(inc, self._stage_of(inc.handle))
         self._unread = [x for x in self._unread if not self._read_over(x)]
 
     def _advance(self, inc: Incoming, out: StepResult) -> None:
@@ -159,8 +164,7 @@ class DecodeRole(RoleEngine):
         elif inc.state == "waiting":
             self._start(inc)
         elif inc.state == "reading":
-            arena = self.kv.arena if inc.local is not None else self._arena(inc.handle.arena)
-            state = flags_state(arena, inc.stage, READ, self.inner.kv_members(inc.group))
+            state = self.copier.status(inc.stage, READ, inc.group)
             if state == FAILED:
                 self.kv.stats.failures += 1
                 self._finish_read(inc)
@@ -172,7 +176,7 @@ class DecodeRole(RoleEngine):
     def _start(self, inc: Incoming) -> None:
         """Blocks reserved in the group with the most free ones, then the claim or the pull."""
         h, same_host = inc.handle, inc.handle.host_id == self.host_id and self._arena(inc.handle.arena) is not None
-        gid = self.inner.arrivals.best_group(inc.request)
+        gid = self.side.room(inc.request)
         if gid is None:
             return
         if not same_host:
@@ -181,19 +185,16 @@ class DecodeRole(RoleEngine):
                 return
         inc.group, inc.state, inc.started_s = gid, "fetching", clock()
         inc.state_s = inc.started_s
-        inc.blocks = self.inner.arrivals.reserve(gid, inc.request)
+        inc.blocks = self.side.reserve(inc.request, gid)
         self.kv.stats.prealloc_wait_s.append(inc.started_s - inc.since_s)
         if same_host:
             self.client.claim(inc.remote, id(inc))
         else:
             self.client.pull(inc.remote, self.kv.arena.heap_view(inc.local.offset_bytes, h.nbytes), id(inc))
 
-    def _read(self, inc: Incoming, stage: KvStage, arena: KvArena) -> None:
-        arena.flags[stage.slot, READ].zero_()
+    def _read(self, inc: Incoming, stage: KvStage) -> None:
         inc.stage, inc.state, inc.state_s = stage, "reading", clock()
-        if self._fail_prob and self._rng.random() < self._fail_prob:
-            stage = dataclasses.replace(stage, fail=True)
-        self.inner.send_kv(inc.group, KvRecv(stage, inc.blocks))
+        self.side.copy_in(inc.request.request_id, stage)
 
     def _arrived(self, inc: Incoming, out: StepResult) -> None:
         r, h = inc.request, inc.handle
@@ -206,10 +207,10 @@ class DecodeRole(RoleEngine):
         out.prealloc_waits_s.append(inc.started_s - inc.since_s)
         out.outputs[r.request_id] = SeqOutput(h.first_token_id, h.first_logprobs, list(h.prompt_logprobs))
         if r.append_token(h.first_token_id):  # its first token ended it: nothing to decode
-            self.inner.arrivals.cancel(r.request_id)
+            self.side.drop(r.request_id)
             out.finished.append(r)
             return
-        self.inner.admit_arrived(r)
+        self.side.arrived(r.request_id)
         self.first_out.add(r.request_id)
         self._handoff_s[r.request_id] = secs
 
@@ -227,7 +228,7 @@ class DecodeRole(RoleEngine):
         """Blocks freed, then the policy: recompute the prompt here, or fail the request."""
         r = inc.request
         self.incoming.pop(r.request_id, None)
-        self.inner.arrivals.cancel(r.request_id)
+        self.side.drop(r.request_id)
         if self.kv_config.failure_policy == "recompute":
             out.outputs[r.request_id] = SeqOutput(inc.handle.first_token_id, inc.handle.first_logprobs,
                                                   list(inc.handle.prompt_logprobs))
@@ -245,7 +246,7 @@ class DecodeRole(RoleEngine):
 
     def _let_go(self, inc: Incoming) -> None:
         """An abort: free the blocks; what a claim, pull or copy still holds is freed when it answers."""
-        self.inner.arrivals.cancel(inc.request.request_id)
+        self.side.drop(inc.request.request_id)
         if inc.state == "waiting":
             self.client.release(inc.remote)  # the prefill server need not wait for the lease
         elif inc.state == "fetching":
@@ -262,8 +263,7 @@ class DecodeRole(RoleEngine):
         """Its members answered (or never will: a lease after it was given up, the range is gone anyway)."""
         arena = self.kv.arena if inc.local is not None else self._arena(inc.handle.arena)
         late = clock() - inc.state_s > 2 * self.kv_config.lease_s
-        if not late and arena is not None and \
-                flags_state(arena, inc.stage, READ, self.inner.kv_members(inc.group)) == BUSY:
+        if not late and arena is not None and self.copier.status(inc.stage, READ, inc.group) == BUSY:
             return False
         self._finish_read(inc)
         return True
@@ -275,6 +275,10 @@ class DecodeRole(RoleEngine):
             self.client.release(inc.remote)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _arena_of(self, stage: KvStage) -> KvArena | None:
+        """Ours (a range pulled from another host), or the prefill server's on this host."""
+        return self.kv.arena if stage.arena == self.kv.arena.segment.path else self._arena(stage.arena)
 
     def _arena(self, path: str) -> KvArena | None:
         """A prefill server's arena on this host (None: not attachable here)."""

@@ -8,13 +8,14 @@ abort) drains first, so a late copy never lands in someone else's range.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 
 import torch
 
 from moeflow.comm.kv_arena import MAX_SLOTS, HeapRanges, KvArena, arena_path, staged_bytes
 from moeflow.hardware.device import resolve_device
+from moeflow.model.attention import attention_for
 from moeflow.messages import KvStage
+from moeflow.scheduler.handoff.deployment import HandoffStats
 
 BUSY, DONE, FAILED = "busy", "done", "failed"
 
@@ -27,19 +28,6 @@ def flags_state(arena: KvArena, stage: KvStage, side: int, members: int) -> str:
     if all(f in (stage.transfer_id, -stage.transfer_id) for f in flags):
         return FAILED
     return BUSY
-
-
-@dataclass
-class TransferStats:
-    """Counters and the handoff-time samples since start (a server exports them)."""
-
-    transfers: int = 0
-    failures: int = 0  # copies that failed (injected or not)
-    lease_expiries: int = 0
-    recomputes: int = 0  # handoffs given up and recomputed on the decode side
-    bytes_total: int = 0
-    seconds: list[float] = field(default_factory=list)  # per handoff: decode room found -> KV in place
-    prealloc_wait_s: list[float] = field(default_factory=list)  # per handoff: first token -> decode room
 
 
 def heap_device(config) -> tuple[str, bool]:
@@ -62,7 +50,17 @@ class KvConnector:
         self._slots = list(range(MAX_SLOTS - 1, -1, -1))
         self._ids = itertools.count(1)
         self._draining: list[tuple[KvStage, int, int]] = []  # (stage, side, members) abandoned mid-copy
-        self.stats = TransferStats()
+        self.stats = HandoffStats()
+
+    @classmethod
+    def for_model(cls, deployment_id: str, mc, max_model_len: int, dtype: str, buffer_mib: int | None,
+                  heap: tuple[str, bool]) -> "KvConnector":
+        """The staging arena of a deployment or server running ``mc``: ``buffer_mib``, or four of its
+        longest prompts' KV within [64 MiB, 1 GiB]."""
+        entries = tuple(attention_for(mc).kv_layout().items())
+        full = staged_bytes(mc.num_layers, max_model_len, getattr(torch, dtype).itemsize, entries)
+        heap_bytes = (buffer_mib << 20) if buffer_mib else min(max(4 * full, 64 << 20), 1 << 30)
+        return cls(deployment_id, heap_bytes, mc.num_layers, dtype, entries, heap)
 
     def bytes_for(self, num_tokens: int) -> int:
         return staged_bytes(self.num_layers, num_tokens, self.itemsize, self.entries)

@@ -13,21 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import uuid
 from typing import Callable
-
-import torch
 
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import EngineBusy, Request, RequestError, RequestStatus
 from moeflow.engine.base import Engine, EngineLoad, StepResult, clock, validate_request
-from moeflow.comm.kv_arena import staged_bytes
-from moeflow.engine.handoffs import Handoff, Handoffs
 from moeflow.engine.kv_handoff import KvConnector, heap_device
+from moeflow.engine.pd_driver import Arrived, Ended, GivenUp, HandoffDriver
 from moeflow.layout import PdLayout
-from moeflow.model.attention import attention_for
-from moeflow.settings import pd_fail_prob
 
 _SUB_WAIT_S = 2e-3  # an instance's step blocks at most this long: the others are stepped in turn
 
@@ -36,7 +30,7 @@ class HandoffsFull(EngineBusy):
     """Too many prefilled requests wait for decode room (the server answers 503, Retry-After)."""
 
 
-class PdEngine(Handoffs, Engine):
+class PdEngine(Engine):
     mode_name = "pd"
     multinode = False
     # the mode table's create_engine (engine/modes.py sets it: the modes never import the table)
@@ -55,21 +49,18 @@ class PdEngine(Handoffs, Engine):
             for e in self.decode:  # one deployment builds both from one model; separate servers may not
                 check_compatible(first, e)
             mc = self.model_config
-            entries = tuple(attention_for(mc).kv_layout().items())
-            full = staged_bytes(mc.num_layers, self.max_model_len, getattr(torch, config.dtype).itemsize, entries)
-            heap = (layout.kv_buffer_mib << 20) if layout.kv_buffer_mib else min(max(4 * full, 64 << 20), 1 << 30)
             # NOTE: <pid>-<hex>, as an engine's: a SIGKILLed owner's arena is reclaimed by the next one
-            self.kv = KvConnector(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", heap, mc.num_layers, config.dtype, entries,
-                                  heap_device(config))
+            self.kv = KvConnector.for_model(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", mc, self.max_model_len,
+                                            config.dtype, layout.kv_buffer_mib, heap_device(config))
         except BaseException:
             self.shutdown()
             raise
         self.requests: dict[str, Request] = {}  # the client's requests, unfinished
         self.where: dict[str, tuple[str, int]] = {}  # request id -> ("prefill" | "decode", instance)
-        self.handoffs: dict[str, Handoff] = {}  # between the two sides, oldest first
         self.handoff_s: dict[str, float] = {}  # arrived on a decode instance, no output there yet: its handoff
-        self.spans: list = []  # the handoffs' trace spans since the last collect_spans (trace=True)
-        self._fail_prob, self._rng = pd_fail_prob(), random.Random(config.seed)
+        self.driver = HandoffDriver(self.prefill, self.decode, self.kv, layout, config.seed, config.trace)
+        self.machine = self.driver.machine  # the handoffs' state machine (scheduler/handoff/deployment.py)
+        self.handoffs = self.machine.handoffs  # request id -> its handoff, oldest first
 
     def _instance(self, layout) -> Engine:
         e = PdEngine.build_instance(layout, self.model_path, self.config)
@@ -108,13 +99,13 @@ class PdEngine(Handoffs, Engine):
     def abort(self, request_id: str) -> None:
         r = self.requests.pop(request_id, None)
         side, i = self.where.pop(request_id, (None, 0))
-        h = self.handoffs.pop(request_id, None)
+        h = self.handoffs.get(request_id)
         self.handoff_s.pop(request_id, None)
         if h is not None:
-            self._drop_handoff(h)
+            self.machine.drop(h)
         elif side == "prefill":
             self.prefill[i].abort(request_id)
-            self.prefill[i].scheduler.pool.end_lease(request_id)
+            self.machine.prefill[i].end(request_id)
         elif side == "decode":
             self.decode[i].abort(request_id)
         if r is not None:
@@ -147,20 +138,45 @@ class PdEngine(Handoffs, Engine):
                 out.outputs[rid] = o
                 if o.token_id is not None:
                     r.append_token(o.token_id)
+        side = self.machine.prefill[i]
         for rp in res.finished:
             r = self.requests.get(rp.request_id)
-            pool = self.prefill[i].scheduler.pool
             if r is None or rp.finish_reason in ("abort", "error") or r.finish_reason is not None:
-                pool.end_lease(rp.request_id)
+                side.end(rp.request_id)
                 if r is not None:
                     self._finish(r, out, rp.error, rp.finish_reason if r.finish_reason is None else None)
                 continue
-            gid = pool.leases[rp.request_id]
             rd = Request(r.request_id, r.prompt_token_ids, r.params, r.arrival_s, eos_token_ids=r.eos_token_ids,
                          output_token_ids=list(r.output_token_ids))
-            self.handoffs[r.request_id] = Handoff(r, rd, i, gid, pool.groups[gid].allocator.table(r.request_id),
-                                                  clock())
+            self.machine.prefilled(i, r, rd, clock())
             self.where.pop(r.request_id, None)
+
+    # -- the handoffs (pd_driver.py) ---------------------------------------------------------------
+
+    def _advance(self, out: StepResult) -> None:
+        for o in self.driver.advance(out):
+            if isinstance(o, Arrived):
+                self.handoff_s[o.request_id] = o.seconds  # goes out with its first decode output
+                self.where[o.request_id] = ("decode", o.decode)
+            elif isinstance(o, Ended):
+                ended = StepResult({}, o.finished)
+                self._decoded(ended, out) if o.side == "decode" else self._prefilled(o.instance, ended, out)
+            else:
+                self._given_up(o, out)
+
+    def _given_up(self, g: GivenUp, out: StepResult) -> None:
+        """The policy's answer for a handoff given up: recompute its prompt on a decode instance
+        (from the prompt and the first token), or fail the request."""
+        rid, why = g.handoff.request_id, g.why
+        if g.recompute_on is not None:
+            try:
+                self.decode[g.recompute_on].add_request(g.handoff.decode_request)
+                self.machine.stats.recomputes += 1
+                self.where[rid] = ("decode", g.recompute_on)
+                return
+            except Exception as e:  # noqa: BLE001  (then the request fails with both reasons)
+                why += f"; recomputing it failed: {e}"
+        self._finish(g.handoff.request, out, f"request {rid}: {why}", "error")
 
     def _decoded(self, res: StepResult, out: StepResult) -> None:
         for rid, o in res.outputs.items():
@@ -220,12 +236,14 @@ class PdEngine(Handoffs, Engine):
 
     def heal(self) -> bool:
         """Rebuild every failed instance in place; the others go on serving."""
-        for engines, layout in ((self.prefill, self.layout.prefill), (self.decode, self.layout.decode)):
+        for side, layout in (("prefill", self.layout.prefill), ("decode", self.layout.decode)):
+            engines = getattr(self, side)
             for i, e in enumerate(engines):
                 if e.failed is not None:
                     e.shutdown()
                     self.kv.drain(gone=True)
                     engines[i] = self._instance(layout)
+                    self.driver.rebuilt(side, i)
         return True
 
     def drain(self, timeout_s: float = 120.0) -> None:
@@ -246,7 +264,7 @@ class PdEngine(Handoffs, Engine):
                 except ConfigError:  # an in-process instance (colocated) records none
                     continue
                 out += [dataclasses.replace(s, track=f"{side}{i}:{s.track}") for s in spans]
-        out, self.spans = out + self.spans, []
+        out, self.driver.spans = out + self.driver.spans, []
         return out
 
     def shutdown(self) -> None:
@@ -268,3 +286,4 @@ def check_compatible(prefill: Engine, decode: Engine) -> None:
 def _busy(e: Engine) -> int:
     x = e.load()
     return x.num_waiting + x.num_running
+

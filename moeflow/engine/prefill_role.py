@@ -22,10 +22,12 @@ from moeflow.comm.kv_server import KvServer, Offers
 from moeflow.config import KvTransferConfig
 from moeflow.core import Request, RequestError
 from moeflow.engine.base import Engine, KvTransfer, StepResult, clock
+from moeflow.engine.kv_copier import EngineCopier
 from moeflow.engine.kv_handoff import DONE, FAILED
 from moeflow.engine.role import RoleEngine
 from moeflow.kv_handle import UNKNOWN, KvHandle
-from moeflow.messages import KvSend, KvStage
+from moeflow.messages import KvStage
+from moeflow.scheduler.handoff.sides import Lease, PrefillSide
 from moeflow.settings import pd_fail_prob
 
 _IDLE_WAIT_S = 1e-3
@@ -34,8 +36,7 @@ _IDLE_WAIT_S = 1e-3
 @dataclass
 class Staging:
     request: Request
-    group: int  # the inner engine's group holding its leased blocks
-    blocks: tuple[int, ...]
+    lease: Lease  # the inner engine's group and blocks it holds
     since_s: float  # first token sampled (the lease started)
     stage: KvStage | None = None  # arena room found, copy out sent
     stage_s: float = 0.0  # ... when (the copy out has one lease from then)
@@ -54,7 +55,9 @@ class PrefillRole(RoleEngine):
         self.staging: dict[str, Staging] = {}
         self.offered: dict[int, KvStage] = {}  # transfer id -> its stage, until reaped
         self._logprobs: dict[str, tuple] = {}  # handoff request -> (first token's, prompt's so far)
-        self._fail_prob, self._rng = pd_fail_prob(), random.Random(self.config.seed)
+        port = inner.handoff_port()
+        self.copier = EngineCopier(self.kv, port, pd_fail_prob(), random.Random(self.config.seed))
+        self.side = PrefillSide(port, self.copier)
 
     def add_request(self, request: Request) -> None:
         if request.kv_handoff and request.params.max_tokens != 1:
@@ -89,13 +92,12 @@ class PrefillRole(RoleEngine):
                 first, plp = self._logprobs[rid]
                 self._logprobs[rid] = (o.logprobs if o.token_id is not None else first, plp + list(o.prompt_logprobs))
         out = StepResult(res.outputs, [], res.busy_s)
-        pool = self.inner.scheduler.pool
         for r in res.finished:
-            gid = pool.leases.get(r.request_id)
-            if gid is not None and r.finish_reason == "length":
-                self.staging[r.request_id] = Staging(r, gid, pool.groups[gid].allocator.table(r.request_id), clock())
+            lease = self.side.lease(r.request_id) if r.finish_reason == "length" else None
+            if lease is not None:
+                self.staging[r.request_id] = Staging(r, lease, clock())
             else:  # ended by its first token, or failed: nothing to hand over
-                pool.end_lease(r.request_id)
+                self.side.end(r.request_id)
                 self._logprobs.pop(r.request_id, None)
                 out.finished.append(r)
         for s in list(self.staging.values()):
@@ -123,12 +125,9 @@ class PrefillRole(RoleEngine):
         if s.stage is None:
             s.stage, s.stage_s = self.kv.open(r.num_prompt_tokens), clock()
             if s.stage is not None:
-                stage = s.stage
-                if self._fail_prob and self._rng.random() < self._fail_prob:
-                    stage = dataclasses.replace(stage, fail=True)
-                self.inner.send_kv(s.group, KvSend(stage, s.blocks))
+                self.side.copy_out(r.request_id, s.stage)
             return
-        state = self.kv.status(s.stage, WRITE, self.inner.kv_members(s.group))
+        state = self.copier.status(s.stage, WRITE, s.lease.group)
         if state not in (DONE, FAILED) and clock() - s.stage_s > self.kv_config.lease_s:
             # NOTE: its members never answered (a member stalled): the stage drains (``_drop``) and
             # the blocks are freed; a member's late copy out still comes before any later work on them
@@ -158,7 +157,7 @@ class PrefillRole(RoleEngine):
         are free now), or none (None) when its copy failed."""
         r, st, staged = s.request, s.stage, token is not None
         del self.staging[r.request_id]
-        self.inner.scheduler.pool.end_lease(r.request_id)
+        self.side.copied(r.request_id)  # copied or not, the blocks go back
         first_lp, plp = self._logprobs.pop(r.request_id, (None, []))
         where = (st.arena, st.slot, st.transfer_id, st.offset_bytes, self.kv.bytes_for(st.num_tokens)) if staged \
             else ("", 0, 0, 0, 0)
@@ -177,10 +176,8 @@ class PrefillRole(RoleEngine):
         out.finished.append(r)
 
     def _drop(self, s: Staging) -> None:
-        self.inner.scheduler.pool.end_lease(s.request.request_id)
         self._logprobs.pop(s.request.request_id, None)
-        if s.stage is not None:
-            self.kv.abandon(s.stage, WRITE, self.inner.kv_members(s.group))
+        self.side.drop(s.request.request_id, s.stage, answered=False)
 
     def load(self):
         x = self.inner.load()

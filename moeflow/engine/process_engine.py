@@ -108,11 +108,11 @@ class ProcessEngine(Engine):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def kv_members(self, group: int) -> int:
+    def _kv_members(self, group: int) -> int:
         return getattr(self.layout, "attn_tp", 1)
 
-    def send_kv(self, group: int, message) -> None:
-        t = self.kv_members(group)
+    def _send_kv(self, group: int, message) -> None:
+        t = self._kv_members(group)
         for w in self.deployment.workers:
             if w.role in KV_ROLES and w.index // t == group:
                 self.deployment.send(w, message)

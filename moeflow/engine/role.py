@@ -10,9 +10,6 @@ from __future__ import annotations
 import os
 import uuid
 
-import torch
-
-from moeflow.comm.kv_arena import staged_bytes
 from moeflow.config import EngineConfig, KvTransferConfig
 from moeflow.engine.base import Engine, EngineLoad, StepResult
 from moeflow.engine.kv_handoff import KvConnector, heap_device
@@ -32,13 +29,11 @@ class RoleEngine(Engine):
         self.model_config, self.max_model_len = inner.model_config, inner.max_model_len
         self.memory_plan = inner.memory_plan
         mc = self.model_config
-        entries = tuple(attention_for(mc).kv_layout().items())
-        self.kv_layout = KvLayout(mc.architecture, mc.num_layers, self.config.dtype, entries)
-        full = staged_bytes(mc.num_layers, self.max_model_len, getattr(torch, self.config.dtype).itemsize, entries)
-        heap = (kv.buffer_mib << 20) if kv.buffer_mib else min(max(4 * full, 64 << 20), 1 << 30)
+        self.kv_layout = KvLayout(mc.architecture, mc.num_layers, self.config.dtype,
+                                  tuple(attention_for(mc).kv_layout().items()))
         # NOTE: <pid>-<hex>, as an engine's: a SIGKILLed owner's arena is reclaimed by the next one
-        self.kv = KvConnector(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", heap, mc.num_layers, self.config.dtype, entries,
-                              heap_device(self.config))
+        self.kv = KvConnector.for_model(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", mc, self.max_model_len,
+                                        self.config.dtype, kv.buffer_mib, heap_device(self.config))
 
     @property
     def mode_name(self) -> str:

@@ -111,7 +111,8 @@ class RequestPool:
         if a.blocks_for(total) > a.num_blocks:
             raise RequestError(f"request {rid}: needs {a.blocks_for(total)} KV blocks, the cache has {a.num_blocks}")
 
-    def _admit_tokens(self, r: Request) -> int:
+    def admit_tokens(self, r: Request) -> int:
+        """The tokens a request needs blocks for on admission: its whole life under ``reserve``."""
         return r.max_total_tokens if self.admission == "reserve" else r.num_tokens
 
     def room_for(self, gid: int, reqs: list[Request]) -> bool:
@@ -121,7 +122,7 @@ class RequestPool:
         g = self.groups[gid]
         if any(self.pinned.get(r.request_id, gid) != gid for r in reqs):
             return False
-        need = sum(g.allocator.blocks_for(self._admit_tokens(r)) - g.allocator.num_held(r.request_id) for r in reqs)
+        need = sum(g.allocator.blocks_for(self.admit_tokens(r)) - g.allocator.num_held(r.request_id) for r in reqs)
         return need <= g.allocator.num_free and len(g.requests) + len(reqs) <= self.max_num_seqs
 
     def admit(self, gid: int, r: Request) -> None:
@@ -129,7 +130,7 @@ class RequestPool:
         g = self.groups[gid]
         self.waiting.remove(r)
         self.pinned.pop(r.request_id, None)
-        g.allocator.grow(r.request_id, self._admit_tokens(r))
+        g.allocator.grow(r.request_id, self.admit_tokens(r))
         r.status = RequestStatus.RUNNING
         g.requests.append(r)
         self.group_of[r.request_id] = gid

@@ -8,8 +8,10 @@ oldest first, each prefilled request waits for decode room (the decode instance 
 most free KV blocks, blocks reserved: the pre-allocation queue); the copy out of the prefill
 instance ends the lease, the copy in lands the KV, and the request decodes there. A request that
 waits longer than ``kv_lease_s`` gives its blocks up: ``recompute`` prefills its prompt again on a
-decode instance, ``fail`` fails it (a failed request of the point). The staging buffer's size
-(``kv_buffer_mib``) is not modelled: every handoff that found decode room copies at once.
+decode instance, ``fail`` fails it (a failed request of the point). The handoff's states and
+decisions are the engine's own (``scheduler/handoff/deployment.py``); here a copy takes its time
+on the clock. The staging buffer's size (``kv_buffer_mib``) is not modelled: every handoff that
+found decode room copies at once.
 """
 from __future__ import annotations
 
@@ -19,18 +21,50 @@ from functools import partial
 
 from moeflow.core import Request, SamplingParams
 from moeflow.measure.metrics import RequestRecord
-from moeflow.scheduler.handoff import Arrivals, most_room
+from moeflow.scheduler.handoff.deployment import GivenUp, PdHandoffs
+from moeflow.scheduler.handoff.port import KvPort
+from moeflow.scheduler.handoff.sides import DecodeSide, PrefillSide
 from moeflow.sim.system import System, _Track
 
 
-@dataclass
-class _Handoff:
-    request: Request  # the decode side's: the prompt and the first token
-    prefill: int
-    prefilled_s: float
-    track: _Track  # arrival, first batch, first token and compute so far
-    decode: int | None = None
-    started_s: float | None = None
+@dataclass(frozen=True)
+class _Stage:
+    request_id: str
+    nbytes: float
+
+
+class _Stages:
+    """Stages without a capacity: every handoff that found decode room copies at once."""
+
+    def __init__(self, kv_bytes_per_token: float):
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def open(self, request: Request) -> _Stage:
+        return _Stage(request.request_id, request.num_prompt_tokens * self.kv_bytes_per_token)
+
+    def close(self, stage: _Stage) -> None:
+        pass
+
+
+class _Copier:
+    """A side's copy as time on the clock: the cost model's copy out or copy in, then ``done(request id)``."""
+
+    def __init__(self, system: "PdSystem", out: bool, done):
+        self.system, self.out, self.done = system, out, done
+
+    def _after(self, stage: _Stage) -> None:
+        out_s, in_s = self.system.cost.kv_handoff_s(stage.nbytes)
+        loop = self.system.loop
+        loop.at(loop.now + (out_s if self.out else in_s), self.done, stage.request_id)
+
+    def copy_out(self, group: int, stage: _Stage, blocks) -> None:
+        self._after(stage)
+
+    def copy_in(self, group: int, stage: _Stage, blocks) -> None:
+        self._after(stage)
+
+    def abandon(self, stage: _Stage, side: int, group: int) -> None:
+        pass
 
 
 class PdSystem(System):
@@ -41,13 +75,23 @@ class PdSystem(System):
                         for i in range(lay.prefill_instances)]
         self.decode = [self._instance(make_system, lay.decode, f"decode{j}", self._decoded)
                        for j in range(lay.decode_instances)]
-        self.arrivals = [Arrivals(d.sched.pool) for d in self.decode]
-        self.requests: dict[str, Request] = {}  # the client's, until it finishes
-        self.waiting: dict[str, _Handoff] = {}  # prefilled, no decode room yet (oldest first)
-        self.handoff_s: dict[str, float] = {}  # landed on a decode instance: its handoff's seconds
         m = self.model
-        self.kv_bytes_per_token = m.kv_bytes_per_token_layer * m.num_layers
-        self.lease_expiries = 0
+        self.machine = PdHandoffs(
+            [PrefillSide(KvPort(p.sched.pool), _Copier(self, True, self._copied_out)) for p in self.prefill],
+            [DecodeSide(KvPort(d.sched.pool), _Copier(self, False, self._landed)) for d in self.decode],
+            _Stages(m.kv_bytes_per_token_layer * m.num_layers), lay.kv_lease_s, lay.kv_load_failure_policy)
+        self.requests: dict[str, Request] = {}  # the client's, until it finishes
+        self.tracks: dict[str, _Track] = {}  # a handoff's: arrival, first batch, first token and compute so far
+        self.handoff_s: dict[str, float] = {}  # landed on a decode instance: its handoff's seconds
+
+    @property
+    def lease_expiries(self) -> int:
+        return self.machine.stats.lease_expiries
+
+    @property
+    def waiting(self) -> dict:
+        """Prefilled handoffs without decode room yet, oldest first."""
+        return {rid: h for rid, h in self.machine.handoffs.items() if h.state == "pending"}
 
     def _instance(self, make_system, layout, name: str, sink) -> System:
         spec = dataclasses.replace(self.spec, name=f"{self.spec.name}.{name}", layout=layout)
@@ -71,8 +115,9 @@ class PdSystem(System):
         return all(s.models_skew() for s in self.prefill + self.decode)
 
     def _may_fail(self, request_id: str) -> bool:
-        # a handoff still waiting for decode room fails when its lease runs out under policy fail
-        return self.layout.kv_load_failure_policy == "fail" and request_id in self.waiting
+        # a handoff still on the prefill side fails when its lease runs out under policy fail
+        h = self.machine.handoffs.get(request_id)
+        return self.layout.kv_load_failure_policy == "fail" and h is not None and h.state in ("pending", "writing")
 
     def _prefilled(self, i: int, first: Request, t: _Track, now: float) -> None:
         """Prefill instance ``i`` sampled ``first``'s token: the client has it; its KV waits for room."""
@@ -80,53 +125,52 @@ class PdSystem(System):
         mine = self.track[r.request_id]
         mine.first_scheduled_s, mine.first_token_s, mine.compute_s = t.first_scheduled_s, now, t.compute_s
         if r.append_token(first.output_token_ids[-1]):  # one output token: nothing to hand over
-            self.prefill[i].sched.pool.end_lease(r.request_id)
+            self.machine.prefill[i].end(r.request_id)
             self.prefill[i].poke()
             self._record(r, mine, now)
             return
         rd = Request(r.request_id, r.prompt_token_ids, r.params, r.arrival_s, output_token_ids=list(r.output_token_ids))
-        self.waiting[r.request_id] = _Handoff(rd, i, now, _Track(r.arrival_s, t.first_scheduled_s, now, t.compute_s))
+        self.machine.prefilled(i, r, rd, now)
+        self.tracks[r.request_id] = _Track(r.arrival_s, t.first_scheduled_s, now, t.compute_s)
         self.loop.timer(now + self.layout.kv_lease_s, self._lease_check, r.request_id)
         self._place()
 
     def _place(self) -> None:
         """Every waiting handoff that finds decode room now starts its copies, oldest first."""
         now = self.loop.now
-        for rid, h in list(self.waiting.items()):
-            best = most_room(self.arrivals, h.request)  # the engine's choice (engine/handoffs.py)
-            if best is None:
-                continue
-            j, gid = best
-            del self.waiting[rid]
-            self.arrivals[j].reserve(gid, h.request)
-            h.decode, h.started_s = j, now
-            out_s, in_s = self.cost.kv_handoff_s(h.request.num_prompt_tokens * self.kv_bytes_per_token)
-            self.loop.at(now + out_s, self._copied_out, h, in_s)
+        for h in list(self.machine.handoffs.values()):
+            if h.state == "pending":
+                self.machine.start(h, now)
 
-    def _copied_out(self, h: _Handoff, in_s: float) -> None:
-        """The prefill side's copy is done: its lease ends, its blocks go back."""
-        p = self.prefill[h.prefill]
-        p.sched.pool.end_lease(h.request.request_id)
-        p.poke()
-        self.loop.at(self.loop.now + in_s, self._landed, h)
+    def _copied_out(self, rid: str) -> None:
+        """The prefill side's copy is done: its lease ends, its blocks go back; the copy in starts."""
+        h = self.machine.handoffs.get(rid)
+        if h is None:  # given up while its copy ran (its lease ran out)
+            return
+        self.machine.copied_out(h, True, self.loop.now)
+        self.prefill[h.prefill].poke()
 
-    def _landed(self, h: _Handoff) -> None:
-        rid = h.request.request_id
-        d = self.decode[h.decode]
-        self.arrivals[h.decode].arrive(h.request)
+    def _landed(self, rid: str) -> None:
+        h = self.machine.handoffs.get(rid)
+        if h is None:
+            return
+        self.machine.copied_in(h, True, self.loop.now)
         self.handoff_s[rid] = self.loop.now - h.started_s
-        d.track[rid] = h.track  # its first token is known: the decode side only adds the rest
+        d = self.decode[h.decode]
+        d.track[rid] = self.tracks.pop(rid)  # its first token is known: the decode side only adds the rest
         d.poke()
 
     def _lease_check(self, rid: str) -> None:
-        h = self.waiting.pop(rid, None)
-        if h is None:  # it found room in time
+        """Its lease ran out: a handoff still on the prefill side is given up, as the engine does."""
+        h = self.machine.handoffs.get(rid)
+        if h is None or h.state not in ("pending", "writing"):  # it left the prefill side in time
             return
-        self.lease_expiries += 1
-        p = self.prefill[h.prefill]
-        p.sched.pool.end_lease(rid)
-        p.poke()
-        if self.layout.kv_load_failure_policy == "fail":
+        self._given_up(self.machine.expire(h))
+        self.prefill[h.prefill].poke()
+
+    def _given_up(self, g: GivenUp) -> None:
+        rid, track = g.handoff.request_id, self.tracks.pop(g.handoff.request_id)
+        if g.recompute_on is None:
             self.requests.pop(rid)
             self.track.pop(rid)
             self._pending -= 1
@@ -134,11 +178,11 @@ class PdSystem(System):
             return
         # recompute: a decode instance prefills the prompt and the first token again
         r = self.requests[rid]
-        j = min(range(len(self.decode)), key=lambda j: (len(self.decode[j].track), j))
         rd = Request(rid, list(r.prompt_token_ids) + list(r.output_token_ids), SamplingParams(
             max_tokens=r.params.max_tokens - len(r.output_token_ids), ignore_eos=True), r.arrival_s)
-        self.decode[j].track[rid] = h.track
-        self.decode[j].add(rd)
+        self.machine.stats.recomputes += 1
+        self.decode[g.recompute_on].track[rid] = track
+        self.decode[g.recompute_on].add(rd)
 
     def _decoded(self, rd: Request, t: _Track, now: float) -> None:
         r = self.requests[rd.request_id]

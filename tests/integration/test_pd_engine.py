@@ -46,7 +46,7 @@ def assert_all_returned(engine) -> None:
     """Zero stranded blocks: every instance's cache is whole again, nothing leased or reserved, no stage open."""
     for e in engine.instances:
         pool = e.scheduler.pool
-        assert not pool.leases and not e.arrivals.reserved
+        assert not pool.leases and not e.handoff_port().arrivals.reserved
         assert all(g.allocator.num_free == g.allocator.num_blocks for g in pool.groups)
     assert engine.kv.in_flight == 0 and engine.kv.heap.used_bytes == 0 and not engine.handoffs
 

@@ -64,7 +64,7 @@ def assert_roles_clean(p: LLM, d: LLM) -> None:
         p.engine.check_workers()
     for e in (p.engine, d.engine):
         pool = e.inner.scheduler.pool
-        assert not pool.leases and not e.inner.arrivals.reserved
+        assert not pool.leases and not e.inner.handoff_port().arrivals.reserved
         assert all(g.allocator.num_free == g.allocator.num_blocks for g in pool.groups)
     assert p.engine.kv.heap.used_bytes == 0 and not p.engine.staging and not p.engine.offered
     assert d.engine.kv.heap.used_bytes == 0 and not d.engine.incoming

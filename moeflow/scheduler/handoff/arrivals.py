@@ -26,7 +26,7 @@ class Arrivals:
         """The live group with the most free blocks that has room for ``r`` (its known tokens, or its
         whole life under ``reserve`` admission) and a sequence slot (None: no group has)."""
         pool, best = self.pool, None
-        num_tokens = pool._admit_tokens(r)
+        num_tokens = pool.admit_tokens(r)
         for gid, g in enumerate(pool.groups):
             a = g.allocator
             if g.dead or len(g.requests) + self.count(gid) >= pool.max_num_seqs or a.blocks_for(num_tokens) > a.num_free:
@@ -38,7 +38,7 @@ class Arrivals:
     def reserve(self, gid: int, r: Request) -> tuple[int, ...]:
         """``r``'s blocks in group ``gid`` (``best_group`` found the room)."""
         self.reserved[r.request_id] = gid
-        return self.pool.groups[gid].allocator.allocate(r.request_id, self.pool._admit_tokens(r))
+        return self.pool.groups[gid].allocator.allocate(r.request_id, self.pool.admit_tokens(r))
 
     def cancel(self, request_id: str) -> None:
         """The transfer failed or the request ended before its KV arrived: its blocks are freed."""
@@ -57,16 +57,3 @@ class Arrivals:
         pool.groups[gid].requests.append(r)
         pool.group_of[r.request_id] = gid
         return gid
-
-
-def most_room(arrivals: list[Arrivals | None], r: Request) -> tuple[int, int] | None:
-    """(instance, group) of the decode instances' ``arrivals`` (None: a failed instance) with the most
-    free KV blocks that has room for ``r``; None when none has (the request waits for room)."""
-    best = None
-    for j, a in enumerate(arrivals):
-        gid = a.best_group(r) if a is not None else None
-        if gid is not None:
-            free = a.pool.groups[gid].allocator.num_free
-            if best is None or free > best[2]:
-                best = (j, gid, free)
-    return None if best is None else best[:2]
