@@ -81,6 +81,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def decoding(engine) -> list:
+    """The engines whose groups decode: a pd deployment's decode instances, else the deployment."""
+    from moeflow.engine.pd import PdEngine
+
+    return list(engine.decode) if isinstance(engine, PdEngine) else [engine]
+
+
 def measure(spec: SystemSpec, context: int, bench: DecodeExperiment, repeat: int) -> dict:
     """One deployment, prefilled at ``context``, one timed decode window."""
     from moeflow import LLM, SamplingParams
@@ -88,7 +95,7 @@ def measure(spec: SystemSpec, context: int, bench: DecodeExperiment, repeat: int
     engine_cfg = dataclasses.replace(spec.engine, trace=True)
     with LLM(layout=spec.layout, **dataclasses.asdict(engine_cfg)) as llm:
         engine = llm.engine
-        pools = engine.decode_pools()  # a pd deployment decodes on its decode instances
+        pools = [e.handoff_port().pool for e in decoding(engine)]
         groups = [g for p in pools for g in p.groups]
         a = groups[0].allocator
         def capacity_at(gen: int) -> int:

@@ -44,7 +44,7 @@ def _spec(layout: AfdLayout, mc, config: EngineConfig) -> CommSpec:
                     max_local_experts=max(len(ids) for ids in held))
 
 
-def _footprints(layout: AfdLayout, mc, config: EngineConfig):
+def footprint(layout: AfdLayout, mc, config: EngineConfig):
     spec, held = _spec(layout, mc, config), layout.experts_held(mc.num_experts)
     gates = layout.router == "ffn"
     return layout.max_batch_tokens, lambda fp, block: [
@@ -62,7 +62,6 @@ def _ffn(layout: AfdLayout, config: EngineConfig, fp, j: int, slots: int, router
 
 class AfdEngine(ProcessEngine):
     mode_name = "afd"
-    footprint = staticmethod(_footprints)
 
     def __init__(self, model_path: str, config: EngineConfig, layout: AfdLayout):
         super().__init__(config, layout)
@@ -78,7 +77,7 @@ class AfdEngine(ProcessEngine):
         # across hosts: the attention instances (and the engine) on node 0, the FFN daemons on the others
         transport, rank_nodes = self._transport((0,) * m + tuple(self._expert_node(j) for j in range(n)))
         comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
-        config = self._budget(config, model_path)
+        config = self._budget(config, model_path, footprint)
         world = self._world(m + n) if transport in DIST_TRANSPORTS else None
         setup = functools.partial(self._setup, model_path, comm, held, world)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)

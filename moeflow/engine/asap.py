@@ -35,7 +35,7 @@ def _spec(layout: AsapLayout, mc, config: EngineConfig) -> CommSpec:
                     max_local_experts=max(len(ids) for ids in held))
 
 
-def _footprints(layout: AsapLayout, mc, config: EngineConfig):
+def footprint(layout: AsapLayout, mc, config: EngineConfig):
     spec, held, t = _spec(layout, mc, config), layout.experts_held(mc.num_experts), layout.attn_tp
     member_block = config.kv_block_size * kv_bytes_per_token(attention_for(mc).member_config(t), TORCH_DTYPES[config.dtype])
     return layout.scheduler.max_batch_tokens, lambda fp, block: [
@@ -47,7 +47,6 @@ def _footprints(layout: AsapLayout, mc, config: EngineConfig):
 
 class AsapEngine(ProcessEngine):
     mode_name = "asap"
-    footprint = staticmethod(_footprints)
 
     def __init__(self, model_path: str, config: EngineConfig, layout: AsapLayout):
         super().__init__(config, layout)
@@ -63,7 +62,7 @@ class AsapEngine(ProcessEngine):
         n = layout.num_attention_workers  # world ranks: attention g*T + m first, then MoE workers
         transport, rank_nodes = self._transport((0,) * n + tuple(self._expert_node(i) for i in range(e)))
         comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
-        config = self._budget(config, model_path)
+        config = self._budget(config, model_path, footprint)
         world = None
         if t > 1 or transport in DIST_TRANSPORTS:
             groups = tuple(tuple(range(g * t, (g + 1) * t)) for g in range(d)) if t > 1 else ()

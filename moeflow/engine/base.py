@@ -57,12 +57,15 @@ class EngineLoad:
     eplb_physical_experts: int = 0
     eplb_balancedness: tuple[tuple[int, float], ...] = ()
     eplb_hottest: tuple[tuple[int, int, float], ...] = ()
+    # why the deployment serves with less than it was built with (dwdp: a rank died and the others go
+    # on; pd: an instance failed), None when whole. A degraded deployment is still serving, not failed.
+    degraded: str | None = None
 
 
 class Engine(abc.ABC):
     """One deployment: schedule -> execute -> update, one ``step`` at a time. A mode's engine names
-    itself (``mode_name``), says what each of its processes holds (``footprint``, for the memory
-    plan) and whether its workers may run on several hosts (``multinode``)."""
+    itself (``mode_name``) and says whether its workers may run on several hosts (``multinode``);
+    its module's ``footprint`` says what each of its processes holds (the memory plan)."""
 
     mode_name: str
     multinode: bool = False
@@ -98,40 +101,23 @@ class Engine(abc.ABC):
         its requests end with errors as in ``step``. In-process modes have nothing to check."""
         return StepResult({}, [])
 
-    def degraded(self) -> str | None:
-        """Why the deployment serves with less than it was built with (dwdp: a rank died and the
-        others go on), None when whole. A degraded deployment is still serving, not ``failed``."""
-        return None
-
     def heal(self) -> bool:
-        """Replace what a degraded deployment lost while it goes on serving (it is whole again some
-        steps later); False when that cannot be done in place (the caller rebuilds it)."""
+        """Replace what a degraded deployment lost (``load().degraded``) while it goes on serving (it
+        is whole again some steps later); False when that cannot be done in place (the caller
+        rebuilds it)."""
         return False
 
     def oldest_work_age_s(self) -> tuple[float, int | None]:
         """(seconds, group) of the oldest work item its workers have not answered; (0, None): none."""
         return 0.0, None
 
-    @staticmethod
-    def footprint(layout: Layout, mc: ModelConfig, config: EngineConfig):
-        """(max batch tokens, processes): ``processes(weight_footprint, kv_block_bytes)`` lists the
-        deployment's ``memory.ProcessFootprint``s, so a plan can be made without starting anything."""
-        raise ConfigError(f"mode {layout.mode!r} declares no memory footprint")
-
-    def decode_pools(self) -> list:
-        """The request pools of the groups that decode (a pd deployment: its decode instances')."""
-        return [self.scheduler.pool]
-
     def load(self) -> EngineLoad:
         pool = self.scheduler.pool
         waiting = len(pool.waiting) + sum(map(len, pool.held.values()))  # held: later samples of a prompt
-        x = getattr(self, "expert_load", None)
-        eplb = {} if x is None else dict(eplb_physical_experts=x.map.num_slots, eplb_hottest=tuple(x.hottest()),
-                                         eplb_balancedness=tuple(zip(x.layer_ids, x.balancedness())))
         return EngineLoad(waiting, sum(len(g.requests) for g in pool.groups),
                           sum(g.allocator.num_free for g in pool.groups),
                           sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups),
-                          tuple(g.preemptions for g in pool.groups), **eplb)
+                          tuple(g.preemptions for g in pool.groups))
 
     # -- a KV handoff's side on this deployment (scheduler/handoff/) -----------------------------
 
@@ -154,10 +140,6 @@ class Engine(abc.ABC):
         raise ConfigError(f"mode {self.mode_name!r} cannot hand KV blocks over")
 
     _kv_arrived = None  # (request) -> None: what else a request decoding from handed-over KV needs
-
-    def release_kv(self, handle) -> None:
-        """Free the staged KV that ``handle`` (``kv_handle.KvHandle``) names, or tell its prefill server
-        to: a handoff refused or abandoned before its decode side took the KV. Roles only."""
 
     def collect_spans(self) -> list:
         """Trace spans recorded by the deployment's workers (modes with worker processes)."""

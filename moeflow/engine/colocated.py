@@ -18,16 +18,15 @@ from moeflow.workers.kv_transfer import KvTransfers
 from moeflow.workers.runner import ModelRunner
 
 
-def _footprints(layout: ColocatedLayout, mc, config: EngineConfig):
+def footprint(layout: ColocatedLayout, mc, config: EngineConfig):
     return config.max_num_batched_tokens, lambda fp, block: [ProcessFootprint("colocated", fp.total, 0, block)]
 
 
 class ColocatedEngine(Engine):
     mode_name = "colocated"
-    footprint = staticmethod(_footprints)
 
     def __init__(self, model_path: str, config: EngineConfig, layout: ColocatedLayout):
-        config, self.memory_plan = apply_budget(config, model_path, layout, _footprints)
+        config, self.memory_plan = apply_budget(config, model_path, layout, footprint)
         self.config, self.layout = config, layout
         torch.set_num_threads(config.num_threads)
         dtype = TORCH_DTYPES[config.dtype]

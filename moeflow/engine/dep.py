@@ -32,7 +32,7 @@ def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
                     dtype=config.dtype, max_local_experts=max(len(ids) for ids in experts), shared_ranks=True)
 
 
-def _footprints(layout: DepLayout, mc, config: EngineConfig):
+def footprint(layout: DepLayout, mc, config: EngineConfig):
     spec, experts = _spec(layout, mc, config), layout.experts_held(mc.num_experts)
 
     def rank(fp, block, r):
@@ -44,7 +44,6 @@ def _footprints(layout: DepLayout, mc, config: EngineConfig):
 
 class DepEngine(ProcessEngine):
     mode_name = "dep"
-    footprint = staticmethod(_footprints)
 
     def __init__(self, model_path: str, config: EngineConfig, layout: DepLayout):
         super().__init__(config, layout)
@@ -66,7 +65,7 @@ class DepEngine(ProcessEngine):
         nnodes = config.cluster.nnodes  # rank r on node r mod N
         transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(dp)))
         comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
-        config = self._budget(config, model_path)
+        config = self._budget(config, model_path, footprint)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
         world = self._world(dp) if transport not in ONE_HOST_SHARED else None
         self._launch([self._setup(model_path, comm, experts, world, "dep", r, r, r % nnodes) for r in range(dp)])

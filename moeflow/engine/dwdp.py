@@ -10,11 +10,13 @@ The deployment fails once no rank is left.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from moeflow.comm import CommConfig
 from moeflow.comm.segment import SHM_DIR
 from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ONE_HOST_SHARED, ConfigError, EngineConfig
-from moeflow.engine.base import StepResult, clock, context_len
+from moeflow.engine.base import EngineLoad, StepResult, clock, context_len
 from moeflow.engine.eplb import attach, check_live, start_placement
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
@@ -27,7 +29,7 @@ from moeflow.workers.launch import WorkerDied, WorkerHandle, WorkerStalled
 
 
 
-def _footprints(layout: DwdpLayout, mc, config: EngineConfig):
+def footprint(layout: DwdpLayout, mc, config: EngineConfig):
     """Resident experts, and two layers' worth of pulled ones (the ping-pong slots)."""
     placement = layout.experts_held(mc.num_experts)
     pulled = [mc.num_experts - len(set(ids)) for ids in placement]
@@ -38,7 +40,6 @@ def _footprints(layout: DwdpLayout, mc, config: EngineConfig):
 
 class DwdpEngine(ProcessEngine):
     mode_name = "dwdp"
-    footprint = staticmethod(_footprints)
 
     def __init__(self, model_path: str, config: EngineConfig, layout: DwdpLayout):
         super().__init__(config, layout)
@@ -56,7 +57,7 @@ class DwdpEngine(ProcessEngine):
         transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(layout.dp)))
         # weight pulls only: no dispatch/combine buffers
         comm = CommConfig(None, transport, self.deployment_id, rank_nodes=rank_nodes)
-        config = self._budget(config, model_path)
+        config = self._budget(config, model_path, footprint)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
         world = self._world(layout.dp) if transport not in ONE_HOST_SHARED else None
         fp = weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype])
@@ -138,11 +139,13 @@ class DwdpEngine(ProcessEngine):
                 finished += self._rank_died(rank, f"{w.name} exited unexpectedly (exit code {w.process.exitcode})")
         return StepResult({}, finished)
 
-    def degraded(self) -> str | None:
+    def load(self) -> EngineLoad:
+        x = super().load()
         if not self.dead or self.failed is not None:
-            return None
-        return "; ".join(f"rank {r} {'is being replaced' if r in self._respawning else 'is lost'} ({why})"
-                         for r, why in sorted(self.dead.items()))
+            return x
+        return dataclasses.replace(x, degraded="; ".join(
+            f"rank {r} {'is being replaced' if r in self._respawning else 'is lost'} ({why})"
+            for r, why in sorted(self.dead.items())))
 
     def heal(self) -> bool:
         """Start a replacement for every lost rank; False when one cannot come back in place (its

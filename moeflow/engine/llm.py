@@ -148,7 +148,7 @@ class LLM:
         healed in place (rebuilt when it cannot be)."""
         if not self.restart_policy.enabled:
             return
-        why = self.engine.degraded()
+        why = self.engine.load().degraded
         if why is not None and not self.engine.heal():
             self.engine.failed = f"{why}; rebuilding the whole deployment"
         if self.engine.failed is not None:

@@ -10,7 +10,7 @@ and a process with a KV cache gets the rest as blocks:
 so a process that holds no routed experts (an asap attention worker, an afd attention instance)
 really fits more requests than a dep rank with the same budget. A process whose fixed part
 exceeds the budget is refused with the numbers. Each mode's engine lists its processes
-(``Engine.footprint``).
+(each mode's module's ``footprint``, ``modes.FOOTPRINTS``).
 
 The activation reserve, unless given, is what one batch of ``max_batch_tokens`` tokens keeps
 alive inside one layer, in the compute dtype: the hidden state, residual, attention output, MoE
@@ -103,7 +103,7 @@ def plan_memory(config: EngineConfig, processes: list[ProcessFootprint], reserve
 
 
 Processes = Callable[[WeightFootprint, int], list[ProcessFootprint]]
-# a mode's ``Engine.footprint``: (layout, model config, engine config) -> (max batch tokens, its processes)
+# a mode's ``footprint`` (its engine module's): (layout, model config, engine config) -> (max batch tokens, its processes)
 Footprint = Callable[..., tuple[int, Processes]]
 
 

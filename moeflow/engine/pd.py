@@ -216,7 +216,13 @@ class PdEngine(Engine):
                           tuple(n for x in loads for n in x.running_per_group),
                           tuple(n for x in loads for n in x.preemptions_per_group), tuple(side.items()),
                           len(self.handoffs), (("failures", st.failures), ("lease_expiries", st.lease_expiries),
-                                               ("recomputes", st.recomputes)))
+                                               ("recomputes", st.recomputes)), degraded=self._lost())
+
+    def _lost(self) -> str | None:
+        lost = [f"{side} instance {i} failed ({e.failed})" for side, es in (("prefill", self.prefill),
+                                                                           ("decode", self.decode))
+                for i, e in enumerate(es) if e.failed is not None]
+        return "; ".join(lost) or None
 
     def check_workers(self) -> StepResult:
         out = StepResult({}, [])
@@ -228,11 +234,6 @@ class PdEngine(Engine):
         self._advance(out)
         return out
 
-    def degraded(self) -> str | None:
-        lost = [f"{side} instance {i} failed ({e.failed})" for side, es in (("prefill", self.prefill),
-                                                                           ("decode", self.decode))
-                for i, e in enumerate(es) if e.failed is not None]
-        return "; ".join(lost) or None
 
     def heal(self) -> bool:
         """Rebuild every failed instance in place; the others go on serving."""
@@ -249,9 +250,6 @@ class PdEngine(Engine):
     def drain(self, timeout_s: float = 120.0) -> None:
         for e in self.instances:
             e.drain(timeout_s)
-
-    def decode_pools(self) -> list:
-        return [p for e in self.decode for p in e.decode_pools()]
 
     def collect_spans(self) -> list:
         """Every instance's worker spans, each track under its side ("prefill0:attention0/main"), and

@@ -6,6 +6,7 @@ for which request, and what each group may forget.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections import deque
@@ -13,8 +14,8 @@ from collections import deque
 from moeflow.comm.cuda_ipc import check_engine as check_cuda_ipc
 from moeflow.config import EngineConfig
 from moeflow.core import Batch, Request, Work
-from moeflow.engine.base import Engine, StepResult, clock, validate_request
-from moeflow.engine.memory import apply_budget
+from moeflow.engine.base import Engine, EngineLoad, StepResult, clock, validate_request
+from moeflow.engine.memory import Footprint, apply_budget
 from moeflow.layout import Layout
 from moeflow.layout.expert_map import ExpertMap
 from moeflow.logs import get_logger
@@ -50,9 +51,10 @@ class ProcessEngine(Engine):
         self._inflight: dict[int, Work] = {}
         self.expert_load = self.eplb = None  # the modes that spread experts: their load window, placement over time
 
-    def _budget(self, config: EngineConfig, model_path: str) -> EngineConfig:
-        """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``)."""
-        self.config, self.memory_plan = apply_budget(config, model_path, self.layout, self.footprint)
+    def _budget(self, config: EngineConfig, model_path: str, footprint: Footprint) -> EngineConfig:
+        """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``);
+        ``footprint``: the mode's (its module's ``footprint``)."""
+        self.config, self.memory_plan = apply_budget(config, model_path, self.layout, footprint)
         return self.config
 
     def _setup(self, model_path: str, comm, experts_held, world, role: str, index: int, rank: int,
@@ -107,6 +109,13 @@ class ProcessEngine(Engine):
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def load(self) -> EngineLoad:
+        x, e = super().load(), self.expert_load
+        if e is None:
+            return x
+        return dataclasses.replace(x, eplb_physical_experts=e.map.num_slots, eplb_hottest=tuple(e.hottest()),
+                                   eplb_balancedness=tuple(zip(e.layer_ids, e.balancedness())))
 
     def _kv_members(self, group: int) -> int:
         return getattr(self.layout, "attn_tp", 1)

@@ -304,4 +304,4 @@ class AsyncEngine:
             self._snap = Snapshot(False, failure, pending, restarting=restarting)
             return
         load = self.llm.engine.load()  # EngineLoad's fields are the snapshot's
-        self._snap = Snapshot(True, None, pending, degraded=self.supervisor.degraded, **vars(load))
+        self._snap = Snapshot(True, None, pending, **{**vars(load), "degraded": self.supervisor.degraded})

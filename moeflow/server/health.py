@@ -94,7 +94,7 @@ class Supervisor:
     def mend(self, engine, may_heal: bool) -> str | None:
         """Heal a degraded deployment in place (when the policy allows); returns a reason to
         rebuild it instead (it cannot be healed in place), else None."""
-        why = engine.degraded()
+        why = engine.load().degraded
         if why is not None and self._degraded is None:
             logger.warning("the deployment is degraded: %s", why)
             self._degraded_since = clock()

@@ -22,7 +22,6 @@ from functools import partial
 from moeflow.core import Request, SamplingParams
 from moeflow.measure.metrics import RequestRecord
 from moeflow.scheduler.handoff.deployment import GivenUp, PdHandoffs
-from moeflow.scheduler.handoff.port import KvPort
 from moeflow.scheduler.handoff.sides import DecodeSide, PrefillSide
 from moeflow.sim.system import System, _Track
 
@@ -77,8 +76,8 @@ class PdSystem(System):
                        for j in range(lay.decode_instances)]
         m = self.model
         self.machine = PdHandoffs(
-            [PrefillSide(KvPort(p.sched.pool), _Copier(self, True, self._copied_out)) for p in self.prefill],
-            [DecodeSide(KvPort(d.sched.pool), _Copier(self, False, self._landed)) for d in self.decode],
+            [PrefillSide(p.handoff_port(), _Copier(self, True, self._copied_out)) for p in self.prefill],
+            [DecodeSide(d.handoff_port(), _Copier(self, False, self._landed)) for d in self.decode],
             _Stages(m.kv_bytes_per_token_layer * m.num_layers), lay.kv_lease_s, lay.kv_load_failure_policy)
         self.requests: dict[str, Request] = {}  # the client's, until it finishes
         self.tracks: dict[str, _Track] = {}  # a handoff's: arrival, first batch, first token and compute so far

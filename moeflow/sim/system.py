@@ -13,6 +13,7 @@ from moeflow.core import Batch, Request, SamplingParams
 from moeflow.experiment.system import SystemSpec
 from moeflow.measure.metrics import RequestRecord, mean_ttft_lower_bound
 from moeflow.measure.slo import StopRule
+from moeflow.scheduler.handoff.port import KvPort
 from moeflow.measure.workload import WorkloadRequest
 from moeflow.messages import Span
 from moeflow.scheduler import Scheduler, make_scheduler
@@ -139,6 +140,10 @@ class System(abc.ABC):
 
     def models_skew(self) -> bool:
         return self.loads is not None
+
+    def handoff_port(self) -> KvPort:
+        """What a KV handoff's side may do to this system (the engine's ``Engine.handoff_port``)."""
+        return KvPort(self.sched.pool)
 
     def expert_loads(self, num_devices: int) -> ExpertLoads:
         """The expert-load model of this system's ``num_devices`` expert devices (SimOptions)."""

@@ -95,18 +95,18 @@ def test_the_simulators_memory_plan_is_the_engines(layout):
 def test_the_plan_counts_every_expert_slot_and_the_second_buffer():
     """Redundant slots (and live rebalancing's second buffer) are weights: a budget that holds a
     rank's own experts refuses 16 more slots, naming the process, its slots and the sum."""
-    from moeflow.engine.dep import DepEngine
+    from moeflow.engine.dep import footprint as dep_footprint
     from moeflow.engine.llm import resolve_model
     from moeflow.engine.memory import apply_budget
     from moeflow.layout import make_layout
 
     path = resolve_model("tiny")
     cfg = EngineConfig(dtype="float32", memory_budget_gib=0.6, activation_reserve_gib=0.1)
-    fits = apply_budget(cfg, path, make_layout("dep", dp=4, max_batch_tokens=512), DepEngine.footprint)[1]
+    fits = apply_budget(cfg, path, make_layout("dep", dp=4, max_batch_tokens=512), dep_footprint)[1]
     assert fits.num_kv_blocks > 0
     with pytest.raises(ConfigError, match=r"too small for rank0 \(8 expert slots\): weights 0\.549 GiB"):
         apply_budget(cfg, path, make_layout("dep", dp=4, max_batch_tokens=512, num_redundant_experts=16),
-                     DepEngine.footprint)
+                     dep_footprint)
     live = dataclasses.replace(cfg, enable_eplb=True)
     with pytest.raises(ConfigError, match=r"rank0 \(4 expert slots, two buffers for live rebalancing\)"):
-        apply_budget(live, path, make_layout("dep", dp=4, max_batch_tokens=512), DepEngine.footprint)
+        apply_budget(live, path, make_layout("dep", dp=4, max_batch_tokens=512), dep_footprint)

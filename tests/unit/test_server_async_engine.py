@@ -257,8 +257,8 @@ class DegradedEngine(FakeEngine):
         super().__init__()
         self.lost, self.heals, self.checks_to_whole = "rank 1 is lost (killed)", 0, None
 
-    def degraded(self):
-        return self.lost
+    def load(self) -> EngineLoad:
+        return EngineLoad(0, len(self.requests), 10, 10, degraded=self.lost)
 
     def heal(self):
         self.heals += 1
