@@ -20,6 +20,7 @@ import time
 from moeflow.bench.http_metrics import parse_goodput, percentile_key
 from moeflow.bench.server_process import ServeProcess
 from moeflow.config import DTYPES
+from moeflow.plan.question import PlanQuestion
 
 # (name, serve flags, config for measure.plot's label, worker processes)
 SYSTEMS = (("pd", ["--mode", "pd", "--prefill", "mode=asap,attn_dp=1,moe_workers=1",
@@ -91,15 +92,15 @@ def run(args: argparse.Namespace) -> int:
 
 # the same question at the seeds' scale: which prefill/decode split of 8 GB200 GPUs serves DeepSeek-R1
 # (8K prompts, 1K outputs) best; estimates from each side simulated alone, a few seconds
-PLAN = ["plan", "--model", "deepseek-r1", "--hardware", "gb200", "--devices", "8", "--isl", "8192", "--isl-ratio",
-        "0.8", "--osl", "1024", "--ttft-s", "3", "--tpot-ms", "40", "--kinds", "pd", "--confirm", "0", "--top", "0"]
+PLAN = PlanQuestion(model="deepseek-r1", hardware="gb200", devices=8, isl=8192, isl_ratio=0.8, osl=1024, ttft_s=3,
+                    tpot_ms=40, kinds=("pd",), confirm=0, top=0)
 
 
 def _plan(out_dir: str) -> None:
-    from moeflow.cli import main
+    from moeflow.plan.cli import answer
 
-    print(f"\nmoeflow {' '.join(PLAN)}")
-    main(PLAN + ["--json", os.path.join(out_dir, "plan_deepseek_r1_gb200_8.json")])
+    print()
+    answer(PLAN, os.path.join(out_dir, "plan_deepseek_r1_gb200_8.json"))
 
 
 def _dtype_line(log_path: str) -> str:
