@@ -46,10 +46,10 @@ class ModelConfig:
     moe_intermediate_size: int  # F of one routed expert
     norm_topk_prob: bool  # renormalize the top-k softmax weights to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
-    # the model's attention and router kinds (keys of model.attention.ATTENTION_KINDS and model.moe.ROUTERS;
+    # the model's attention and gate kinds (keys of model.attention.ATTENTION_KINDS and model.gate.GATE_KINDS;
     # names, not classes, so this file stays torch-free); the family sets them
     attention_kind: str = "gqa"
-    router_kind: str = "softmax_topk"
+    gate_kind: str = "softmax_topk"
     intermediate_size: int = 0  # F of a dense MLP layer (0 when every layer is MoE)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(x @ gate) scales the shared expert
@@ -200,7 +200,7 @@ class EngineConfig:
     enable_eplb: bool = False
     eplb_config: EplbConfig = field(default_factory=EplbConfig)  # a mapping (JSON, YAML) or None is parsed in place
     init_expert_location: str = "trivial"  # or a JSON file of recorded load or a placement (scheduler/expert_location)
-    router_skew: float = 0.0  # benchmarks only: a Zipf(s) tilt of every router's choice (model/router.skewed)
+    router_skew: float = 0.0  # benchmarks only: a Zipf(s) tilt of every MoE gate's choice (model/gate.skewed)
 
     def __post_init__(self) -> None:
         check_engine(self)

@@ -18,7 +18,7 @@ def modelled(sim, cost) -> str:
     """What a system's run models that the engine does not choose: the attention split, the jitter
     and skew it draws (their values, resolved from the hardware and the model where not set)."""
     jitter = cost.compute_jitter_cv if sim.compute_jitter_cv is None else sim.compute_jitter_cv
-    skew = cost.model.router_load_cv if sim.expert_load_cv is None else sim.expert_load_cv
+    skew = cost.model.gate_load_cv if sim.expert_load_cv is None else sim.expert_load_cv
     return f"attention groups split {sim.attention_parallel}, compute jitter CV {jitter:g}, expert skew CV {skew:g}"
 
 
