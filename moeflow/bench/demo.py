@@ -20,6 +20,8 @@ import time
 from moeflow.bench.http_metrics import parse_goodput, percentile_key
 from moeflow.bench.server_process import ServeProcess
 from moeflow.config import DTYPES
+from moeflow.measure.rate_flag import add_request_rate
+from moeflow.measure.workload import rates_of
 from moeflow.plan.question import PlanQuestion
 
 # (name, serve flags, config for measure.plot's label, worker processes)
@@ -40,7 +42,7 @@ def add_parser(sub) -> None:
                                     "tables side by side, a plot")
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: what this machine computes natively")
-    p.add_argument("--rates", default="0.5,1,2", help="request rates (req/s), comma-separated")
+    add_request_rate(p, "request rates (req/s), comma-separated", old="--rates", default="0.5,1,2")
     p.add_argument("--num-prompts", type=int, default=20, help="requests per rate")
     p.add_argument("--length-scale", type=float, default=0.03,
                    help="production workload scaled by this (0.03: mean ~150 prompt tokens)")
@@ -55,7 +57,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from moeflow.measure.plot import plot_results
 
-    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    rates = rates_of(args.request_rate)
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.monotonic()
     print(f"workload: production prompt lengths x {args.length_scale:g}, {args.num_prompts} requests per rate, "
