@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from moeflow.plan import cli as plan_cli
     from moeflow.predict import cli as predict_cli
-    from moeflow.engine import worker_node
+    from moeflow.engine import worker_node_command as worker_node
     from moeflow.server import router_command as router
     from moeflow.server import serve as server
     from moeflow.sim import cli as sim_cli

@@ -10,9 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type, or out of range."""
+from moeflow.eplb_config import EplbConfig, check_engine
+from moeflow.errors import ConfigError
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -47,10 +46,10 @@ class ModelConfig:
     moe_intermediate_size: int  # F of one routed expert
     norm_topk_prob: bool  # renormalize the top-k softmax weights to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
-    # the model's attention and router kinds (keys of model.attention.ATTENTION_KINDS and model.moe.ROUTERS;
+    # the model's attention and gate kinds (keys of model.attention.ATTENTION_KINDS and model.gate.GATE_KINDS;
     # names, not classes, so this file stays torch-free); the family sets them
     attention_kind: str = "gqa"
-    router_kind: str = "softmax_topk"
+    gate_kind: str = "softmax_topk"
     intermediate_size: int = 0  # F of a dense MLP layer (0 when every layer is MoE)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(x @ gate) scales the shared expert
@@ -199,12 +198,11 @@ class EngineConfig:
     kv_transfer_config: KvTransferConfig | None = None
     # live expert load balancing: rebalance the expert placement from the routed load while serving
     enable_eplb: bool = False
-    eplb_config: Any = None  # eplb_config.EplbConfig (or its mapping); None: the defaults
+    eplb_config: EplbConfig = field(default_factory=EplbConfig)  # a mapping (JSON, YAML) or None is parsed in place
     init_expert_location: str = "trivial"  # or a JSON file of recorded load or a placement (scheduler/expert_location)
-    router_skew: float = 0.0  # benchmarks only: a Zipf(s) tilt of every router's choice (model/router.skewed)
+    router_skew: float = 0.0  # benchmarks only: a Zipf(s) tilt of every MoE gate's choice (model/gate.skewed)
 
     def __post_init__(self) -> None:
-        from moeflow.eplb_config import check_engine  # it validates with this module's ConfigError
         check_engine(self)
         _require(isinstance(self.router_skew, (int, float)) and not isinstance(self.router_skew, bool)
                  and self.router_skew >= 0, f"EngineConfig.router_skew must be a number >= 0, got {self.router_skew!r}")

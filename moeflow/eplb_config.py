@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from moeflow.config import ConfigError
+from moeflow.errors import ConfigError
 
 EPLB_POLICIES = ("auto", "hierarchical", "global")
 

@@ -102,7 +102,7 @@ class BatchTiming:
     batch_id: int
     start_s: float  # shared monotonic clock (CLOCK_MONOTONIC is system-wide on Linux)
     end_s: float
-    compute_s: float  # attention, router, combine and sampling of this batch
+    compute_s: float  # attention, MoE gate, combine and sampling of this batch
     wait_s: float  # blocked in combine-recv for this batch's experts (other stages)
 
 

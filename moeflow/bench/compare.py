@@ -25,7 +25,9 @@ import time
 from moeflow.measure import compare_report as report
 from moeflow.measure.metrics import format_point
 from moeflow.measure.provenance import provenance, write_json
+from moeflow.measure.rate_flag import add_request_rate
 from moeflow.measure.slo import ALL_METRICS, SloMetric, SloSearch, slo_rps_from_points
+from moeflow.measure.workload import rates_of
 
 
 def add_parser(sub) -> None:
@@ -34,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("config", nargs="?", metavar="CONFIG.yaml")
     p.add_argument("--repeats", type=int, default=None, help="sweeps with seeds s, s+1, ... (default: the config's, 3)")
     p.add_argument("--system", action="append", default=None, metavar="NAME", help="only these systems (repeatable)")
-    p.add_argument("--rps", default=None, help="rates of the sweep, comma-separated (default: the config's)")
+    add_request_rate(p, "rates of the sweep (req/s), comma-separated (default: the config's)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per point (default: enough for "
                                                                    "min_requests at every rate)")
     p.add_argument("--find-slo-rps", action="store_true", help="per repeat and system, bisect for the SLO throughput")
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     missing = [n for n in names if n not in exp.systems]
     if missing:
         raise ValueError(f"--system {missing}: the config has {list(exp.systems)}")
-    rates = [float(r) for r in args.rps.split(",")] if args.rps else list(exp.rps)
+    rates = rates_of(args.request_rate) if args.request_rate else list(exp.rps)
     repeats = args.repeats or exp.repeats
     metric = SloMetric.parse(args.slo_metric or exp.slo_metric)
     find_slo = args.find_slo_rps or exp.find_slo_rps

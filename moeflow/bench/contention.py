@@ -1,6 +1,6 @@
 """``moeflow bench contention``: does a streaming neighbour slow the decode attention block?
 
-One layer's decode block (attention, router, the weighted sum of the experts' rows: the part
+One layer's decode block (attention, MoE gate, the weighted sum of the experts' rows: the part
 ``moeflow profile`` times for the attention side) on one core, timed alone, then while a second
 process loops the experts op of the same model on the other core, then alone again. Session 7's
 probe for issue 17 (``docs/results/afd/contention_probe.json``; float32, one torch thread each).

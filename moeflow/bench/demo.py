@@ -20,6 +20,9 @@ import time
 from moeflow.bench.http_metrics import parse_goodput, percentile_key
 from moeflow.bench.server_process import ServeProcess
 from moeflow.config import DTYPES
+from moeflow.measure.rate_flag import add_request_rate
+from moeflow.measure.workload import rates_of
+from moeflow.plan.question import PlanQuestion
 
 # (name, serve flags, config for measure.plot's label, worker processes)
 SYSTEMS = (("pd", ["--mode", "pd", "--prefill", "mode=asap,attn_dp=1,moe_workers=1",
@@ -39,7 +42,7 @@ def add_parser(sub) -> None:
                                     "tables side by side, a plot")
     p.add_argument("--model", default="tiny")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: what this machine computes natively")
-    p.add_argument("--rates", default="0.5,1,2", help="request rates (req/s), comma-separated")
+    add_request_rate(p, "request rates (req/s), comma-separated", old="--rates", default="0.5,1,2")
     p.add_argument("--num-prompts", type=int, default=20, help="requests per rate")
     p.add_argument("--length-scale", type=float, default=0.03,
                    help="production workload scaled by this (0.03: mean ~150 prompt tokens)")
@@ -54,7 +57,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from moeflow.measure.plot import plot_results
 
-    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    rates = rates_of(args.request_rate)
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.monotonic()
     print(f"workload: production prompt lengths x {args.length_scale:g}, {args.num_prompts} requests per rate, "
@@ -91,15 +94,15 @@ def run(args: argparse.Namespace) -> int:
 
 # the same question at the seeds' scale: which prefill/decode split of 8 GB200 GPUs serves DeepSeek-R1
 # (8K prompts, 1K outputs) best; estimates from each side simulated alone, a few seconds
-PLAN = ["plan", "--model", "deepseek-r1", "--hardware", "gb200", "--devices", "8", "--isl", "8192", "--isl-ratio",
-        "0.8", "--osl", "1024", "--ttft-s", "3", "--tpot-ms", "40", "--kinds", "pd", "--confirm", "0", "--top", "0"]
+PLAN = PlanQuestion(model="deepseek-r1", hardware="gb200", devices=8, isl=8192, isl_ratio=0.8, osl=1024, ttft_s=3,
+                    tpot_ms=40, kinds=("pd",), confirm=0, top=0)
 
 
 def _plan(out_dir: str) -> None:
-    from moeflow.cli import main
+    from moeflow.plan.cli import answer
 
-    print(f"\nmoeflow {' '.join(PLAN)}")
-    main(PLAN + ["--json", os.path.join(out_dir, "plan_deepseek_r1_gb200_8.json")])
+    print()
+    answer(PLAN, os.path.join(out_dir, "plan_deepseek_r1_gb200_8.json"))
 
 
 def _dtype_line(log_path: str) -> str:

@@ -3,7 +3,7 @@
 Counted: q/k/v/o projections (MLA: q_a/q_b or q, kv_a, kv_b's up-projection of every key as the
 expanded prefill computes it, o), causal attention scores and values (s(s+1)/2 pairs per head;
 DSA: the indexer's scores over every pair, attention over at most index_topk keys per query),
-router, the K routed experts and any shared expert per token, dense MLP layers, and the LM head
+MoE gate, the K routed experts and any shared expert per token, dense MLP layers, and the LM head
 for the rows whose logits are computed. Norms, rotary and softmax are left out (not GEMMs).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def prefill_flops(cfg: ModelConfig, seq_lens: list[int], logits_rows: int | None
     for is_sparse in cfg.sparse_layers:
         total += proj + attn
         if is_sparse:
-            total += 2 * tokens * h * cfg.num_experts  # router
+            total += 2 * tokens * h * cfg.num_experts  # MoE gate
             total += 2 * tokens * cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
             if cfg.shared_expert_intermediate_size:
                 total += 2 * tokens * 3 * h * cfg.shared_expert_intermediate_size

@@ -1,7 +1,7 @@
 """``moeflow profile``: measure the real engine here, for the simulator's profiled cost model.
 
 Stage by stage, one torch thread as in the workers: one layer's attention block (attention,
-router, weighted sum and combine) against (tokens, Σ pairs, sequences) for prompts, and against
+MoE gate, weighted sum and combine) against (tokens, Σ pairs, sequences) for prompts, and against
 (sequences, cached keys) for decode batches (the engine's decode kernel); one layer's experts against
 routed (token, expert) pairs for each number of local experts a worker can hold; embedding and
 logits. Then whole requests through the real asap and dep deployments: what a lone request's decode

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 from moeflow.bench.http_client import token_prompts
 from moeflow.bench.server_process import ServeProcess, children, is_alive, open_fds, rss_mb, shm_usage
+from moeflow.measure.rate_flag import add_request_rate
 from moeflow.measure.workload import WorkloadConfig, generate_requests
 
 KINDS = ("ok", "ok_stream", "disconnect", "bad_json", "bad_field", "bad_model", "too_big")
@@ -47,8 +48,8 @@ class Answer:
 def add_parser(sub) -> None:
     p = sub.add_parser("soak", help="a server under load for minutes: leaks, errors, a worker kill (issue 18)")
     p.add_argument("--duration-s", type=float, default=600.0)
-    p.add_argument("--rps", type=float, default=0.4, help="arrivals per second (default 0.4: at 0.6 with 32 output "
-                   "tokens asap D1 E1 on tiny was over capacity on the 2-core Zen 3, its queue grew to ~2 min)")
+    add_request_rate(p, "arrivals per second (default 0.4: at 0.6 with 32 output tokens asap D1 E1 on tiny was "
+                        "over capacity on the 2-core Zen 3, its queue grew to ~2 min)", type=float, default=0.4, metavar="R")
     p.add_argument("--length-scale", type=float, default=0.1)
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--kill-at-s", type=float, default=None, help="when to SIGKILL the MoE worker (default: half way)")
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if result["verdict"]["pass"] else 1
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)  # before minutes of load, not after
     kill_at = args.kill_at_s if args.kill_at_s is not None else args.duration_s / 2
-    result = soak(serve_args, args.duration_s, args.rps, args.length_scale, args.sample_s, kill_at, args.seed)
+    result = soak(serve_args, args.duration_s, args.request_rate, args.length_scale, args.sample_s, kill_at, args.seed)
     write_json(args.out + ".json", result, sys.argv)  # the raw record first: a bug below must not lose the run
     result["verdict"] = judge(result)
     write_json(args.out + ".json", result, sys.argv)

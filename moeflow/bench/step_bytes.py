@@ -1,7 +1,7 @@
 """The bytes one decode step must read from memory: the weights it touches and the KV cache it attends
 over, counted from the tensors the model holds (``flops.py`` counts a prefill's arithmetic).
 
-Touched: every layer's attention (its norms included) and router, the shared expert or dense MLP,
+Touched: every layer's attention (its norms included) and MoE gate, the shared expert or dense MLP,
 the routed experts the step's routing selected (each distinct expert once per layer, however many
 tokens chose it), the final norm and the LM head, and one embedding row per token. Read from the
 cache: every request's context and the new token (written, then read). Left out: activations,
@@ -34,7 +34,7 @@ def nbytes(obj) -> int:
 def weights_nbytes(w: ModelWeights) -> int:
     """Every weight once (a tied LM head is the embedding: not counted twice)."""
     lm_head = 0 if w.lm_head is w.embed else nbytes(w.lm_head)
-    return (nbytes(w.embed) + nbytes(w.final_norm) + lm_head + nbytes(w.attention) + nbytes(w.routers)
+    return (nbytes(w.embed) + nbytes(w.final_norm) + lm_head + nbytes(w.attention) + nbytes(w.gates)
             + nbytes(w.dense) + nbytes(w.shared) + nbytes(w.experts))
 
 
@@ -51,7 +51,7 @@ def decode_step_bytes(w: ModelWeights, experts_touched: dict[int, int], num_toke
     hidden_row = w.embed.shape[1] * w.embed.element_size()
     parts = {
         "attention": nbytes(w.attention),
-        "routers": nbytes(w.routers),
+        "routers": nbytes(w.gates),
         "experts": sum(experts_touched.values()) * expert_nbytes(w) if w.experts is not None else 0,
         "shared_experts": nbytes(w.shared),
         "dense_mlp": nbytes(w.dense),

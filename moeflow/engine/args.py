@@ -90,7 +90,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       "(recorded load, as GET /expert_distribution writes; placed by the EPLB policy) or a "
                       "physical_to_logical_map (every slot's expert)")
     eplb.add_argument("--router-skew", type=float, default=None, metavar="S",
-                      help="benchmarks only: tilt every router toward a Zipf(S) popularity of experts, a different "
+                      help="benchmarks only: tilt every MoE gate toward a Zipf(S) popularity of experts, a different "
                       "order per layer, so the load is as skewed as a trained model's (changes the outputs)")
     add_cluster_args(p)
     lay = p.add_argument_group("layout (each applies to the modes named)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeflow.config import ConfigError
-from moeflow.experiment.serve import Experiment, parse_experiment
+from moeflow.experiment.serve import RATE_KEYS, Experiment, parse_experiment
 from moeflow.experiment.system import SystemSpec, field_names, pick_keys, system_from_dict
 
 
@@ -93,5 +93,6 @@ def parse_e2e(d: dict) -> E2eExperiment:
     for key in ("band_tps_user", "range_tps_user"):
         if key in raw:
             raw[key] = tuple(float(v) for v in raw[key])
-    d.setdefault("rps", [])
+    if not any(k in d for k in RATE_KEYS):
+        d["rps"] = []
     return E2eExperiment(parse_experiment(d), E2eSection(**raw))

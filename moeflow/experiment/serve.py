@@ -3,7 +3,7 @@
     model: tiny                       # the engine's model (a directory or "tiny"); the simulator's preset
     dtype: auto                       # what the deployments compute in (the simulator's cpu-here rates too)
     workload: {kind: production, length_scale: 0.25, duration_s: 40, seed: 0}
-    rps: [0.3, 0.45]
+    request_rate: [0.3, 0.45]         # req/s, one point each (``rps:``, its older name, is read too)
     slo_ttft_s: 8
     systems:
       dep2: {mode: dep, dp: 2}
@@ -98,10 +98,18 @@ class Experiment:
         need(all(isinstance(n, int) and n > 0 for n in self.roofline_isl), "roofline_isl: positive ints")
 
 
+# the rates' key, as the flags spell it, and its older name (Experiment.rps)
+RATE_KEYS = ("request_rate", "rps")
+
+
 def parse_experiment(d: dict) -> Experiment:
     if not isinstance(d, dict):
         raise ConfigError("experiment: the file must hold a mapping")
-    d = dict(pick_keys(d, field_names(Experiment) - {"target"} | set(TARGET_KEYS), "the top level"))
+    d = dict(pick_keys(d, field_names(Experiment) - {"target"} | set(TARGET_KEYS) | set(RATE_KEYS), "the top level"))
+    if all(k in d for k in RATE_KEYS):
+        raise ConfigError("experiment: give the rates once: request_rate (rps is its older name), not both")
+    if "request_rate" in d:
+        d["rps"] = d.pop("request_rate")
     for key in ("model", "systems", "workload"):
         if key not in d:
             raise ConfigError(f"experiment: missing {key!r}")
@@ -146,6 +154,8 @@ def apply_overrides(d: dict, overrides: tuple[str, ...]) -> dict:
         v = yaml.safe_load(value)
         scope, _, name = key.rpartition(".")
         if scope == "":
+            if name in RATE_KEYS:  # whichever spelling the file used, the override replaces it
+                d = {k: x for k, x in d.items() if k not in RATE_KEYS}
             d[name] = v
         elif scope == "workload":
             d["workload"] = {**(d.get("workload") or {}), name: v}

@@ -30,7 +30,7 @@ class SimOptions:
     # layer, expert popularity ~ Dirichlet with this coefficient of variation across experts, each
     # batch's pairs ~ Multinomial over the devices; every all-to-all and MoE step is priced by its
     # most loaded receiver.
-    expert_load_cv: float | None = None  # None: the model's router_load_cv (sim/model_spec.py, cited there)
+    expert_load_cv: float | None = None  # None: the model's gate_load_cv (sim/model_spec.py, cited there)
     expert_placement: str = "contiguous"  # or "eplb": DeepSeek-V3 §3.4, one redundant expert per device
     expert_seed: int = 0  # popularity and per-batch draws (the same popularity for every system)
     # DSA's core attention (sim/attention_cost.py): "mqa" absorbed MLA over the selected keys at every

@@ -142,6 +142,11 @@ def parse_rates(text: str | None, kind: str) -> list[float | None]:
     """Comma-separated request rates; none given: 1 rps, a trace at its recorded times (None)."""
     if text is None:
         return [None] if kind == "trace" else [1.0]
+    return rates_of(text)
+
+
+def rates_of(text: str) -> list[float]:
+    """``--request-rate``'s comma-separated rates (req/s), each a positive number."""
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:

@@ -36,7 +36,7 @@ def _config(hf: dict, architecture: str, attention_kind: str) -> ModelConfig:
         sparse_layers=_sparse_layers(hf),
         shared_expert_intermediate_size=int(hf.get("n_shared_experts") or 0) * f,
         attention_kind=attention_kind,
-        router_kind="sigmoid_group",
+        gate_kind="sigmoid_group",
         rope_interleave=bool(hf.get("rope_interleave", True)),
         q_lora_rank=int(hf.get("q_lora_rank") or 0),
         kv_lora_rank=get(hf, "kv_lora_rank"),
@@ -62,6 +62,6 @@ def _v32(hf: dict) -> ModelConfig:
 
 
 _KEYS = dict(moe_prefix="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"),
-             shared_expert_module="shared_experts", router_bias="e_score_correction_bias")
+             shared_expert_module="shared_experts", gate_bias="e_score_correction_bias")
 V3 = register(Family("DeepseekV3ForCausalLM", lambda hf: _config(hf, "DeepseekV3ForCausalLM", "mla"), **_KEYS))
 V32 = register(Family("DeepseekV32ForCausalLM", _v32, **_KEYS))

@@ -1,5 +1,5 @@
 """Architecture registry: what differs between MoE families is a config translation (which also
-names the attention and router kinds) and checkpoint key names.
+names the attention and gate kinds) and checkpoint key names.
 
 Adding an architecture = one small file that builds a ``Family`` and calls ``register``. This file
 and the family files import no torch: the simulator reads models through them too.
@@ -24,7 +24,7 @@ class Family:
     final_norm_key: str = "model.norm.weight"
     lm_head_key: str = "lm_head.weight"
     shared_expert_module: str = "shared_expert"  # Qwen2-MoE's; DeepSeek's is "shared_experts"
-    router_bias: str | None = None  # the router's selection bias tensor under the gate ("e_score_correction_bias")
+    gate_bias: str | None = None  # the gate's selection bias tensor under it ("e_score_correction_bias")
 
     def layer(self, i: int) -> str:
         return f"model.layers.{i}."
@@ -41,11 +41,11 @@ class Family:
     def expert_key(self, layer: int, expert: int, which: int) -> str:
         return f"{self.layer(layer)}{self.moe_prefix}.experts.{expert}.{self.expert_proj[which]}.weight"
 
-    def router_key(self, layer: int) -> str:
+    def gate_key(self, layer: int) -> str:
         return f"{self.layer(layer)}{self.moe_prefix}.gate.weight"
 
-    def router_bias_key(self, layer: int) -> str | None:
-        return None if self.router_bias is None else f"{self.layer(layer)}{self.moe_prefix}.gate.{self.router_bias}"
+    def gate_bias_key(self, layer: int) -> str | None:
+        return None if self.gate_bias is None else f"{self.layer(layer)}{self.moe_prefix}.gate.{self.gate_bias}"
 
     def shared_expert_key(self, layer: int, proj: str) -> str:
         return f"{self.layer(layer)}{self.moe_prefix}.{self.shared_expert_module}.{proj}.weight"

@@ -4,7 +4,7 @@ tensor headers without loading a tensor; and the KV cache's bytes per token.
 A memory budget (``engine/memory.py``) subtracts what each process holds from the budget, so
 these must match what ``load_weights`` really allocates: a test compares them with the bytes the
 workers report. Parts: attention of every layer (split by attention TP), routed experts (per
-expert), routers (kept in float32 where the router says so) and the rest (embeddings, LM head,
+expert), gates (kept in float32 where the gate kind says so) and the rest (embeddings, LM head,
 norms, dense MLPs, shared experts). Tensors of layers past ``num_layers`` (DeepSeek's MTP
 module) and fp8 scales are not loaded, so not counted.
 """
@@ -21,7 +21,7 @@ from moeflow.config import ModelConfig
 from moeflow.model.attention import attention_for
 from moeflow.model.checkpoint import CheckpointReader
 from moeflow.model.family import Family
-from moeflow.model.router import router_for
+from moeflow.model.gate import gate_for
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -50,11 +50,11 @@ def weight_footprint(path: str, cfg: ModelConfig, family: Family, dtype: torch.d
     """Bytes per part of the checkpoint at ``path`` loaded in ``dtype`` (headers only)."""
     reader = CheckpointReader(path, dtype)
     size = dtype.itemsize
-    router_size = 4 if router_for(cfg).fp32_weights else size
+    gate_size = 4 if gate_for(cfg).fp32_weights else size
     expert_keys = {family.expert_key(l, e, w): e for l in range(cfg.num_layers) if cfg.sparse_layers[l]
                    for e in range(cfg.num_experts) for w in range(3)}
-    router_keys = {k for l in range(cfg.num_layers) if cfg.sparse_layers[l]
-                   for k in (family.router_key(l), family.router_bias_key(l)) if k}
+    gate_keys = {k for l in range(cfg.num_layers) if cfg.sparse_layers[l]
+                 for k in (family.gate_key(l), family.gate_bias_key(l)) if k}
     attention = experts = routers = other = 0
     by_file: dict[str, list[str]] = {}
     for key, file in reader.key_file.items():
@@ -68,8 +68,8 @@ def weight_footprint(path: str, cfg: ModelConfig, family: Family, dtype: torch.d
                 numel = math.prod(f.get_slice(key).get_shape())
                 if key in expert_keys:
                     experts += numel * size
-                elif key in router_keys:
-                    routers += numel * (4 if key.endswith("bias") else router_size)
+                elif key in gate_keys:
+                    routers += numel * (4 if key.endswith("bias") else gate_size)
                 elif m and key.startswith(family.layer(int(m.group(1)))) and _is_attention(key, family, int(m.group(1))):
                     attention += numel * size
                 else:

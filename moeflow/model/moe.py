@@ -1,5 +1,5 @@
 """The layer-oblivious experts op (one stack, or several stacks without merging them), and its
-loop-over-experts oracle. Routers: ``model/router.py``.
+loop-over-experts oracle. The gate: ``model/gate.py``.
 
 Expert weights of all MoE layers sit in two stacked tensors, so "the experts of layer l" is an
 index, not a Python object: a MoE worker runs whatever layer arrives with the same code path.

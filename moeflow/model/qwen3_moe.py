@@ -8,7 +8,7 @@ def to_model_config(hf: dict) -> ModelConfig:
     return ModelConfig(
         architecture="Qwen3MoeForCausalLM",
         attention_kind="gqa",
-        router_kind="softmax_topk",
+        gate_kind="softmax_topk",
         num_experts=get(hf, "num_experts", "num_local_experts"),
         num_experts_per_tok=get(hf, "num_experts_per_tok"),
         moe_intermediate_size=get(hf, "moe_intermediate_size"),

@@ -4,7 +4,7 @@ written (a 61 GB model need not fit the disk to be measured).
 The tensors are those a checkpoint of that config would hold, assembled by ``weights.assemble_weights``
 under the family's key names; each is drawn from its own generator seeded by (seed, key), so a tensor
 does not depend on which others were drawn before it. Matrices are N(0, 1/fan_in) (activations keep
-their scale through the layers), norm weights ones, biases zeros (the router's selection bias too).
+their scale through the layers), norm weights ones, biases zeros (the gate's selection bias too).
 """
 from __future__ import annotations
 

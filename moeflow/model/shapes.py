@@ -24,9 +24,9 @@ QWEN3_30B_A3B_HF = {
 }
 
 # deepseek-ai/DeepSeek-V2-Lite config.json, presented through DeepSeek-V3's family: moeflow has no
-# DeepSeek-V2 router (softmax scores, greedy top-k), so V3's sigmoid "noaux_tc" router stands in with
+# DeepSeek-V2 gate (softmax scores, greedy top-k), so V3's sigmoid "noaux_tc" gate stands in with
 # one group. The shapes (MLA, 64 routed experts top-6, 2 shared, one leading dense layer) are V2-Lite's;
-# a router's own cost is one [T, H] x [H, E] product either way.
+# a gate's own cost is one [T, H] x [H, E] product either way.
 DEEPSEEK_V2_LITE_HF = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 102400,
     "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
@@ -41,8 +41,8 @@ DEEPSEEK_V2_LITE_HF = {
     "torch_dtype": "bfloat16",
 }
 
-V2_LITE_NOTE = ("DeepSeek-V2-Lite's shapes through moeflow's DeepSeek-V3 family: its router is V3's sigmoid "
-                "'noaux_tc' in one group, not V2's softmax greedy top-k (moeflow has no V2 router)")
+V2_LITE_NOTE = ("DeepSeek-V2-Lite's shapes through moeflow's DeepSeek-V3 family: its MoE gate is V3's sigmoid "
+                "'noaux_tc' in one group, not V2's softmax greedy top-k (moeflow has no V2 gate)")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Tensor-parallel slicing of a model for member ``rank`` of ``size``: the attention kind decides
 what each member keeps of every layer's attention.
 
-Everything else (embeddings, norms, router, dense MLPs, shared experts, LM head) stays whole on
+Everything else (embeddings, norms, MoE gate, dense MLPs, shared experts, LM head) stays whole on
 every member. The attention output becomes a partial sum that the caller all-reduces.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ from moeflow.model.kv_cache import AttentionMetadata, KVCache
 from moeflow.model.layers import rms_norm, swiglu
 from moeflow.model.moe import experts_grouped, experts_loop, plan_pairs, weighted_sum
 from moeflow.model.paged_attention import uses_kernel
-from moeflow.model.router import router_for
+from moeflow.model.gate import gate_for
 from moeflow.model.weights import ModelWeights
 
 
@@ -36,7 +36,7 @@ class MoETransformer:
         self.cfg, self.w = cfg, weights
         self.attn_reduce = attn_reduce
         self.attn_kind = attention_for(cfg)
-        self.router = router_for(cfg)
+        self.gate_kind = gate_for(cfg)
         self._experts_op = experts_grouped if use_grouped_experts else experts_loop
         if weights.attention:  # build or load the decode attention kernel now, not in the first decode step
             uses_kernel(next(iter(weights.attention.values())).input_norm.device)
@@ -57,7 +57,7 @@ class MoETransformer:
 
     def route(self, layer: int, moe_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (top-k expert ids [T, K] int64, weights [T, K] float32)."""
-        return self.router(moe_input, self.w.routers[layer])
+        return self.gate_kind(moe_input, self.w.gates[layer])
 
     def experts(self, layer: int, moe_input: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from moeflow.model.attention import AttentionKind, AttentionWeights, attention_f
 from moeflow.model.checkpoint import CheckpointError, CheckpointReader
 from moeflow.model.family import Family, family_for, load_families
 from moeflow.model.moe import ExpertWeights
-from moeflow.model.router import RouterWeights, router_for, skewed
+from moeflow.model.gate import GateWeights, gate_for, skewed
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # EngineConfig.dtype -> torch
@@ -31,9 +31,9 @@ class LoadSpec:
     layers: tuple[int, ...] | None = None  # None: every layer
     # routed experts held, one id per local slot; per held MoE layer where slots differ by layer; None: all
     experts: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
-    attention: bool = True  # embeddings, attention, norms, router, dense MLPs, shared experts, LM head
+    attention: bool = True  # embeddings, attention, norms, gate, dense MLPs, shared experts, LM head
     routed_experts: bool = True
-    routers: bool = False  # without ``attention``: the gates alone (an AFD FFN daemon that routes)
+    gates: bool = False  # without ``attention``: the gates alone (an AFD FFN daemon that routes)
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ModelWeights:
     final_norm: torch.Tensor | None = None  # [H]
     lm_head: torch.Tensor | None = None  # [V, H] (the embedding itself when tied)
     attention: dict[int, AttentionWeights] = field(default_factory=dict)  # layer -> the attention kind's weights
-    routers: dict[int, RouterWeights] = field(default_factory=dict)  # layer -> its gate
+    gates: dict[int, GateWeights] = field(default_factory=dict)  # layer -> its MoE gate
     dense: dict[int, MLPWeights] = field(default_factory=dict)
     shared: dict[int, MLPWeights] = field(default_factory=dict)
     experts: ExpertWeights | None = None
@@ -85,7 +85,7 @@ class WeightReader(Protocol):
 def load_weights(path: str, dtype: torch.dtype, spec: LoadSpec = LoadSpec(), device: torch.device | str = "cpu",
                  router_skew: float = 0.0) -> tuple[ModelConfig, ModelWeights]:
     """``spec``'s part of the checkpoint at ``path`` in ``dtype``, loaded straight onto ``device``;
-    ``router_skew``: the benchmarks' Zipf tilt of every router's selection (``router.skewed``)."""
+    ``router_skew``: the benchmarks' Zipf tilt of every gate's selection (``gate.skewed``)."""
     cfg, fam = load_config(path)
     return cfg, assemble_weights(CheckpointReader(path, dtype, device), cfg, fam, spec, router_skew)
 
@@ -109,9 +109,9 @@ def assemble_weights(r: WeightReader, cfg: ModelConfig, fam: Family, spec: LoadS
         kind = attention_for(cfg)
         for lid in layers:
             _load_attention_side(r, fam, cfg, kind, lid, w)
-    elif spec.routers:
-        w.routers = {lid: _load_router(r, fam, cfg, lid) for lid in layers if cfg.sparse_layers[lid]}
-    w.routers = {lid: skewed(g, lid, router_skew) for lid, g in w.routers.items()}
+    elif spec.gates:
+        w.gates = {lid: _load_gate(r, fam, cfg, lid) for lid in layers if cfg.sparse_layers[lid]}
+    w.gates = {lid: skewed(g, lid, router_skew) for lid, g in w.gates.items()}
     if spec.routed_experts and cfg.num_moe_layers:
         w.experts = _load_experts(r, fam, cfg, [l for l in layers if cfg.sparse_layers[l]], spec.experts)
     return w
@@ -123,7 +123,7 @@ def _load_attention_side(r: WeightReader, fam: Family, cfg: ModelConfig, kind: A
     w.attention[lid] = kind.load(r, fam.attention_prefix(lid), input_norm=r.get(fam.input_norm_key(lid), (h,)),
                                  post_norm=r.get(fam.post_norm_key(lid), (h,)))
     if cfg.sparse_layers[lid]:
-        w.routers[lid] = _load_router(r, fam, cfg, lid)
+        w.gates[lid] = _load_gate(r, fam, cfg, lid)
         fs = cfg.shared_expert_intermediate_size
         if fs:
             w.shared[lid] = MLPWeights(
@@ -139,11 +139,11 @@ def _load_attention_side(r: WeightReader, fam: Family, cfg: ModelConfig, kind: A
             down=r.get(fam.dense_key(lid, "down_proj"), (h, f)))
 
 
-def _load_router(r: WeightReader, fam: Family, cfg: ModelConfig, lid: int) -> RouterWeights:
-    fp32 = router_for(cfg).fp32_weights
-    bias_key = fam.router_bias_key(lid)
-    return RouterWeights(r.get(fam.router_key(lid), (cfg.num_experts, cfg.hidden_size), torch.float32 if fp32 else None),
-                         r.get(bias_key, (cfg.num_experts,), torch.float32) if bias_key else None)
+def _load_gate(r: WeightReader, fam: Family, cfg: ModelConfig, lid: int) -> GateWeights:
+    fp32 = gate_for(cfg).fp32_weights
+    bias_key = fam.gate_bias_key(lid)
+    return GateWeights(r.get(fam.gate_key(lid), (cfg.num_experts, cfg.hidden_size), torch.float32 if fp32 else None),
+                       r.get(bias_key, (cfg.num_experts,), torch.float32) if bias_key else None)
 
 
 def _load_experts(r: WeightReader, fam: Family, cfg: ModelConfig, moe_layers: list[int],

@@ -7,7 +7,7 @@ import sys
 from moeflow import lifecycle, settings
 from moeflow.config import KV_ROLES, ConfigError
 from moeflow.engine.args import add_engine_args, cluster_config, engine_kwargs
-from moeflow.engine.worker_node import run_node
+from moeflow.engine.worker_node_command import run_node
 from moeflow.server.config import ServerConfig
 
 _DEFAULTS = ServerConfig()

@@ -3,7 +3,7 @@ make differently (``AttentionOptions``, set per system from its ``SimOptions``).
 
 Parts: projections (GEMMs), the core attention (its FLOPs, or the KV cache read once per sequence,
 whichever is longer), the DSA indexer (its key cache read likewise), elementwise traffic, the TP
-all-reduce after the o-projection, and the router + shared experts (or the dense MLP and its
+all-reduce after the o-projection, and the MoE gate + shared experts (or the dense MLP and its
 all-reduce). ``AnalyticCost.attention_s`` is their sum; the Fig. 5 cross-check reads them apart.
 
 Choices, each from an implementation's source:
@@ -78,7 +78,7 @@ def attention_parts(cost, shape: AttnShape, tp: int, dense_layer: bool) -> dict[
     if dense_layer:  # the dense MLP is split T ways too: one more all-reduce after its down-projection
         parts["mlp"] = cost._gemm_s(t, m.dense_mlp_params, tp) + allreduce
     else:
-        parts["router_shared"] = cost._gemm_s(t, m.hidden_size * m.num_experts, tp) + (
+        parts["gate_shared"] = cost._gemm_s(t, m.hidden_size * m.num_experts, tp) + (
             cost._gemm_s(t, m.shared_params, tp) if m.shared_params else 0.0)
     return parts
 
@@ -99,7 +99,7 @@ def _sequence_parts(cost, shape: AttnShape, tp: int, dense_layer: bool) -> dict[
     if dense_layer:
         parts["mlp"] = cost._gemm_s(t, m.dense_mlp_params, 1)
     else:
-        parts["router_shared"] = cost._gemm_s(t, m.hidden_size * m.num_experts, 1) + (
+        parts["gate_shared"] = cost._gemm_s(t, m.hidden_size * m.num_experts, 1) + (
             cost._gemm_s(t, m.shared_params, 1) if m.shared_params else 0.0)
     return parts
 

@@ -12,13 +12,15 @@ import json
 import time
 
 from moeflow.measure.provenance import provenance, write_json
+from moeflow.measure.rate_flag import add_request_rate
+from moeflow.measure.workload import rates_of
 
 
 def modelled(sim, cost) -> str:
     """What a system's run models that the engine does not choose: the attention split, the jitter
     and skew it draws (their values, resolved from the hardware and the model where not set)."""
     jitter = cost.compute_jitter_cv if sim.compute_jitter_cv is None else sim.compute_jitter_cv
-    skew = cost.model.router_load_cv if sim.expert_load_cv is None else sim.expert_load_cv
+    skew = cost.model.gate_load_cv if sim.expert_load_cv is None else sim.expert_load_cv
     return f"attention groups split {sim.attention_parallel}, compute jitter CV {jitter:g}, expert skew CV {skew:g}"
 
 
@@ -32,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--config", required=True, metavar="FILE.yaml")
     p.add_argument("--system", action="append", default=None, metavar="NAME",
                    help="simulate only these systems of the config (repeatable)")
-    p.add_argument("--rps", default=None, help="rates to simulate, comma-separated (default: the config's)")
+    add_request_rate(p, "rates to simulate (req/s), comma-separated (default: the config's)")
     p.add_argument("--find-slo-rps", action="store_true", help="bisect for the SLO throughput (also: config)")
     p.add_argument("--json", default=None, metavar="OUT.json")
     p.add_argument("--raw", action="store_true",
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in cfg.systems]
     if unknown:
         raise ValueError(f"--system {unknown}: the config has {list(cfg.systems)}")
-    rates = tuple(float(r) for r in args.rps.split(",")) if args.rps else cfg.rps
+    rates = tuple(rates_of(args.request_rate)) if args.request_rate else cfg.rps
     measured = None
     if args.compare_with:
         with open(args.compare_with) as f:
@@ -222,7 +224,7 @@ def _run_e2e(args: argparse.Namespace, raw: dict) -> int:
     from moeflow.sim.e2e import format_e2e, run_e2e
     from moeflow.sim.run import build_cost
 
-    for flag in ("system", "rps", "find_slo_rps", "trace", "compare", "compare_with", "slo_metric"):
+    for flag in ("system", "request_rate", "find_slo_rps", "trace", "compare", "compare_with", "slo_metric"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')}: not for an end-to-end file ({args.config} has e2e:)")
     x = parse_e2e(apply_overrides(raw, tuple(args.set)))
@@ -242,7 +244,7 @@ def _run_e2e(args: argparse.Namespace, raw: dict) -> int:
 def _run_decode(args: argparse.Namespace) -> int:
     from moeflow.sim.decode import run_decode
 
-    for flag in ("rps", "find_slo_rps", "plot", "trace", "slo_metric", "set"):
+    for flag in ("request_rate", "find_slo_rps", "plot", "trace", "slo_metric", "set"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')}: not for a decode file ({args.config} has contexts:)")
     measured = None

@@ -33,7 +33,7 @@ class CostModel(abc.ABC):
     @abc.abstractmethod
     def attention_s(self, shape: AttnShape, tp: int, dense_layer: bool) -> float:
         """One layer's attention block on a group of ``tp`` devices: norms, projections, core
-        attention (and indexer), TP all-reduce, the router or the dense MLP, shared experts, and
+        attention (and indexer), TP all-reduce, the MoE gate or the dense MLP, shared experts, and
         the weighted sum of the returned expert outputs."""
 
     @abc.abstractmethod

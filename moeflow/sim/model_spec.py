@@ -47,11 +47,11 @@ class ModelSpec:
     expert_weight_bytes: float = 0.0
     kv_bytes: float = 2.0  # bytes per cached key/value element (2: bf16, 1: fp8)
     # bytes per element of what is never quantized: activations, combined expert outputs, and the
-    # embeddings, LM head, norms and routers (2: bf16; 4 where the engine computes in float32)
+    # embeddings, LM head, norms and MoE gates (2: bf16; 4 where the engine computes in float32)
     base_bytes: float = 2.0
-    # the router's expert-load skew on real traffic: per MoE layer, the CV of the experts' shares
+    # the MoE gate's expert-load skew on real traffic: per MoE layer, the CV of the experts' shares
     # (sim/expert_load.py; SimOptions.expert_load_cv overrides it). 0: balanced, no figure known
-    router_load_cv: float = 0.0
+    gate_load_cv: float = 0.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -78,7 +78,7 @@ class ModelSpec:
     @classmethod
     def from_model_config(cls, name: str, mc: ModelConfig, weight_bytes: float = 2.0, act_bytes: float = 2.0,
                           expert_weight_bytes: float = 0.0, kv_bytes: float = 2.0,
-                          router_load_cv: float = 0.0) -> "ModelSpec":
+                          gate_load_cv: float = 0.0) -> "ModelSpec":
         if mc.attention_kind not in ("gqa", "mla", "dsa"):
             raise ValueError(f"ModelSpec {name!r}: attention kind {mc.attention_kind!r} has no cost model")
         f = mc.moe_intermediate_size
@@ -95,7 +95,7 @@ class ModelSpec:
                    shared_intermediate_size=mc.shared_expert_intermediate_size,
                    dense_intermediate_size=mc.intermediate_size,
                    weight_bytes=weight_bytes, act_bytes=act_bytes, expert_weight_bytes=expert_weight_bytes,
-                   kv_bytes=kv_bytes, router_load_cv=router_load_cv)
+                   kv_bytes=kv_bytes, gate_load_cv=gate_load_cv)
 
     @classmethod
     def from_hf_config(cls, name: str, hf: dict, **kw) -> "ModelSpec":
@@ -189,9 +189,9 @@ class ModelSpec:
 
     @property
     def attention_side_bytes(self) -> float:
-        """Every weight but the routed experts: attention, norms, routers, shared experts, dense MLPs,
+        """Every weight but the routed experts: attention, norms, gates, shared experts, dense MLPs,
         embeddings and LM head. NOTE: quantized checkpoints keep embeddings, LM head, norms and
-        routers in bf16 (the FP8 Qwen3 and DeepSeek checkpoints do), so those count 2 bytes."""
+        gates in bf16 (the FP8 Qwen3 and DeepSeek checkpoints do), so those count 2 bytes."""
         h, moe = self.hidden_size, self.num_moe_layers
         quantized = self.num_layers * self.attn_proj_params + moe * self.shared_params \
             + self.num_dense_layers * self.dense_mlp_params
@@ -250,13 +250,13 @@ DEEPSEEK_R1_HF = {k: v for k, v in DEEPSEEK_V32_HF.items() if not k.startswith("
 NVFP4_BYTES = 4.5 / 8
 
 
-# DeepSeek-R1's router on real traffic, without EPLB: TensorRT-LLM's "Scaling Expert Parallelism"
+# DeepSeek-R1's MoE gate on real traffic, without EPLB: TensorRT-LLM's "Scaling Expert Parallelism"
 # blog, Table 1 (decode, machine translation, EP32): per-expert tokens mean 128, std 164.1, CV 1.28.
-# Used for DeepSeek-V3.2 too (the same MoE and router design).
-DEEPSEEK_ROUTER_CV = 1.28
-# tiny's own router: `moeflow bench router-load` (docs/results/sim/router_load_tiny.txt), mean of the
-# per-layer CVs 0.66; tiny-mla's router is not measured and takes tiny's.
-TINY_ROUTER_CV = 0.66
+# Used for DeepSeek-V3.2 too (the same MoE and gate design).
+DEEPSEEK_GATE_CV = 1.28
+# tiny's own gate: `moeflow bench router-load` (docs/results/sim/router_load_tiny.txt), mean of the
+# per-layer CVs 0.66; tiny-mla's gate is not measured and takes tiny's.
+TINY_GATE_CV = 0.66
 
 
 def _derived() -> dict[str, ModelSpec]:
@@ -265,7 +265,7 @@ def _derived() -> dict[str, ModelSpec]:
     return {"qwen3-235b-a22b": ModelSpec.from_hf_config("qwen3-235b-a22b", QWEN3_235B_A22B_HF),
             # Served W8A8 on Ascend (CloudMatrix384 paper, §4): int8 weights and int8 dispatch.
             "deepseek-v3.2": ModelSpec.from_hf_config("deepseek-v3.2", DEEPSEEK_V32_HF, weight_bytes=1.0,
-                                                      act_bytes=1.0, router_load_cv=DEEPSEEK_ROUTER_CV),
+                                                      act_bytes=1.0, gate_load_cv=DEEPSEEK_GATE_CV),
             # Qwen/Qwen3-235B-A22B-FP8 (FastAFD's model, §1 and §6): FP8 weights and dispatch, KV in
             # bf16 (vLLM's kv_cache_dtype "auto"; FastAFD's attention runs bf16 FMHA, §1)
             "qwen3-235b-a22b-fp8": ModelSpec.from_hf_config("qwen3-235b-a22b-fp8", QWEN3_235B_A22B_HF,
@@ -274,10 +274,10 @@ def _derived() -> dict[str, ModelSpec]:
             # released it, FP8 KV cache; tokens dispatched in FP8
             "deepseek-r1": ModelSpec.from_hf_config("deepseek-r1", DEEPSEEK_R1_HF, weight_bytes=1.0, act_bytes=1.0,
                                                     expert_weight_bytes=NVFP4_BYTES, kv_bytes=1.0,
-                                                    router_load_cv=DEEPSEEK_ROUTER_CV),
+                                                    gate_load_cv=DEEPSEEK_GATE_CV),
             # moeflow's embedded models (moeflow/model/tiny_config.py)
-            "tiny": ModelSpec.from_hf_config("tiny", TINY_HF_CONFIG, router_load_cv=TINY_ROUTER_CV),
-            "tiny-mla": ModelSpec.from_hf_config("tiny-mla", TINY_MLA_HF_CONFIG, router_load_cv=TINY_ROUTER_CV)}
+            "tiny": ModelSpec.from_hf_config("tiny", TINY_HF_CONFIG, gate_load_cv=TINY_GATE_CV),
+            "tiny-mla": ModelSpec.from_hf_config("tiny-mla", TINY_MLA_HF_CONFIG, gate_load_cv=TINY_GATE_CV)}
 
 
 # Sources: each model's config.json on the Hugging Face Hub; docs/simulator.md lists them with links.

@@ -150,9 +150,9 @@ class ProfiledCost(CostModel):
 
         messages = 2 * m.num_layers
         # what the simulator adds at the expert devices' barrier is not transport: the most loaded
-        # device's share (sim/expert_load.py, the model's router skew) and the slowest one's jitter
+        # device's share (sim/expert_load.py, the model's gate skew) and the slowest one's jitter
         n = round(1 / share)
-        skew = ExpertLoads(m.num_experts, m.num_moe_layers, n, m.router_load_cv).share_imbalance
+        skew = ExpertLoads(m.num_experts, m.num_moe_layers, n, m.gate_load_cv).share_imbalance
         slowest = skew * Jitter(self._jitter_cv, 0).expected_max(n)
         extra = [(s["ttft_s"] - self._stages_s(0, s["prompt_len"], local, share, slowest), step_bytes(s["prompt_len"]))
                  for s in samples]

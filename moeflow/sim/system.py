@@ -148,7 +148,7 @@ class System(abc.ABC):
     def expert_loads(self, num_devices: int) -> ExpertLoads:
         """The expert-load model of this system's ``num_devices`` expert devices (SimOptions)."""
         sim, m = self.spec.sim, self.model
-        cv = m.router_load_cv if sim.expert_load_cv is None else sim.expert_load_cv
+        cv = m.gate_load_cv if sim.expert_load_cv is None else sim.expert_load_cv
         return ExpertLoads(m.num_experts, m.num_moe_layers, num_devices, cv, sim.expert_placement, sim.expert_seed,
                            getattr(self.spec.layout, "num_redundant_experts", 0))
 

@@ -9,6 +9,7 @@ import dataclasses
 import faulthandler
 import logging
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from moeflow import lifecycle
+from moeflow.logs import refresh_level
 from moeflow.messages import WorkerFailed, WorkerReady, WorkerSetup
 from moeflow.workers.stdio import Stdio
 
@@ -28,7 +30,6 @@ def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str], s
     parent = mp.parent_process()  # the engine process
     if os.getppid() != server or (parent is not None and not parent.is_alive()):  # either died before the prctl
         os._exit(1)
-    from moeflow.workers.fork_server import become_worker  # already imported: this process was forked
     become_worker(environ, stdio)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -71,3 +72,23 @@ def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str], s
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def become_worker(environ: dict[str, str], stdio: Stdio) -> None:
+    """First steps of a worker the fork server just forked: let go of the server's "alive" pipe,
+    and take the engine's environment and stdout/stderr (``environ``, ``stdio``: as they are at
+    the worker's start).
+
+    NOTE: the fork server exits once every holder of that pipe's write end has closed it, and each
+    forked child inherits a copy: a worker that kept it and never reads its control pipe again (one
+    stopped, or waiting without a timeout) would keep the server, and with it itself
+    (PR_SET_PDEATHSIG is the server's death), alive after the engine was killed.
+    """
+    stdio.adopt()
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    os.environ.clear()
+    os.environ.update(environ)
+    refresh_level()  # the loggers were set up in the fork server, from its own environment

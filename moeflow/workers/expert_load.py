@@ -1,7 +1,7 @@
 """Expert load where tokens are routed: tokens per (MoE layer, logical expert), counted on the
 device as each layer routes a batch and handed to the engine with the work item's results.
 
-The router's top-k ids are exactly what the expert-holding workers compute: each dispatch header
+The MoE gate's top-k ids are exactly what the expert-holding workers compute: each dispatch header
 carries these counts per slot, and a replicated expert's pairs split over its copies to within one
 (``ExpertRoutes``), so the engine derives every device's load from these and the placement. One
 ``bincount`` per MoE layer on the device, one host copy per work item: cheap enough to stay on.

@@ -18,7 +18,7 @@ import torch
 from moeflow.messages import MoveExperts, WorkerSetup
 from moeflow.workers.control import LockedConn, serve_control
 from moeflow.model.moe import ExpertWeights, experts_grouped, plan_pairs, weighted_sum
-from moeflow.model.router import RouterWeights, router_for
+from moeflow.model.gate import GateKind, GateWeights, gate_for
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.afd_connector import FfnConnector, FfnInput
 from moeflow.workers.dispatch import ExpertRoutes, untag_layer
@@ -45,7 +45,7 @@ def ffn_pairs(experts: ExpertWeights, layer: int, inp: FfnInput, order: tuple[in
     return dict(zip(order, out.split([t.shape[0] for t in xs])))
 
 
-def ffn_tokens(experts: ExpertWeights, layer: int, router, gate: RouterWeights, inp: FfnInput,
+def ffn_tokens(experts: ExpertWeights, layer: int, kind: GateKind, gate: GateWeights, inp: FfnInput,
                order: tuple[int, ...], routes: ExpertRoutes | None = None, me: int = 0) -> dict[int, torch.Tensor]:
     """Router on the daemon: token rows arrive; route them, run the local experts' pairs, return
     each token's weighted sum over them (a partial sum when the experts are split over daemons).
@@ -53,7 +53,7 @@ def ffn_tokens(experts: ExpertWeights, layer: int, router, gate: RouterWeights, 
     (every daemon concatenates the same instances' rows in the same order, so all choose alike)."""
     xs = [inp.payloads[i] for i in order]
     x = torch.cat(xs)  # [N, H]
-    ids, wts = router(x, gate)  # [N, K]
+    ids, wts = kind(x, gate)  # [N, K]
     plan = plan_pairs(ids, experts) if routes is None else routes.local_plan(ids, me)
     y = experts_grouped(experts, layer, x[plan.token_index], plan.counts)
     out = weighted_sum(x.shape[0], plan, y, wts)  # [N, H]
@@ -66,10 +66,10 @@ class FfnDaemon:
         self.setup, self.index = setup, j
         self.routes_here = layout.router == "ffn"
         cfg, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
-                              LoadSpec(attention=False, experts=setup.held_by(j), routers=self.routes_here),
+                              LoadSpec(attention=False, experts=setup.held_by(j), gates=self.routes_here),
                               setup.device, setup.engine.router_skew)
-        self.gates, self.num_experts = w.routers, cfg.num_experts
-        self.router = router_for(cfg)
+        self.gates, self.num_experts = w.gates, cfg.num_experts
+        self.gate_kind = gate_for(cfg)
         self.moe_index = {lid: i for i, lid in enumerate(w.experts.layer_ids)}
         self._routes: dict[tuple, ExpertRoutes] = {}  # per placement of a layer (router on the daemon)
         self.connector = FfnConnector(transport, j, layout.served_by(j))
@@ -93,7 +93,7 @@ class FfnDaemon:
         order, word = self.connector.served, inp.control.layer
         layer, experts = self.slots.for_word(word)
         if self.routes_here:
-            return ffn_tokens(experts, layer, self.router, self.gates[layer], inp, order, self.routes(word, layer),
+            return ffn_tokens(experts, layer, self.gate_kind, self.gates[layer], inp, order, self.routes(word, layer),
                               self.index)
         return ffn_pairs(experts, layer, inp, order)
 
@@ -127,7 +127,7 @@ class FfnDaemon:
 
     def memory(self) -> dict[str, int]:
         gates = sum(g.weight.nbytes + (0 if g.bias is None else g.bias.nbytes) for g in self.gates.values())
-        return {"routed_experts": self.slots.nbytes(), "routers": gates}
+        return {"routed_experts": self.slots.nbytes(), "gates": gates}
 
     def close(self) -> None:
         self.connector.close()

@@ -1,4 +1,4 @@
-"""The attention side's model stages for one batch in flight: embed, attention + router +
+"""The attention side's model stages for one batch in flight: embed, attention + MoE gate +
 dispatch-send, combine-recv + weighted sum, sample. How a worker walks the layers with them is a
 ``LayerSchedule`` (``workers/schedule.py``); these stages do not know which.
 
@@ -162,9 +162,9 @@ class AttentionStages:
         return torch.zeros(n, self.cfg.hidden_size, dtype=TORCH_DTYPES[self.setup.engine.dtype], device=self.device)
 
     def route(self, layer: int, f: InFlight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router's top-k ids and weights [n, K]; a failed batch sends every pair to expert 0."""
+        """The MoE gate's top-k ids and weights [n, K]; a failed batch sends every pair to expert 0."""
         k = self.cfg.num_experts_per_tok
-        ids, wts = guarded(f, f"router of layer {layer}", lambda: self.model.route(layer, x),
+        ids, wts = guarded(f, f"MoE gate of layer {layer}", lambda: self.model.route(layer, x),
                            lambda: (torch.zeros(x.shape[0], k, dtype=torch.int64, device=x.device),
                                     torch.zeros(x.shape[0], k, device=x.device)))
         if self.expert_load is not None and f.error is None:

@@ -48,7 +48,7 @@ def test_afd_matches_colocated(checkpoints, reference, name, m, n, ub, options):
         if w.role == "ffn":  # all experts (block) or its share (all); never a KV cache
             held = cfg.num_experts if llm.layout.topology == "block" else len(llm.layout.experts_held(cfg.num_experts)[w.index])
             assert w.memory["routed_experts"] == held * per_expert and "kv_cache" not in w.memory
-            assert (w.memory["routers"] > 0) == (llm.layout.router == "ffn")
+            assert (w.memory["gates"] > 0) == (llm.layout.router == "ffn")
         else:
             assert w.memory["routed_experts"] == 0 and w.memory["kv_cache"] > 0
 
@@ -109,7 +109,7 @@ def test_same_budget_more_requests_without_experts(checkpoints):
             for w, p in zip(sorted(llm.engine.deployment.workers, key=lambda w: w.role != "ffn"),
                             sorted(plan.processes, key=lambda p: not p.name.startswith("ffn"))):
                 assert w.memory.get("kv_cache", 0) == plan.kv_bytes(p)
-                weights = sum(v for k, v in w.memory.items() if k in ("routed_experts", "other_weights", "routers"))
+                weights = sum(v for k, v in w.memory.items() if k in ("routed_experts", "other_weights", "gates"))
                 assert weights == p.weights
             assert llm.generate(PROMPTS[:2], PARAMS)[0].error is None
     assert blocks["afd"] > blocks["dep"]

@@ -59,7 +59,7 @@ CASES = {
     "serve": (_MOEFLOW + ["serve", *_DEP, "--dp", "1", "--port", "0"], signal.SIGHUP, "moeflow: serving", True),
     "script-term": ([sys.executable, "-c", SCRIPT], signal.SIGTERM, "script: ready", True),
     "script-int": ([sys.executable, "-c", SCRIPT], signal.SIGINT, "script: ready", True),
-    "demo": (_MOEFLOW + ["demo", "--rates", "1", "--num-prompts", "40", "--out-dir", "{tmp}/demo"],
+    "demo": (_MOEFLOW + ["demo", "--request-rate", "1", "--num-prompts", "40", "--out-dir", "{tmp}/demo"],
              signal.SIGINT, "is up at", True),
 }
 

@@ -92,18 +92,18 @@ def test_the_kv_cache_holds_the_latent_per_token(checkpoints):
     assert KVCache.for_model(real, 1, 1, torch.float32).bytes_per_token == 576 * 4
 
 
-def test_routing_matches_transformers_router(checkpoints):
+def test_routing_matches_transformers_gate(checkpoints):
     ck = checkpoints("deepseek_v3")
     cfg, w = load_weights(ck.path, torch.float32)
-    from moeflow.model.router import router_for
+    from moeflow.model.gate import gate_for
 
     x = torch.randn(50, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
-    ids, wts = router_for(cfg)(x, w.routers[1])
+    ids, wts = gate_for(cfg)(x, w.gates[1])
     _, ref_w, ref_ids = ck.model.model.layers[1].mlp.gate(x)
     order, ref_order = ids.sort(-1), ref_ids.sort(-1)
     assert torch.equal(order.values, ref_order.values)
     torch.testing.assert_close(wts.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
-    assert w.routers[1].bias is not None and w.routers[1].bias.abs().sum() > 0  # the perturbed bias was read
+    assert w.gates[1].bias is not None and w.gates[1].bias.abs().sum() > 0  # the perturbed bias was read
 
 
 def test_fp8_block_quantized_weights_are_dequantized(tmp_path):

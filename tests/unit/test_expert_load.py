@@ -37,12 +37,12 @@ def test_metrics_export_the_placement_and_its_balance():
     assert "moeflow_eplb" not in metrics2.render().decode()
 
 
-def test_the_router_skew_tilts_the_choice_not_the_weights():
+def test_the_gate_skew_tilts_the_choice_not_the_weights():
     import torch
 
-    from moeflow.model.router import RouterWeights, route, skewed
+    from moeflow.model.gate import GateWeights, route, skewed
     g = torch.Generator().manual_seed(0)
-    gate = RouterWeights(torch.randn(16, 8, generator=g))
+    gate = GateWeights(torch.randn(16, 8, generator=g))
     assert skewed(gate, 3, 0.0) is gate
     a, b = skewed(gate, 3, 1.0), skewed(gate, 3, 1.0)
     assert torch.equal(a.skew, b.skew) and not torch.equal(a.skew, skewed(gate, 4, 1.0).skew)  # per layer

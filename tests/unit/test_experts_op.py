@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from moeflow.config import ModelConfig
 from moeflow.model.moe import ExpertWeights, experts_grouped, experts_loop, plan_pairs, weighted_sum
-from moeflow.model.router import route
+from moeflow.model.gate import route
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import ModelWeights
 

@@ -24,7 +24,7 @@ def _flat(w: ModelWeights) -> dict[str, torch.Tensor]:
             out[name] = getattr(w, name)
     for lid, a in w.attention.items():
         out.update({f"attn{lid}.{k}": v for k, v in vars(a).items() if v is not None})
-    out.update({f"router{lid}": v.weight for lid, v in w.routers.items()})
+    out.update({f"gate{lid}": v.weight for lid, v in w.gates.items()})
     for kind in ("dense", "shared"):
         for lid, m in getattr(w, kind).items():
             out.update({f"{kind}{lid}.{k}": v for k, v in vars(m).items() if v is not None})
@@ -92,7 +92,7 @@ def test_subset_layers_and_experts(checkpoints):
     assert full.experts.layer_ids == (1, 3)
 
     _, w = load_weights(ck.path, F32, LoadSpec(layers=(2, 3), experts=(5, 0, 6)))
-    assert sorted(w.attention) == [2, 3] and sorted(w.dense) == [2] and sorted(w.routers) == [3]
+    assert sorted(w.attention) == [2, 3] and sorted(w.dense) == [2] and sorted(w.gates) == [3]
     assert w.experts.layer_ids == (3,) and w.experts.expert_ids == (5, 0, 6)
     assert torch.equal(w.experts.w13[0], full.experts.w13[1, [5, 0, 6]])
     assert torch.equal(w.experts.w2[0], full.experts.w2[1, [5, 0, 6]])
@@ -105,13 +105,13 @@ def test_attention_only_and_experts_only(checkpoints):
     _, attn = load_weights(ck.path, F32, LoadSpec(routed_experts=False))
     assert attn.experts is None
     assert attn.embed is not None and attn.lm_head is not None and attn.final_norm is not None
-    assert sorted(attn.attention) == [0, 1, 2] and sorted(attn.routers) == [0, 2]
+    assert sorted(attn.attention) == [0, 1, 2] and sorted(attn.gates) == [0, 2]
     assert sorted(attn.shared) == [0, 2] and attn.shared[0].gate.shape == (1, 64)  # shared expert + gate
     assert sorted(attn.dense) == [1]
 
     _, experts = load_weights(ck.path, F32, LoadSpec(attention=False, layers=(2,), experts=(7,)))
     assert experts.embed is None and experts.lm_head is None and experts.final_norm is None
-    assert not experts.attention and not experts.routers and not experts.shared and not experts.dense
+    assert not experts.attention and not experts.gates and not experts.shared and not experts.dense
     assert experts.experts.layer_ids == (2,) and experts.experts.expert_ids == (7,)
     assert experts.experts.w13.shape == (1, 1, 64, 64) and experts.experts.w2.shape == (1, 1, 64, 32)
 

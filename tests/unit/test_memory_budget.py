@@ -26,7 +26,7 @@ def test_footprint_is_what_loading_allocates(checkpoints, name, dtype):
     experts = w.experts.w13.nbytes + w.experts.w2.nbytes
     assert fp.experts(cfg.num_experts) == experts
     assert fp.attention_side() == _nbytes(w) - experts
-    _, ffn = load_weights(path, dtype, LoadSpec(attention=False, experts=(0, 1), routers=True))
+    _, ffn = load_weights(path, dtype, LoadSpec(attention=False, experts=(0, 1), gates=True))
     assert fp.experts(2) + fp.routers == _nbytes(ffn)
     assert kv_bytes_per_token(cfg, dtype) == KVCache.for_model(cfg, 1, 1, dtype).bytes_per_token
 

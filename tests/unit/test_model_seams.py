@@ -1,4 +1,4 @@
-"""The model's seams: attention kinds and routers chosen by name, the KV cache laid out by the
+"""The model's seams: attention kinds and gate kinds chosen by name, the KV cache laid out by the
 attention kind, TP sharding through the kind, and checkpoint keys named by the family."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from moeflow.config import ConfigError, ModelConfig
 from moeflow.model.attention import attention_for
 from moeflow.model.family import FAMILIES
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
-from moeflow.model.router import ROUTERS, Router, RouterWeights, router_for
+from moeflow.model.gate import GATE_KINDS, GateKind, GateWeights, gate_for
 from moeflow.model.sharding import check_tp, shard_attention
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import ModelWeights, load_weights
@@ -30,7 +30,7 @@ CFG = ModelConfig(architecture="test", vocab_size=16, hidden_size=32, num_layers
 
 @pytest.mark.parametrize("field, name, lookup, msg", [
     ("attention_kind", "linear", attention_for, "unknown attention kind 'linear'; known: ['dsa', 'gqa', 'mla']"),
-    ("router_kind", "hash", router_for, "unknown router kind 'hash'; known: ['sigmoid_group', 'softmax_topk']"),
+    ("gate_kind", "hash", gate_for, "unknown gate kind 'hash'; known: ['sigmoid_group', 'softmax_topk']"),
 ])
 def test_unknown_kind_names_the_known_ones(field, name, lookup, msg):
     cfg = dataclasses.replace(CFG, **{field: name})
@@ -39,8 +39,8 @@ def test_unknown_kind_names_the_known_ones(field, name, lookup, msg):
             build(cfg)
 
 
-def test_route_calls_the_router_the_config_names(monkeypatch):
-    class Constant(Router):  # every token to experts (K-1, ..., 0), equal weights
+def test_route_calls_the_gate_kind_the_config_names(monkeypatch):
+    class Constant(GateKind):  # every token to experts (K-1, ..., 0), equal weights
         name = "constant"
 
         def __call__(self, x, gate_w):
@@ -48,9 +48,9 @@ def test_route_calls_the_router_the_config_names(monkeypatch):
             ids = torch.arange(k - 1, -1, -1).expand(x.shape[0], k)  # [T, K]
             return ids, torch.full((x.shape[0], k), 1.0 / k)
 
-    monkeypatch.setitem(ROUTERS, Constant.name, Constant)
-    cfg = dataclasses.replace(CFG, router_kind="constant")
-    model = MoETransformer(cfg, ModelWeights(routers={1: RouterWeights(torch.randn(4, 32))}))
+    monkeypatch.setitem(GATE_KINDS, Constant.name, Constant)
+    cfg = dataclasses.replace(CFG, gate_kind="constant")
+    model = MoETransformer(cfg, ModelWeights(gates={1: GateWeights(torch.randn(4, 32))}))
     ids, wts = model.route(1, torch.randn(5, 32))
     assert ids.tolist() == [[1, 0]] * 5 and wts.tolist() == [[0.5, 0.5]] * 5
 

@@ -145,5 +145,5 @@ def test_simulate_runs_an_e2e_file_and_writes_its_fronts(tmp_path, capsys):
     d = json.loads(out.read_text())
     assert set(d["fronts"]) == {"dep2", "dwdp2"} and d["ratios"]["dwdp2"]["tps_per_device_band"]["mean"] > 0
     assert (tmp_path / "f.png").stat().st_size > 0
-    assert main(["simulate", "--config", str(cfg), "--rps", "1"]) != 0
-    assert "--rps: not for an end-to-end file" in capsys.readouterr().err
+    assert main(["simulate", "--config", str(cfg), "--request-rate", "1"]) != 0
+    assert "--request-rate: not for an end-to-end file" in capsys.readouterr().err

@@ -53,7 +53,7 @@ def test_the_barrier_loss_grows_with_the_busy_ranks():
 def test_the_defaults_come_from_the_hardware_and_the_model():
     assert PRESETS["ascend-910c-die"].compute_jitter_cv == pytest.approx(0.079)
     assert PRESETS["ascend-910c-die"].flops == pytest.approx(376e12)  # CM384 paper: 752 per chip, two dies
-    assert MODELS["deepseek-v3.2"].router_load_cv == pytest.approx(1.28)
+    assert MODELS["deepseek-v3.2"].gate_load_cv == pytest.approx(1.28)
     cfg = load_experiment("configs/asap-cm384.yaml")
     sim = DepSystem(cfg.systems["dep"], build_cost(cfg))
     assert sim.jitter.cv == pytest.approx(0.079) and not sim.loads.balanced
@@ -93,7 +93,7 @@ def test_the_profiled_transport_leaves_the_barrier_to_the_simulator():
     with open(cfg.target.profile) as f:
         profile = json.load(f)
     m = model_preset("tiny")
-    quiet = ProfiledCost(dataclasses.replace(m, router_load_cv=0.0), {**profile, "compute_jitter_cv": 0.0})
+    quiet = ProfiledCost(dataclasses.replace(m, gate_load_cv=0.0), {**profile, "compute_jitter_cv": 0.0})
     noisy = ProfiledCost(m, {**profile, "compute_jitter_cv": 0.27})
     assert noisy.all_to_all_s(1e6) < quiet.all_to_all_s(1e6)
 

@@ -15,7 +15,7 @@ def test_profiled_cost_interpolates_tables_and_recovers_transport():
     assert interpolate([(10, 1.0), (20, 3.0)], 15) == 2.0
     assert interpolate([(10, 1.0), (20, 3.0)], 5) == 1.0  # the plateau below the first point
     assert interpolate([(10, 1.0), (20, 3.0)], 30) == 5.0  # linear beyond the last
-    m = dataclasses.replace(model_preset("tiny"), router_load_cv=0.0)  # no skew, no jitter: the samples have no barrier wait
+    m = dataclasses.replace(model_preset("tiny"), gate_load_cv=0.0)  # no skew, no jitter: the samples have no barrier wait
     prof = {"compute_jitter_cv": 0.0, "model": "tiny", "num_layers": m.num_layers, "num_experts": m.num_experts, "top_k": m.top_k,
             "hidden_size": m.hidden_size,
             "attention": {"fit": {"c0": 1e-3, "per_token": 5e-5, "per_pair": 5e-8, "per_seq": 0.0}},
@@ -46,7 +46,7 @@ def test_profiled_cost_interpolates_tables_and_recovers_transport():
 def test_profiled_decode_rows_and_latency_come_from_decode_samples():
     """Decode rows are priced by the profile's decode fit, and a decode step (no bytes to speak of)
     pins the per-message latency that lone prompts cannot tell from a per-request constant."""
-    m = dataclasses.replace(model_preset("tiny"), router_load_cv=0.0)  # no skew, no jitter: the samples have no barrier wait
+    m = dataclasses.replace(model_preset("tiny"), gate_load_cv=0.0)  # no skew, no jitter: the samples have no barrier wait
     prof = {"compute_jitter_cv": 0.0, "model": "tiny", "dtype": "float32", "num_layers": m.num_layers, "num_experts": m.num_experts,
             "top_k": m.top_k, "hidden_size": m.hidden_size,
             "attention": {"fit": {"c0": 1e-3, "per_token": 5e-5, "per_pair": 5e-8, "per_seq": 0.0}},

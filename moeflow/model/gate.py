@@ -1,6 +1,7 @@
-"""Routers: each token's top-k experts and their weights, chosen by ``ModelConfig.router_kind``.
+"""The MoE gate (vLLM's word; "router" is ``moeflow router``, the HTTP one): each token's top-k
+experts and their weights, by the kind ``ModelConfig.gate_kind`` names.
 
-Adding a router = one ``Router`` subclass and one entry in ``ROUTERS``. Shape legend: T tokens,
+Adding a gate kind = one ``GateKind`` subclass and one entry in ``GATE_KINDS``. Shape legend: T tokens,
 H hidden, E experts, K experts per token, G expert groups.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from moeflow.config import ConfigError, ModelConfig
 
 
 @dataclass
-class RouterWeights:
+class GateWeights:
     """One MoE layer's gate."""
 
     weight: torch.Tensor  # [E, H]
@@ -24,10 +25,10 @@ class RouterWeights:
     skew: torch.Tensor | None = None  # [E] float32 log-tilt of the selection, for benchmarks only (``skewed``)
 
 
-def skewed(gate: RouterWeights, layer: int, s: float, seed: int = 0) -> RouterWeights:
+def skewed(gate: GateWeights, layer: int, s: float, seed: int = 0) -> GateWeights:
     """``gate`` whose selection prefers experts by a Zipf(s) popularity: the expert of rank r (a
     permutation drawn per layer from ``seed``) has its selection probability scaled by (r + 1)^-s.
-    Weights of the chosen experts stay the model's. For benchmarks that need a router as skewed
+    Weights of the chosen experts stay the model's. For benchmarks that need a gate as skewed
     as a trained model's (``--router-skew``); it changes the model's outputs."""
     if s == 0:
         return gate
@@ -35,32 +36,32 @@ def skewed(gate: RouterWeights, layer: int, s: float, seed: int = 0) -> RouterWe
     gen = torch.Generator(device="cpu").manual_seed(seed * 100003 + layer)
     rank = torch.randperm(gate.weight.shape[0], generator=gen, device="cpu")
     tilt = -s * torch.log1p(rank.to(torch.float32))
-    return RouterWeights(gate.weight, gate.bias, tilt.to(gate.weight.device))
+    return GateWeights(gate.weight, gate.bias, tilt.to(gate.weight.device))
 
 
-class Router(abc.ABC):
+class GateKind(abc.ABC):
     """Picks each token's top-k experts and their weights."""
 
-    name: ClassVar[str]  # the value of ModelConfig.router_kind
+    name: ClassVar[str]  # the value of ModelConfig.gate_kind
     fp32_weights: ClassVar[bool] = False  # keep the gate in float32 whatever the model dtype (as trained)
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
 
     @abc.abstractmethod
-    def __call__(self, x: torch.Tensor, gate: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, gate: GateWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (ids [T, K] int64, weights [T, K] float32)."""
 
 
-class SoftmaxTopK(Router):
+class SoftmaxTopK(GateKind):
     name = "softmax_topk"
 
-    def __call__(self, x: torch.Tensor, gate: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, gate: GateWeights) -> tuple[torch.Tensor, torch.Tensor]:
         return route(x, gate.weight, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, gate.skew)
 
 
-class SigmoidGroupTopK(Router):
-    """DeepSeek-V3's router: sigmoid scores in float32; the selection bias decides *which* experts
+class SigmoidGroupTopK(GateKind):
+    """DeepSeek-V3's gate: sigmoid scores in float32; the selection bias decides *which* experts
     (never their weights); a group's score is the sum of its top-2 biased scores and only the best
     ``topk_group`` groups compete; weights are the unbiased scores of the chosen, renormalized when
     ``norm_topk_prob``, times ``routed_scaling_factor``."""
@@ -68,7 +69,7 @@ class SigmoidGroupTopK(Router):
     name = "sigmoid_group"
     fp32_weights = True
 
-    def __call__(self, x: torch.Tensor, gate: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, gate: GateWeights) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         scores = F.linear(x.float(), gate.weight.float()).sigmoid()  # [T, E]
         choice = scores if gate.skew is None else scores * gate.skew.exp()
@@ -87,19 +88,19 @@ class SigmoidGroupTopK(Router):
         return ids, weights * c.routed_scaling_factor
 
 
-ROUTERS: dict[str, type[Router]] = {SoftmaxTopK.name: SoftmaxTopK, SigmoidGroupTopK.name: SigmoidGroupTopK}
+GATE_KINDS: dict[str, type[GateKind]] = {SoftmaxTopK.name: SoftmaxTopK, SigmoidGroupTopK.name: SigmoidGroupTopK}
 
 
-def router_for(cfg: ModelConfig) -> Router:
-    router = ROUTERS.get(cfg.router_kind)
-    if router is None:
-        raise ConfigError(f"unknown router kind {cfg.router_kind!r}; known: {sorted(ROUTERS)}")
-    return router(cfg)
+def gate_for(cfg: ModelConfig) -> GateKind:
+    kind = GATE_KINDS.get(cfg.gate_kind)
+    if kind is None:
+        raise ConfigError(f"unknown gate kind {cfg.gate_kind!r}; known: {sorted(GATE_KINDS)}")
+    return kind(cfg)
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
           skew: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k router. x: [T, H]; gate_w: [E, H] -> (ids [T, K] int64, weights [T, K] float32)."""
+    """Softmax top-k gate. x: [T, H]; gate_w: [E, H] -> (ids [T, K] int64, weights [T, K] float32)."""
     probs = F.linear(x, gate_w).float().softmax(dim=-1)  # [T, E]
     if skew is None:
         weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
