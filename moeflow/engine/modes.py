@@ -17,9 +17,9 @@ from moeflow.engine.colocated import ColocatedEngine
 from moeflow.engine.dep import DepEngine
 from moeflow.engine.dwdp import DwdpEngine
 from moeflow.engine.memory import Footprint, MemoryPlan, apply_budget
-from moeflow.engine.decode_role import DecodeRole
+from moeflow.engine.decode_server import DecodeServer
 from moeflow.engine.pd import PdEngine
-from moeflow.engine.prefill_role import PrefillRole
+from moeflow.engine.prefill_server import PrefillServer
 from moeflow.hardware import resolve_device, resolve_dtype
 from moeflow.layout import Layout
 from moeflow.layout.pd import DECODE_MODES, PREFILL_MODES
@@ -33,7 +33,8 @@ MODES: dict[str, type[Engine]] = {e.mode_name: e for e in (ColocatedEngine, DepE
 FOOTPRINTS: dict[str, Footprint] = {"colocated": colocated.footprint, "dep": dep.footprint, "asap": asap.footprint,
                                     "dwdp": dwdp.footprint, "afd": afd.footprint}
 MULTINODE_MODES = tuple(m for m, e in MODES.items() if e.multinode)  # the modes whose workers may span hosts
-ROLES = {"prefill": (PrefillRole, PREFILL_MODES), "decode": (DecodeRole, DECODE_MODES)}  # KvTransferConfig.role
+# a prefill or decode server (KvTransferConfig.role, `serve --role`): one side of the handoff around its engine
+SERVER_SIDES = {"prefill": (PrefillServer, PREFILL_MODES), "decode": (DecodeServer, DECODE_MODES)}
 
 
 def engine_class(mode: str) -> type[Engine]:
@@ -62,13 +63,13 @@ def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engi
     kv = config.kv_transfer_config
     if kv is None:
         return cls(model_path, config, layout)
-    role, modes = ROLES[kv.role]
+    side, modes = SERVER_SIDES[kv.role]
     if layout.mode not in modes:
         raise ConfigError(f"a {kv.role} server runs one of the modes {modes}, not {layout.mode!r}"
                           + (" (a pd deployment hands KV between its own instances)" if layout.mode == "pd" else ""))
     inner = cls(model_path, config, layout)
     try:
-        return role(inner, kv, weights_fingerprint(model_path))
+        return side(inner, kv, weights_fingerprint(model_path))
     except BaseException:
         inner.shutdown()
         raise

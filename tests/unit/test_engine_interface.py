@@ -8,9 +8,9 @@ import pathlib
 import re
 
 from moeflow.engine.base import Engine
-from moeflow.engine.decode_role import DecodeRole
-from moeflow.engine.prefill_role import PrefillRole
-from moeflow.engine.role import RoleEngine
+from moeflow.engine.decode_server import DecodeServer
+from moeflow.engine.prefill_server import PrefillServer
+from moeflow.engine.server_side import ServerSide
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "moeflow"
 
@@ -23,7 +23,7 @@ def test_the_engine_interface_has_at_most_twelve_calls():
 def test_a_role_forwards_nothing_by_hand():
     """No method of a role is only a call of the inner engine's method of the same name."""
     by_hand = []
-    for cls in (RoleEngine, PrefillRole, DecodeRole):
+    for cls in (ServerSide, PrefillServer, DecodeServer):
         tree = ast.parse(inspect.getsource(cls))
         for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]

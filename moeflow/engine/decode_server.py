@@ -1,4 +1,4 @@
-"""The decode server's role (``moeflow serve --role decode``): a request that carries a ``KvHandle``
+"""The decode server's side of the handoff (``moeflow serve --role decode``): a request that carries a ``KvHandle``
 (``Request.kv_source``, the prefill server's ``kv_transfer_params``) takes its prompt's KV from the
 prefill server instead of computing it. Requests without one are served as usual.
 
@@ -26,7 +26,7 @@ from moeflow.core import EngineBusy, Request, RequestError
 from moeflow.engine.base import Engine, KvTransfer, StepResult, clock, validate_request
 from moeflow.engine.kv_copier import EngineCopier
 from moeflow.engine.kv_handoff import BUSY, DONE, FAILED
-from moeflow.engine.role import RoleEngine
+from moeflow.engine.server_side import ServerSide
 from moeflow.kv_handle import KvHandle
 from moeflow.messages import KvStage, SeqOutput
 from moeflow.scheduler.handoff.sides import DecodeSide
@@ -50,7 +50,7 @@ class Incoming:
     started_s: float | None = None  # blocks reserved
 
 
-class DecodeRole(RoleEngine):
+class DecodeServer(ServerSide):
     def __init__(self, inner: Engine, kv: KvTransferConfig, weights: str = ""):
         super().__init__(inner, kv, weights)
         self.client, self.host_id = KvClient(kv.secret), host_id()

@@ -1,4 +1,4 @@
-"""The prefill server's role (``moeflow serve --role prefill``): a request that asks for a remote
+"""The prefill server's side of the handoff (``moeflow serve --role prefill``): a request that asks for a remote
 decode (``Request.kv_handoff``, the router's ``do_remote_decode``) runs with ``max_tokens=1``; when
 its first token is sampled its blocks stay leased, the members copy them into the staging arena,
 the blocks are freed, and the request finishes with a ``KvHandle`` to the staged range, which the
@@ -24,7 +24,7 @@ from moeflow.core import Request, RequestError
 from moeflow.engine.base import Engine, KvTransfer, StepResult, clock
 from moeflow.engine.kv_copier import EngineCopier
 from moeflow.engine.kv_handoff import DONE, FAILED
-from moeflow.engine.role import RoleEngine
+from moeflow.engine.server_side import ServerSide
 from moeflow.kv_handle import UNKNOWN, KvHandle
 from moeflow.messages import KvStage
 from moeflow.scheduler.handoff.sides import Lease, PrefillSide
@@ -42,7 +42,7 @@ class Staging:
     stage_s: float = 0.0  # ... when (the copy out has one lease from then)
 
 
-class PrefillRole(RoleEngine):
+class PrefillServer(ServerSide):
     def __init__(self, inner: Engine, kv: KvTransferConfig, weights: str = ""):
         super().__init__(inner, kv, weights)
         self.offers = Offers(kv.lease_s, clock)

@@ -1,11 +1,10 @@
 """A server's side of a prefill/decode split across servers: the engine of its own layout (any
-mode) inside, a KV link outside (``prefill_role.py``, ``decode_role.py``; ``docs/pd.md``).
+mode) inside, a KV link outside (``prefill_server.py``, ``decode_server.py``; ``docs/pd.md``).
 
 What the wrapper does not define is the inner deployment's (``__getattr__``): it is an ``Engine``
 by what it answers, not by inheriting the interface's defaults. A failed inner deployment is the
-server's failure:
-the server's restart policy rebuilds the whole role (a new KV link, so decode servers open new
-pairs and whatever was staged is recomputed or failed by their policy).
+server's failure: the server's restart policy rebuilds the whole side (a new KV link, so decode
+servers open new pairs and whatever was staged is recomputed or failed by their policy).
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from moeflow.kv_handle import KvLayout
 from moeflow.model.attention import attention_for
 
 
-class RoleEngine:
+class ServerSide:
     multinode = False
     kv_port: int | None = None  # a prefill server's KV link's port
 
@@ -36,9 +35,9 @@ class RoleEngine:
                                         self.config.dtype, kv.buffer_mib, heap_device(self.config))
 
     def __getattr__(self, name: str):
-        # NOTE: only names not found on the role: the inner deployment's state (failed, stalls, the
-        # memory plan) and the calls the role leaves alone (heal, drain, collect_spans, ...). A name
-        # the server sets (failed, before a rebuild) is then the role's, which the rebuild replaces.
+        # NOTE: only names not found on the side: the inner deployment's state (failed, stalls, the
+        # memory plan) and the calls the side leaves alone (heal, drain, collect_spans, ...). A name
+        # the server sets (failed, before a rebuild) is then the side's, which the rebuild replaces.
         if name == "inner":  # not set yet (a failed __init__): no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
