@@ -188,10 +188,13 @@ def test_a_decode_server_that_dies(long_path, tmp_path):
     try:
         pid = split.decode.proc.pid
         assert glob.glob(f"/dev/shm/moeflow-{pid}-*.kv-arena")
+        got: list[str] = []  # the stream's lines as they come
         with ThreadPoolExecutor(7) as pool:
             futures = [pool.submit(split.complete, ids, 8000) for ids in PROMPTS[:6]]
-            stream = pool.submit(_stream_lines, split.router.url, PROMPTS[6], 8000)
-            _until(lambda: _running(split.decode) >= 4, 30, "requests decoding")
+            stream = pool.submit(_stream_lines, split.router.url, PROMPTS[6], 8000, got)
+            # NOTE: the stream too must be under way (a token relayed), or its cut has nothing to cut:
+            # under load it can still wait for its handoff when four others decode
+            _until(lambda: _running(split.decode) >= 4 and len(got) >= 2, 30, "requests decoding")
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             outcomes = [f.result().status_code for f in futures]
@@ -215,11 +218,16 @@ def test_a_decode_server_that_dies(long_path, tmp_path):
         split.stop()
 
 
-def _stream_lines(url: str, ids, max_tokens: int) -> list[str]:
+def _stream_lines(url: str, ids, max_tokens: int, got: list[str] | None = None) -> list[str]:
+    """The stream's non-empty lines; each also appended to ``got`` as it arrives."""
+    got = [] if got is None else got
     with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
             "model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}) as r:
-        return [x for x in r.iter_lines() if x]
+        for line in r.iter_lines():
+            if line:
+                got.append(line)
+        return got
 
 
 def test_a_client_that_leaves_is_passed_on(long_path, tmp_path):
