@@ -12,23 +12,20 @@ all the instances it serves, within the step) and the deployment stops; nothing 
 """
 from __future__ import annotations
 
-import functools
 import time
 from collections import deque
 
-from moeflow.comm import CommConfig, CommSpec, WaitPolicy
-from moeflow.config import ConfigError, EngineConfig
+from moeflow.comm import CommSpec
+from moeflow.config import EngineConfig
 from moeflow.core import Work
-from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, expert_process, start_placement
+from moeflow.engine.base import StepResult, clock
+from moeflow.engine.eplb import expert_process
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
+from moeflow.engine.startup import Blueprint
 from moeflow.layout import AfdLayout
 from moeflow.messages import WorkDone
-from moeflow.model.weights import load_config
-from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied
-from moeflow.workers.world import DIST_TRANSPORTS
 
 _IDLE_S = 2e-3  # an idle deployment's step sleeps this long (never a busy spin)
 
@@ -65,28 +62,9 @@ class AfdEngine(ProcessEngine):
 
     def __init__(self, model_path: str, config: EngineConfig, layout: AfdLayout):
         super().__init__(config, layout)
-        self.model_config, _ = load_config(model_path)
-        mc = self.model_config
-        if not mc.num_moe_layers:
-            raise ConfigError("mode 'afd' needs a model with MoE layers")
-        check_live(config, "afd", computes=layout.topology == "all")
-        m, n = layout.attn_workers, layout.ffn_workers
-        held = start_placement(config, layout, mc, layout.experts_held(mc.num_experts), "afd",
-                               computes=layout.topology == "all")
-        self.max_model_len = context_len(config, mc)
-        # across hosts: the attention instances (and the engine) on node 0, the FFN daemons on the others
-        transport, rank_nodes = self._transport((0,) * m + tuple(self._expert_node(j) for j in range(n)))
-        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
-        config = self._budget(config, model_path, footprint)
-        world = self._world(m + n) if transport in DIST_TRANSPORTS else None
-        setup = functools.partial(self._setup, model_path, comm, held, world)
-        self.scheduler = make_scheduler(layout, config, self.max_model_len)
-        # the daemons first: they own the dispatch buffers the instances attach to
-        self._launch([setup("ffn", j, m + j, self._expert_node(j)) for j in range(n)] +
-                     [setup("afd_attention", i, i) for i in range(m)])
-        self.attention = [w for w in self.deployment.workers if w.role == "afd_attention"]
-        self.ffn = [w for w in self.deployment.workers if w.role == "ffn"]
-        attach(self, mc, held, self.ffn, self.attention, polls=True, computes=layout.topology == "all")
+        self.attention = self._build(model_path, Blueprint(
+            footprint, _spec, ("afd_attention", layout.attn_workers), ("ffn", layout.ffn_workers),
+            computes=layout.topology == "all"))
         self._steps: deque[list[Work]] = deque()  # steps sent, oldest first
 
     def step(self) -> StepResult:

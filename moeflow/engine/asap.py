@@ -6,23 +6,19 @@ for any group to finish (or a batch to fall due) -> update.
 """
 from __future__ import annotations
 
-import functools
-
-from moeflow.comm import CommConfig, CommSpec, WaitPolicy
-from moeflow.config import ConfigError, EngineConfig
-from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, expert_process, start_placement
+from moeflow.comm import CommSpec
+from moeflow.config import EngineConfig
+from moeflow.engine.base import StepResult, clock
+from moeflow.engine.eplb import expert_process
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
+from moeflow.engine.startup import Blueprint
 from moeflow.layout import AsapLayout
 from moeflow.messages import WorkDone
-from moeflow.model.sharding import check_tp
 from moeflow.model.attention import attention_for
 from moeflow.model.footprint import kv_bytes_per_token
-from moeflow.model.weights import TORCH_DTYPES, load_config
-from moeflow.scheduler import make_scheduler
+from moeflow.model.weights import TORCH_DTYPES
 from moeflow.workers.launch import WorkerDied
-from moeflow.workers.world import DIST_TRANSPORTS
 
 
 
@@ -50,30 +46,9 @@ class AsapEngine(ProcessEngine):
 
     def __init__(self, model_path: str, config: EngineConfig, layout: AsapLayout):
         super().__init__(config, layout)
-        self.model_config, _ = load_config(model_path)
-        mc = self.model_config
-        if not mc.num_moe_layers:
-            raise ConfigError("mode 'asap' needs a model with MoE layers")
-        check_live(config, "asap")
-        held = start_placement(config, layout, mc, layout.experts_held(mc.num_experts), "asap")
-        d, t, e = layout.attn_dp, layout.attn_tp, layout.moe_workers
-        check_tp(mc, t)
-        self.max_model_len = context_len(config, mc)
-        n = layout.num_attention_workers  # world ranks: attention g*T + m first, then MoE workers
-        transport, rank_nodes = self._transport((0,) * n + tuple(self._expert_node(i) for i in range(e)))
-        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
-        config = self._budget(config, model_path, footprint)
-        world = None
-        if t > 1 or transport in DIST_TRANSPORTS:
-            groups = tuple(tuple(range(g * t, (g + 1) * t)) for g in range(d)) if t > 1 else ()
-            world = self._world(n + e, groups)
-        setup = functools.partial(self._setup, model_path, comm, held, world)
-        self.scheduler = make_scheduler(layout, config, self.max_model_len)
-        # MoE workers first: they own the dispatch buffers the attention workers attach to.
-        self._launch([setup("moe", i, n + i, self._expert_node(i)) for i in range(e)] +
-                     [setup("attention", r, r) for r in range(n)])
-        self.attention = [w for w in self.deployment.workers if w.role == "attention"]
-        attach(self, mc, held, [w for w in self.deployment.workers if w.role == "moe"], self.attention, polls=True)
+        self.attention = self._build(model_path, Blueprint(
+            footprint, _spec, ("attention", layout.num_attention_workers), ("moe", layout.moe_workers),
+            attn_tp=layout.attn_tp))
 
     def step(self) -> StepResult:
         self._check_alive()

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import time
 
-from moeflow.comm import CommConfig, CommSpec, WaitPolicy
+from moeflow.comm import CommSpec
 from moeflow.config import ONE_HOST_SHARED, ConfigError, EngineConfig
-from moeflow.engine.base import StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, expert_process, start_placement
+from moeflow.engine.base import StepResult, clock
+from moeflow.engine.eplb import expert_process
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
+from moeflow.engine.startup import Blueprint
 from moeflow.layout import DepLayout
 from moeflow.messages import WorkDone
-from moeflow.model.weights import load_config
-from moeflow.scheduler import make_scheduler
 from moeflow.workers.launch import WorkerDied
 
 _IDLE_S = 0.002  # a step with nothing to schedule sleeps this long instead of spinning
@@ -47,30 +46,17 @@ class DepEngine(ProcessEngine):
 
     def __init__(self, model_path: str, config: EngineConfig, layout: DepLayout):
         super().__init__(config, layout)
-        self.model_config, _ = load_config(model_path)
-        mc = self.model_config
-        if not mc.num_moe_layers:
-            raise ConfigError("mode 'dep' needs a model with MoE layers")
+        # rank r holds the r-th 1/N of every layer, or what --init-expert-location places there
+        self.ranks = self._build(model_path, Blueprint(footprint, _spec, ("dep", layout.dp)))
+
+    def _refuse(self) -> None:
+        layout, config = self.layout, self.config
         if layout.tp != 1:
             raise ConfigError(f"dep layout tp={layout.tp}: the engine runs dep ranks of one process (tp 1); "
                               f"tensor-parallel ranks are the simulator's")
         if config.transport not in (*ONE_HOST_SHARED, "dist"):  # dist: a rank's link to itself is a Loopback
             raise ConfigError(f"mode 'dep' runs its all-to-all over shm, cuda-ipc (deferred) or dist, not "
                               f"{config.transport!r}")
-        check_live(config, "dep")
-        dp = layout.dp
-        # rank r holds the r-th 1/N of every layer, or what --init-expert-location places there
-        experts = start_placement(config, layout, mc, layout.experts_held(mc.num_experts), "dep")
-        self.max_model_len = context_len(config, mc)
-        nnodes = config.cluster.nnodes  # rank r on node r mod N
-        transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(dp)))
-        comm = CommConfig(_spec(layout, mc, config), transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
-        config = self._budget(config, model_path, footprint)
-        self.scheduler = make_scheduler(layout, config, self.max_model_len)
-        world = self._world(dp) if transport not in ONE_HOST_SHARED else None
-        self._launch([self._setup(model_path, comm, experts, world, "dep", r, r, r % nnodes) for r in range(dp)])
-        self.ranks = list(self.deployment.workers)
-        attach(self, mc, experts, self.ranks, self.ranks, polls=False)
 
     def step(self) -> StepResult:
         self._check_alive()

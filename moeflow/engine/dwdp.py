@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from moeflow.comm import CommConfig
 from moeflow.comm.segment import SHM_DIR
 from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ONE_HOST_SHARED, ConfigError, EngineConfig
-from moeflow.engine.base import EngineLoad, StepResult, clock, context_len
-from moeflow.engine.eplb import attach, check_live, start_placement
+from moeflow.engine.base import EngineLoad, StepResult, clock
+from moeflow.engine.eplb import start_placement
 from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
+from moeflow.engine.startup import Blueprint
 from moeflow.layout import DwdpLayout
 from moeflow.messages import WorkDone
 from moeflow.model.footprint import weight_footprint
-from moeflow.model.weights import TORCH_DTYPES, load_config
-from moeflow.scheduler import make_scheduler
+from moeflow.model.weights import TORCH_DTYPES
 from moeflow.workers.launch import WorkerDied, WorkerHandle, WorkerStalled
 
 
@@ -43,32 +42,26 @@ class DwdpEngine(ProcessEngine):
 
     def __init__(self, model_path: str, config: EngineConfig, layout: DwdpLayout):
         super().__init__(config, layout)
-        self.model_config, family = load_config(model_path)
-        mc = self.model_config
-        if not mc.num_moe_layers:
-            raise ConfigError("mode 'dwdp' needs a model with MoE layers")
-        if config.transport not in ONE_HOST_SHARED:
-            raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over {config.transport!r}")
-        check_live(config, "dwdp", computes=False)
-        start_placement(config, layout, mc, (), "dwdp", computes=False)  # refuses a starting placement file
-        self.experts_held = layout.experts_held(mc.num_experts)
-        self.max_model_len = context_len(config, mc)
-        nnodes = config.cluster.nnodes  # rank r on node r mod N; peers elsewhere serve pulls over gloo
-        transport, rank_nodes = self._transport(tuple(r % nnodes for r in range(layout.dp)))
-        # weight pulls only: no dispatch/combine buffers
-        comm = CommConfig(None, transport, self.deployment_id, rank_nodes=rank_nodes)
-        config = self._budget(config, model_path, footprint)
-        self.scheduler = make_scheduler(layout, config, self.max_model_len)
-        world = self._world(layout.dp) if transport not in ONE_HOST_SHARED else None
-        fp = weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype])
-        self._published = [fp.experts(len(ids)) for ids in self.experts_held]  # each rank's experts in /dev/shm
-        self._launch([self._setup(model_path, comm, self.experts_held, world, "dwdp", r, r, r % nnodes)
-                      for r in range(layout.dp)],
-                     published_shm_bytes=sum(b for r, b in enumerate(self._published) if r % nnodes == 0))
-        self.ranks = list(self.deployment.workers)
-        attach(self, mc, self.experts_held, [], [], polls=False, computes=False)
+        # weight pulls only (no spec: no dispatch/combine buffers); peers on other hosts serve pulls over gloo
+        self.ranks = self._build(model_path, Blueprint(footprint, None, ("dwdp", layout.dp), computes=False))
         self.dead: dict[int, str] = {}  # rank -> why it is gone (until its replacement is ready)
         self._respawning: dict[int, WorkerHandle] = {}  # rank -> its replacement, not yet ready
+
+    def _refuse(self) -> None:
+        if self.config.transport not in ONE_HOST_SHARED:
+            raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over "
+                              f"{self.config.transport!r}")
+
+    def _place(self, mc, computes: bool):
+        start_placement(self.config, self.layout, mc, (), "dwdp", computes=False)  # refuses a starting placement file
+        self.experts_held = self.layout.experts_held(mc.num_experts)
+        return self.experts_held
+
+    def _shm_bytes(self, model_path: str, family) -> int:
+        fp = weight_footprint(model_path, self.model_config, family, TORCH_DTYPES[self.config.dtype])
+        self._published = [fp.experts(len(ids)) for ids in self.experts_held]  # each rank's experts in /dev/shm
+        nnodes = self.config.cluster.nnodes  # rank r on node r mod N; the room check is this host's
+        return sum(b for r, b in enumerate(self._published) if r % nnodes == 0)
 
     def _alive(self) -> list[WorkerHandle]:
         return [w for i, w in enumerate(self.ranks) if i not in self.dead]

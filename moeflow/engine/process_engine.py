@@ -1,41 +1,30 @@
-"""What every mode with worker processes shares: launching, request bookkeeping, failure, traces.
+"""What every mode with worker processes shares once started: request bookkeeping, failure, traces.
 
-A subclass builds the scheduler and the worker setups, then implements ``step``. Requests live in
-the scheduler's pool (their one owner in this process); here only ids: which group holds state
-for which request, and what each group may forget.
+A subclass starts its deployment from a ``Blueprint`` (``startup.py``), then implements ``step``.
+Requests live in the scheduler's pool (their one owner in this process); here only ids: which
+group holds state for which request, and what each group may forget.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-import uuid
 from collections import deque
 
-from moeflow.comm.cuda_ipc import check_engine as check_cuda_ipc
 from moeflow.config import EngineConfig
 from moeflow.core import Batch, Request, Work
-from moeflow.engine.base import Engine, EngineLoad, StepResult, clock, validate_request
-from moeflow.engine.memory import Footprint, apply_budget
+from moeflow.engine.base import EngineLoad, StepResult, clock, validate_request
+from moeflow.engine.startup import Startup
 from moeflow.layout import Layout
-from moeflow.layout.expert_map import ExpertMap
-from moeflow.logs import get_logger
-from moeflow.messages import DumpSpans, NewRequest, RunWork, Spans, WorkDone, WorkerSetup, World
-from moeflow.workers import rendezvous
-from moeflow.workers.launch import (Deployment, WorkerDied, WorkerHandle, WorkerStalled, describe_nodes, free_port,
-                                   process_state)
-
-log = get_logger("moeflow.engine")
+from moeflow.messages import DumpSpans, NewRequest, RunWork, Spans, WorkDone
+from moeflow.workers.launch import WorkerDied, WorkerHandle, WorkerStalled, process_state
 
 KV_ROLES = ("attention", "dep", "dwdp", "afd_attention")  # the worker roles that hold a group's KV cache
 
 
-class ProcessEngine(Engine):
+class ProcessEngine(Startup):
     multinode = True  # every mode with worker processes may place them on several hosts
 
     def __init__(self, config: EngineConfig, layout: Layout):
-        self.config, self.layout = config, layout
-        self.deployment_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.deployment: Deployment | None = None
+        super().__init__(config, layout)
         num_groups = layout.num_groups
         self._known: list[set[str]] = [set() for _ in range(num_groups)]  # requests each group holds state for
         self._freed: list[list[str]] = [[] for _ in range(num_groups)]
@@ -50,51 +39,6 @@ class ProcessEngine(Engine):
         # (asap, dwdp; dep's global step and afd's steps in flight keep their own)
         self._inflight: dict[int, Work] = {}
         self.expert_load = self.eplb = None  # the modes that spread experts: their load window, placement over time
-
-    def _budget(self, config: EngineConfig, model_path: str, footprint: Footprint) -> EngineConfig:
-        """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``);
-        ``footprint``: the mode's (its module's ``footprint``)."""
-        self.config, self.memory_plan = apply_budget(config, model_path, self.layout, footprint)
-        return self.config
-
-    def _setup(self, model_path: str, comm, experts_held, world, role: str, index: int, rank: int,
-               node: int = 0) -> WorkerSetup:
-        """A worker's setup; ``rank``: its world rank (pinned to CPU rank mod cores); ``node``: its host."""
-        c, m = self.config, experts_held  # a tuple per device, or an ExpertMap (a placement by layer)
-        held, layers = (m.layers[0], m.layers) if isinstance(m, ExpertMap) else (m, None)
-        return WorkerSetup(role, index, model_path, c, self.layout, comm, held, world, rank,
-                           cpu=rank % (os.cpu_count() or 1) if c.pin_cpus else None, node=node, expert_layers=layers)
-
-    def _world(self, size: int, tp_groups=()) -> World:
-        """The deployment's torch.distributed world: on one host its own rendezvous on a free local
-        port; across hosts the cluster's (node 0 hosts it from now on, for every deployment)."""
-        if not (cluster := self.config.cluster).is_multinode:
-            return World(size, free_port(), tuple(tp_groups))
-        rendezvous.host(cluster)
-        return World(size, cluster.master_port, tuple(tp_groups), cluster.master_addr,
-                     f"moeflow/{self.deployment_id}/world")
-
-    def _expert_node(self, index: int) -> int:
-        """The host of expert-side worker ``index`` when attention and experts are disaggregated
-        (asap, afd): node 0 keeps the engine and the attention side, the others share the experts."""
-        n = self.config.cluster.nnodes
-        return 1 + index % (n - 1) if n > 1 else 0
-
-    def _transport(self, rank_nodes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
-        """(transport, its ``rank_nodes``) for world ranks on these hosts: the configured one on one
-        host; across hosts shm or gloo per link (``links``), unless gloo everywhere was asked for."""
-        check_cuda_ipc(c := self.config)
-        if c.cluster.is_multinode and c.transport == "shm":
-            return "links", tuple(rank_nodes)
-        return c.transport, ()
-
-    def _launch(self, setups, published_shm_bytes: int = 0) -> None:
-        cluster = self.config.cluster
-        if cluster.is_multinode:
-            rendezvous.host(cluster)  # before any node's workers need it
-            log.info("%s across %d nodes (rendezvous %s:%d): %s", self.mode_name, cluster.nnodes,
-                     cluster.master_addr, cluster.master_port, describe_nodes(setups, cluster.nnodes))
-        self.deployment = Deployment(setups, self.deployment_id, cluster=cluster, published_shm_bytes=published_shm_bytes)
 
     # -- intake -------------------------------------------------------------------------------
 
