@@ -97,7 +97,15 @@ def answer(q: PlanQuestion, json_path: str | None = None) -> int:
     _print(ranked, wall, cpu_host=shared_cores(base) is not None)
     best = next((r for r in ranked if r["feasible"] and r["goodput_per_device"] > 0), None)
     if best is not None:
-        how = " (estimated from its sides; --top 1 simulates it whole)" if best.get("estimated") else ""
+        how = ""
+        if best.get("estimated"):
+            # NOTE: said plainly: the search's whole simulations (--confirm) ran out on candidates
+            # whose estimates ranked higher, and an aggregated asap/dwdp estimate leaves decode out
+            how = (f" (estimated from its sides, not simulated whole: --confirm's {q.confirm} whole simulations "
+                   f"went to others; --include {best['name']} simulates it"
+                   + ("; its estimate is its prefill capacity alone: decode is not estimated for "
+                      f"{best['layout'].get('mode')}" if best.get("decode_side") is None and best.get("prefill_side")
+                      and "prefill" not in best["layout"] else "") + ")")
         print(f"\nbest: {_name(best)}{how}\n  {best['command'] or best['engine_note']}")
         runnable = next((r for r in ranked if r["command"] and r["goodput_per_device"] > 0), None)
         if runnable is not None and runnable is not best:
