@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from process_tree import default_signals, descendants, is_alive
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STOP_S = 5.0
@@ -23,47 +24,13 @@ PLAN = [sys.executable, "-m", "moeflow", "plan", "--model", "deepseek-r1", "--ha
         "--isl", "8192", "--osl", "1024", "--ttft-s", "5", "--tpot-ms", "50"]
 
 
-def _ppids() -> dict[int, int]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def _descendants(pid: int) -> set[int]:
-    ppids, found, frontier = _ppids(), set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in ppids.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
-
-
-def _default_signals() -> None:
-    """In the child before exec: a test run in the background (signals ignored) must not pass that on."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-
-
 @pytest.mark.parametrize("jobs", [2, 1])
 def test_sigterm_stops_the_search_and_its_workers_within_5_s(jobs, tmp_path):
     log_path = tmp_path / "err.log"
     env = {**os.environ, "PYTHONPATH": REPO}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(PLAN + ["--jobs", str(jobs)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                                stderr=log, preexec_fn=_default_signals, start_new_session=True)
+                                stderr=log, preexec_fn=default_signals, start_new_session=True)
     tree: set[int] = set()
     try:
         t0 = time.monotonic()
@@ -72,16 +39,16 @@ def test_sigterm_stops_the_search_and_its_workers_within_5_s(jobs, tmp_path):
                                         f"{log_path.read_text()}"
             assert time.monotonic() - t0 < START_TIMEOUT_S, f"no side simulated:\n{log_path.read_text()}"
             time.sleep(0.1)
-        tree = {proc.pid} | _descendants(proc.pid)
+        tree = {proc.pid} | descendants(proc.pid)
         if jobs > 1:
             assert len(tree) >= 1 + jobs, f"expected {jobs} workers under {proc.pid}: {tree}"
         t_signal = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=STOP_S)
-        while any(_alive(p) for p in tree) and time.monotonic() - t_signal < STOP_S:
+        while any(is_alive(p) for p in tree) and time.monotonic() - t_signal < STOP_S:
             time.sleep(0.02)
         t_stop = time.monotonic() - t_signal
-        left = [p for p in tree if _alive(p)]
+        left = [p for p in tree if is_alive(p)]
         assert rc == 128 + signal.SIGTERM, f"exit code {rc}\n{log_path.read_text()}"
         assert not left, f"still running {STOP_S} s after SIGTERM: {left}\n{log_path.read_text()}"
         print(f"jobs {jobs}: SIGTERM after {t_signal - t0:.1f} s, everything gone in {t_stop:.2f} s")
@@ -90,5 +57,5 @@ def test_sigterm_stops_the_search_and_its_workers_within_5_s(jobs, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         for p in tree:
-            if _alive(p):
+            if is_alive(p):
                 os.kill(p, signal.SIGKILL)

@@ -27,6 +27,7 @@ import sys
 import time
 
 import pytest
+from process_tree import default_signals, descendants, is_alive
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,34 +65,6 @@ CASES = {
 }
 
 
-def _ppids() -> dict[int, int]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def _descendants(pid: int) -> set[int]:
-    ppids, found, frontier = _ppids(), set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in ppids.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
-
-
 def _segments(pids: set[int]) -> list[str]:
     return sorted(p for pid in pids for p in glob.glob(f"/dev/shm/moeflow-{pid}-*"))
 
@@ -100,12 +73,6 @@ def _dead_pid() -> int:
     p = subprocess.Popen(["true"])
     p.wait()
     return p.pid
-
-
-def _default_signals() -> None:
-    """In the child before exec: a test run in the background (signals ignored) must not pass that on."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
 
 
 # make test: one case of every signal and a command without a deployment; the rest: make test-slow
@@ -127,7 +94,7 @@ def test_signal_releases_everything(case, tmp_path):
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_default_signals, start_new_session=True)
+                                preexec_fn=default_signals, start_new_session=True)
     tree: set[int] = set()
     try:
         while ready_line not in log_path.read_text():
@@ -136,7 +103,7 @@ def test_signal_releases_everything(case, tmp_path):
             assert time.monotonic() - t0 < START_TIMEOUT_S, f"{case} not running:\n{log_path.read_text()}"
             time.sleep(0.1)
         time.sleep(1.0)  # into the run
-        tree = {proc.pid} | _descendants(proc.pid)
+        tree = {proc.pid} | descendants(proc.pid)
         if has_deployment:
             assert _segments(tree), f"{case}: no segment of its deployment in /dev/shm"
             assert not os.path.exists(stale), f"{case}: the dead deployment's segment was not reclaimed"
@@ -144,7 +111,7 @@ def test_signal_releases_everything(case, tmp_path):
         proc.send_signal(sig)
         rc = proc.wait(timeout=EXIT_TIMEOUT_S)
         deadline = time.monotonic() + 15.0
-        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        while any(is_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
         t_exit = time.monotonic() - t_signal
         out = log_path.read_text()
@@ -152,7 +119,7 @@ def test_signal_releases_everything(case, tmp_path):
             assert rc in (130, -signal.SIGINT), f"{case}: exit code {rc}\n{out}"
         else:  # killed by SIGTERM/SIGHUP itself (-signum) would mean nothing was cleaned up
             assert rc == 128 + sig, f"{case}: exit code {rc}\n{out}"
-        assert not [p for p in tree if _alive(p)], f"{case}: processes left\n{out}"
+        assert not [p for p in tree if is_alive(p)], f"{case}: processes left\n{out}"
         assert _segments(tree) == [], f"{case}: segments left\n{out}"
         print(f"{case}: running after {t_signal - t0:.1f} s, {sig.name} -> everything released in {t_exit:.1f} s")
     finally:
@@ -160,7 +127,7 @@ def test_signal_releases_everything(case, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         for p in tree:
-            if _alive(p):
+            if is_alive(p):
                 os.kill(p, signal.SIGKILL)
         for path in _segments(tree) + [stale]:
             if os.path.exists(path):
@@ -185,7 +152,7 @@ def test_a_killed_engine_takes_its_workers_and_their_fork_server_along(tmp_path)
     log_path = tmp_path / "out.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", KILLED], cwd=tmp_path, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, preexec_fn=_default_signals, start_new_session=True)
+                                stderr=subprocess.STDOUT, preexec_fn=default_signals, start_new_session=True)
     tree: set[int] = set()
     try:
         t0 = time.monotonic()
@@ -193,21 +160,21 @@ def test_a_killed_engine_takes_its_workers_and_their_fork_server_along(tmp_path)
             assert proc.poll() is None and time.monotonic() - t0 < START_TIMEOUT_S, log_path.read_text()
             time.sleep(0.1)
         workers = [p for p, role in children(proc.pid).items() if role == "worker"]
-        tree = _descendants(proc.pid)
+        tree = descendants(proc.pid)
         assert len(workers) == 2, (children(proc.pid), log_path.read_text())
         os.kill(workers[0], signal.SIGSTOP)
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10.0
-        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        while any(is_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [p for p in tree if _alive(p)], f"processes left after the engine was killed: {tree}"
+        assert not [p for p in tree if is_alive(p)], f"processes left after the engine was killed: {tree}"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         for p in tree:
-            if _alive(p):
+            if is_alive(p):
                 os.kill(p, signal.SIGKILL)
         for path in _segments(tree | {proc.pid}):  # the killed engine could not unlink its own
             os.unlink(path)
