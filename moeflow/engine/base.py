@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from moeflow.config import ConfigError, EngineConfig, ModelConfig
 from moeflow.core import Request, RequestError
-from moeflow.layout import Layout
 from moeflow.scheduler.handoff.port import KvPort
 
 

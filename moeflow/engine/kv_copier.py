@@ -9,7 +9,7 @@ import dataclasses
 import random
 from typing import Callable
 
-from moeflow.comm.kv_arena import READ, WRITE, KvArena
+from moeflow.comm.kv_arena import READ, KvArena
 from moeflow.engine.kv_handoff import KvConnector, flags_state
 from moeflow.messages import KvRecv, KvSend, KvStage
 from moeflow.scheduler.handoff.port import KvPort
@@ -45,5 +45,3 @@ class EngineCopier:
     def abandon(self, stage: KvStage, side: int, group: int) -> None:
         self.kv.abandon(stage, side, self.port.members(group))
 
-
-__all__ = ["EngineCopier", "READ", "WRITE"]

@@ -20,8 +20,9 @@ from moeflow.config import ConfigError, EngineConfig
 from moeflow.core import EngineBusy, Request, RequestError, RequestStatus
 from moeflow.engine.base import Engine, EngineLoad, StepResult, clock, validate_request
 from moeflow.engine.kv_handoff import KvConnector, heap_device
-from moeflow.engine.pd_driver import Arrived, Ended, GivenUp, HandoffDriver
+from moeflow.engine.pd_driver import Arrived, Ended, HandoffDriver
 from moeflow.layout import PdLayout
+from moeflow.scheduler.handoff.deployment import GivenUp
 
 _SUB_WAIT_S = 2e-3  # an instance's step blocks at most this long: the others are stepped in turn
 

@@ -15,7 +15,7 @@ from moeflow.engine.kv_copier import EngineCopier
 from moeflow.engine.kv_handoff import DONE, FAILED, KvConnector
 from moeflow.layout import PdLayout
 from moeflow.messages import Span
-from moeflow.scheduler.handoff.deployment import GivenUp, Handoff, PdHandoffs
+from moeflow.scheduler.handoff.deployment import Handoff, PdHandoffs
 from moeflow.scheduler.handoff.sides import DecodeSide, PrefillSide
 from moeflow.settings import pd_fail_prob
 from moeflow.workers.launch import WorkerDied
@@ -78,11 +78,9 @@ class HandoffDriver:
 
     def _look(self, h: Handoff, now: float, out: StepResult, outcomes: list) -> None:
         m = self.machine
-        prefill, decode = self.engines["prefill"][h.prefill], h.decode is not None and self.engines["decode"][h.decode]
-        if h.state in ("pending", "writing") and prefill.failed is not None:
-            outcomes.append(m.give_up(h, f"prefill instance {h.prefill} failed: {prefill.failed}", answered=False))
-        elif h.state == "reading" and decode.failed is not None:
-            outcomes.append(m.give_up(h, f"decode instance {h.decode} failed: {decode.failed}", answered=False))
+        side, i = ("decode", h.decode) if h.state == "reading" else ("prefill", h.prefill)
+        if (why := self.engines[side][i].failed) is not None:
+            outcomes.append(m.give_up(h, f"{side} instance {i} failed: {why}", answered=False))
         elif (g := m.expired(h, now)) is not None:
             outcomes.append(g)
         elif h.state == "pending":
@@ -159,5 +157,3 @@ def handoff_spans(h: Handoff, arrived_s: float) -> list[Span]:
             Span("handoff: out (sent to done)", track, h.started_s, h.written_s, args),
             Span("handoff: in (sent to done)", track, h.written_s, arrived_s, args)]
 
-
-__all__ = ["Arrived", "Ended", "GivenUp", "HandoffDriver"]
