@@ -18,12 +18,13 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
-from moeflow.comm.kv_arena import READ, KvArena
+from moeflow.comm.kv_arena import READ
 from moeflow.comm.kv_client import KvClient, RemoteRange
 from moeflow.comm.kv_link import host_id
 from moeflow.config import KvTransferConfig
 from moeflow.core import EngineBusy, Request, RequestError
 from moeflow.engine.base import Engine, KvTransfer, StepResult, clock, validate_request
+from moeflow.engine.handle_arenas import HandleArenas, remote_of, stage_of
 from moeflow.engine.kv_copier import EngineCopier
 from moeflow.engine.kv_handoff import BUSY, DONE, FAILED
 from moeflow.engine.server_side import ServerSide
@@ -57,13 +58,13 @@ class DecodeServer(ServerSide):
         self.incoming: dict[str, Incoming] = {}
         self.first_out: set[str] = set()  # arrived, the first decode output not yet out: it carries handoff_s
         self._handoff_s: dict[str, float] = {}
-        self._arenas: dict[str, KvArena] = {}  # prefill servers' arenas on this host, by path
+        self.arenas = HandleArenas(self.kv.arena)
         self._orphans: dict[int, Incoming] = {}  # given up while a claim or pull was out: freed on its answer
         self._unread: list[Incoming] = []  # given up while the members copied: released once they answered
         self._later: list = []  # live handoffs' answers seen between steps, for the next step
         self.port = inner.handoff_port()
         self.copier = EngineCopier(self.kv, self.port, pd_fail_prob(), random.Random(self.config.seed),
-                                   arena_of=self._arena_of)
+                                   arena_of=self.arenas.of)
         self.side = DecodeSide(self.port, self.copier)
 
     # -- intake -------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ class DecodeServer(ServerSide):
             raise EngineBusy(f"{len(self.incoming)} requests wait for blocks or for their KV "
                              f"(kv_transfer_config.max_pending); retry later")
         now = clock()
-        self.incoming[rid] = Incoming(request, h, _remote(h), now, state_s=now)
+        self.incoming[rid] = Incoming(request, h, remote_of(h), now, state_s=now)
 
     def abort(self, request_id: str) -> None:
         inc = self.incoming.pop(request_id, None)
@@ -108,7 +109,7 @@ class DecodeServer(ServerSide):
         return self.inner.has_unfinished() or bool(self.incoming)
 
     def release_kv(self, handle: KvHandle) -> None:
-        self.client.release(_remote(handle))
+        self.client.release(remote_of(handle))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -153,7 +154,7 @@ class DecodeServer(ServerSide):
                 self.client.release(inc.remote)
                 self._read(inc, inc.local)
             else:
-                self._read(inc, self._stage_of(inc.handle))
+                self._read(inc, stage_of(inc.handle))
         self._unread = [x for x in self._unread if not self._read_over(x)]
 
     def _advance(self, inc: Incoming, out: StepResult) -> None:
@@ -175,7 +176,7 @@ class DecodeServer(ServerSide):
 
     def _start(self, inc: Incoming) -> None:
         """Blocks reserved in the group with the most free ones, then the claim or the pull."""
-        h, same_host = inc.handle, inc.handle.host_id == self.host_id and self._arena(inc.handle.arena) is not None
+        h, same_host = inc.handle, inc.handle.host_id == self.host_id and self.arenas.by_path(inc.handle.arena) is not None
         gid = self.side.room(inc.request)
         if gid is None:
             return
@@ -261,7 +262,7 @@ class DecodeServer(ServerSide):
 
     def _read_over(self, inc: Incoming) -> bool:
         """Its members answered (or never will: a lease after it was given up, the range is gone anyway)."""
-        arena = self.kv.arena if inc.local is not None else self._arena(inc.handle.arena)
+        arena = self.arenas.of(inc.stage)
         late = clock() - inc.state_s > 2 * self.kv_config.lease_s
         if not late and arena is not None and self.copier.status(inc.stage, READ, inc.group) == BUSY:
             return False
@@ -274,26 +275,6 @@ class DecodeServer(ServerSide):
         else:
             self.client.release(inc.remote)
 
-    # -- helpers ------------------------------------------------------------------------------
-
-    def _arena_of(self, stage: KvStage) -> KvArena | None:
-        """Ours (a range pulled from another host), or the prefill server's on this host."""
-        return self.kv.arena if stage.arena == self.kv.arena.segment.path else self._arena(stage.arena)
-
-    def _arena(self, path: str) -> KvArena | None:
-        """A prefill server's arena on this host (None: not attachable here)."""
-        if path not in self._arenas:
-            try:
-                self._arenas[path] = KvArena.attach(path, timeout_s=0.0)
-            except (OSError, TimeoutError, ValueError):
-                return None
-        return self._arenas[path]
-
-    def _stage_of(self, h: KvHandle) -> KvStage:
-        lay = h.layout
-        return KvStage(h.arena, h.slot, h.transfer_id, h.offset_bytes, h.num_tokens, lay.num_layers, lay.dtype,
-                       lay.entries)
-
     def load(self):
         x = self.inner.load()
         st = self.kv.stats
@@ -303,10 +284,6 @@ class DecodeServer(ServerSide):
 
     def shutdown(self) -> None:
         self.client.shutdown()
-        for a in self._arenas.values():
-            a.close()
+        self.arenas.close()
         super().shutdown()
 
-
-def _remote(h: KvHandle) -> RemoteRange:
-    return RemoteRange(h.server_id, h.host, h.port, h.transfer_id, h.slot, h.offset_bytes, h.nbytes, h.token)

@@ -112,6 +112,6 @@ def test_another_host_pulls_over_gloo(checkpoints):
             LLM(path, dtype="float32", kv_transfer_config={"role": "decode"}) as d:
         outs, handles = run_split(p, d, PROMPTS, PARAMS, tamper=lambda x: {**x, "remote_host_id": "another-host"})
         assert_same(outs, ref)
-        assert not d.engine._arenas  # nothing of the prefill side's shared memory was mapped
+        assert not d.engine.arenas.attached  # nothing of the prefill side's shared memory was mapped
         assert d.engine.kv.stats.transfers == len(PROMPTS)
         assert_roles_clean(p, d)
