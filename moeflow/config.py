@@ -10,13 +10,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeflow.cluster_config import ClusterConfig
 from moeflow.eplb_config import EplbConfig, check_engine
-from moeflow.errors import ConfigError
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
+from moeflow.errors import ConfigError, require
 
 
 def opt(default: Any, help: str, flag: str | None = None, cli: bool = True, choices: tuple | None = None) -> Any:
@@ -84,26 +80,26 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             v = getattr(self, name)
-            _require(isinstance(v, int) and v > 0, f"ModelConfig.{name} must be a positive int, got {v!r}")
-        _require(self.num_heads % self.num_kv_heads == 0,
+            require(isinstance(v, int) and v > 0, f"ModelConfig.{name} must be a positive int, got {v!r}")
+        require(self.num_heads % self.num_kv_heads == 0,
                  f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        _require(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        _require(len(self.sparse_layers) == self.num_layers,
+        require(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        require(len(self.sparse_layers) == self.num_layers,
                  f"sparse_layers has {len(self.sparse_layers)} entries for {self.num_layers} layers")
         if any(self.sparse_layers):
-            _require(self.num_experts > 0, "a config with MoE layers needs num_experts > 0")
-            _require(0 < self.num_experts_per_tok <= self.num_experts,
+            require(self.num_experts > 0, "a config with MoE layers needs num_experts > 0")
+            require(0 < self.num_experts_per_tok <= self.num_experts,
                      f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                      f"got {self.num_experts_per_tok}")
-            _require(self.moe_intermediate_size > 0, "moe_intermediate_size must be > 0")
+            require(self.moe_intermediate_size > 0, "moe_intermediate_size must be > 0")
         if not all(self.sparse_layers):
-            _require(self.intermediate_size > 0, "dense layers need intermediate_size > 0")
-        _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+            require(self.intermediate_size > 0, "dense layers need intermediate_size > 0")
+        require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
         if self.kv_lora_rank:
             for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                _require(getattr(self, name) > 0, f"multi-head latent attention needs {name} > 0")
+                require(getattr(self, name) > 0, f"multi-head latent attention needs {name} > 0")
         if self.n_group > 1:
-            _require(self.num_experts % self.n_group == 0 and 0 < self.topk_group <= self.n_group,
+            require(self.num_experts % self.n_group == 0 and 0 < self.topk_group <= self.n_group,
                      f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
                      f"topk_group ({self.topk_group}) be in [1, n_group]")
 
@@ -123,39 +119,6 @@ class ModelConfig:
     def rope(self) -> dict:
         """RoPE scaling parameters as a dict (empty: default RoPE)."""
         return dict(self.rope_scaling)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """The hosts one deployment spans, named as torchrun names them (one moeflow process per host).
-
-    Node 0 runs the engine (and the HTTP server), its share of the workers, and hosts the
-    rendezvous (a torch.distributed TCPStore on ``master_addr:master_port``) through which every
-    other node receives its workers' setups and relays their control messages.
-    """
-
-    nnodes: int = 1  # hosts in the deployment (torchrun --nnodes; $WORLD_SIZE with one process per host)
-    node_rank: int = 0  # this host: 0 runs the engine, others only workers ($NODE_RANK)
-    master_addr: str = "127.0.0.1"  # node 0's address, reachable from every node ($MASTER_ADDR)
-    master_port: int = 29500  # the rendezvous's TCP port on node 0 ($MASTER_PORT)
-    connect_timeout_s: float = 300.0  # how long a node waits for node 0 (and node 0 for the others)
-    heartbeat_timeout_s: float = 5.0  # a node silent this long is taken for dead, and its workers with it
-    # torchrun's agent already hosts a TCPStore on master_port ($TORCHELASTIC_USE_AGENT_STORE): node 0
-    # uses it as a client instead of hosting the rendezvous itself
-    agent_store: bool = False
-
-    def __post_init__(self) -> None:
-        _require(isinstance(self.nnodes, int) and self.nnodes >= 1, f"nnodes must be an int >= 1, got {self.nnodes!r}")
-        _require(isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes,
-                 f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
-        _require(isinstance(self.master_port, int) and 0 < self.master_port < 65536,
-                 f"master_port must be a TCP port, got {self.master_port!r}")
-        _require(bool(self.master_addr), "master_addr must name node 0's address")
-        _require(self.connect_timeout_s > 0 and self.heartbeat_timeout_s > 0, "cluster timeouts must be > 0")
-
-    @property
-    def is_multinode(self) -> bool:
-        return self.nnodes > 1
 
 
 # cuda-ipc: shm with payloads and published weights on the GPU; deferred: its rehearsal on the CPU
@@ -204,35 +167,35 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_engine(self)
-        _require(isinstance(self.router_skew, (int, float)) and not isinstance(self.router_skew, bool)
+        require(isinstance(self.router_skew, (int, float)) and not isinstance(self.router_skew, bool)
                  and self.router_skew >= 0, f"EngineConfig.router_skew must be a number >= 0, got {self.router_skew!r}")
         if isinstance(self.kv_transfer_config, dict):
             object.__setattr__(self, "kv_transfer_config", KvTransferConfig(**self.kv_transfer_config))
-        _require(self.kv_transfer_config is None or isinstance(self.kv_transfer_config, KvTransferConfig),
+        require(self.kv_transfer_config is None or isinstance(self.kv_transfer_config, KvTransferConfig),
                  f"EngineConfig.kv_transfer_config must be a KvTransferConfig, "
                  f"got {type(self.kv_transfer_config).__name__}")
         if isinstance(self.cluster, dict):  # from a result file or dataclasses.asdict
             object.__setattr__(self, "cluster", ClusterConfig(**self.cluster))
-        _require(isinstance(self.cluster, ClusterConfig), f"EngineConfig.cluster must be a ClusterConfig, "
+        require(isinstance(self.cluster, ClusterConfig), f"EngineConfig.cluster must be a ClusterConfig, "
                                                           f"got {type(self.cluster).__name__}")
-        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _require(isinstance(self.device, str) and re.match(r"^(auto|cpu|cuda(:\d+)?)$", self.device) is not None,
+        require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(isinstance(self.device, str) and re.match(r"^(auto|cpu|cuda(:\d+)?)$", self.device) is not None,
                  f"EngineConfig.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "kv_block_size", "num_kv_blocks",
                      "num_threads"):
             v = getattr(self, name)
-            _require(isinstance(v, int) and v > 0, f"EngineConfig.{name} must be a positive int, got {v!r}")
-        _require(self.max_model_len is None or self.max_model_len > 0,
+            require(isinstance(v, int) and v > 0, f"EngineConfig.{name} must be a positive int, got {v!r}")
+        require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
-        _require(self.transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        _require(self.kv_admission in KV_ADMISSIONS,
+        require(self.transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        require(self.kv_admission in KV_ADMISSIONS,
                  f"EngineConfig.kv_admission must be one of {KV_ADMISSIONS}, got {self.kv_admission!r}")
-        _require(isinstance(self.stall_timeout_s, (int, float)) and not isinstance(self.stall_timeout_s, bool)
+        require(isinstance(self.stall_timeout_s, (int, float)) and not isinstance(self.stall_timeout_s, bool)
                  and self.stall_timeout_s > 0, f"EngineConfig.stall_timeout_s must be a number > 0, "
                                                f"got {self.stall_timeout_s!r}")
         for name in ("memory_budget_gib", "activation_reserve_gib"):
             v = getattr(self, name)
-            _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
                                    and (v > 0 or name != "memory_budget_gib")),
                      f"EngineConfig.{name} must be None or a number > 0 (>= 0 for the reserve), got {v!r}")
 
@@ -259,21 +222,21 @@ class KvTransferConfig:
     secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        _require(self.role in KV_ROLES, f"kv_transfer_config.role must be one of {KV_ROLES}, got {self.role!r}")
-        _require(isinstance(self.host, str) and self.host not in ("", "0.0.0.0", "::"),
+        require(self.role in KV_ROLES, f"kv_transfer_config.role must be one of {KV_ROLES}, got {self.role!r}")
+        require(isinstance(self.host, str) and self.host not in ("", "0.0.0.0", "::"),
                  f"kv_transfer_config.host is advertised to decode servers in every handle: give this host's "
                  f"address on the network they share, not {self.host!r}")
-        _require(isinstance(self.port, int) and 0 <= self.port < 65536,
+        require(isinstance(self.port, int) and 0 <= self.port < 65536,
                  f"kv_transfer_config.port must be a TCP port (0: any free one), got {self.port!r}")
-        _require(isinstance(self.lease_s, (int, float)) and not isinstance(self.lease_s, bool) and self.lease_s > 0,
+        require(isinstance(self.lease_s, (int, float)) and not isinstance(self.lease_s, bool) and self.lease_s > 0,
                  f"kv_transfer_config.lease_s must be a number > 0, got {self.lease_s!r}")
-        _require(self.failure_policy in FAILURE_POLICIES,
+        require(self.failure_policy in FAILURE_POLICIES,
                  f"kv_transfer_config.failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}")
-        _require(isinstance(self.max_pending, int) and self.max_pending > 0,
+        require(isinstance(self.max_pending, int) and self.max_pending > 0,
                  f"kv_transfer_config.max_pending must be a positive int, got {self.max_pending!r}")
-        _require(self.buffer_mib is None or (isinstance(self.buffer_mib, int) and self.buffer_mib > 0),
+        require(self.buffer_mib is None or (isinstance(self.buffer_mib, int) and self.buffer_mib > 0),
                  f"kv_transfer_config.buffer_mib must be a positive int, got {self.buffer_mib!r}")
-        _require(self.secret is None or (isinstance(self.secret, str) and self.secret != ""),
+        require(self.secret is None or (isinstance(self.secret, str) and self.secret != ""),
                  "kv_transfer_config.secret must be a non-empty string (leave it unset for none)")
 
 
@@ -294,9 +257,9 @@ class SchedulerConfig:
     min_split_tokens: int = opt(512, "a lone batch of at least this many tokens is cut in two")
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.min_batch_tokens, int) and self.min_batch_tokens > 0,
+        require(isinstance(self.min_batch_tokens, int) and self.min_batch_tokens > 0,
                  f"min_batch_tokens must be a positive int, got {self.min_batch_tokens!r}")
-        _require(isinstance(self.max_batch_tokens, int) and self.max_batch_tokens >= self.min_batch_tokens,
+        require(isinstance(self.max_batch_tokens, int) and self.max_batch_tokens >= self.min_batch_tokens,
                  f"max_batch_tokens ({self.max_batch_tokens}) must be >= min_batch_tokens ({self.min_batch_tokens})")
-        _require(self.max_batch_wait_s >= 0, f"max_batch_wait_s must be >= 0, got {self.max_batch_wait_s}")
-        _require(self.long_prompt_tokens > 0, f"long_prompt_tokens must be > 0, got {self.long_prompt_tokens}")
+        require(self.max_batch_wait_s >= 0, f"max_batch_wait_s must be >= 0, got {self.max_batch_wait_s}")
+        require(self.long_prompt_tokens > 0, f"long_prompt_tokens must be > 0, got {self.long_prompt_tokens}")

@@ -5,3 +5,9 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type, or out of range."""
+
+
+def require(cond: bool, msg: str) -> None:
+    """Raise ``ConfigError(msg)`` unless ``cond``: a config's ``__post_init__`` checks, one line each."""
+    if not cond:
+        raise ConfigError(msg)
