@@ -97,15 +97,7 @@ def answer(q: PlanQuestion, json_path: str | None = None) -> int:
     _print(ranked, wall, cpu_host=shared_cores(base) is not None)
     best = next((r for r in ranked if r["feasible"] and r["goodput_per_device"] > 0), None)
     if best is not None:
-        how = ""
-        if best.get("estimated"):
-            # NOTE: said plainly: the search's whole simulations (--confirm) ran out on candidates
-            # whose estimates ranked higher, and an aggregated asap/dwdp estimate leaves decode out
-            how = (f" (estimated from its sides, not simulated whole: --confirm's {q.confirm} whole simulations "
-                   f"went to others; --include {best['name']} simulates it"
-                   + ("; its estimate is its prefill capacity alone: decode is not estimated for "
-                      f"{best['layout'].get('mode')}" if best.get("decode_side") is None and best.get("prefill_side")
-                      and "prefill" not in best["layout"] else "") + ")")
+        how = f" ({_why_estimated(best, q.confirm)})" if best.get("estimated") else ""
         print(f"\nbest: {_name(best)}{how}\n  {best['command'] or best['engine_note']}")
         runnable = next((r for r in ranked if r["command"] and r["goodput_per_device"] > 0), None)
         if runnable is not None and runnable is not best:
@@ -132,6 +124,17 @@ def _sides_of(name: str) -> tuple[str, str]:
         if k > 3:
             return name[3:k], name[k + 1:]
     return name, ""
+
+
+def _why_estimated(best: dict, confirm: int) -> str:
+    """Why the answer is an estimate and how to simulate it: the search's whole simulations
+    (--confirm) ran out on candidates whose estimates ranked higher; an aggregated asap/dwdp
+    candidate's estimate also leaves decode out."""
+    spent = f"--confirm's {confirm} whole simulations went to others" if confirm else "--confirm 0 simulates none"
+    why = f"estimated from its sides, not simulated whole: {spent}; --include {best['name']} simulates it"
+    if best.get("decode_side") is None and "prefill" not in best["layout"]:
+        why += f"; its estimate is its prefill capacity alone: decode is not estimated for {best['layout'].get('mode')}"
+    return why
 
 
 def _print(ranked: list[dict], wall: float, cpu_host: bool) -> None:
