@@ -164,9 +164,14 @@ class EngineConfig:
     eplb_config: EplbConfig = field(default_factory=EplbConfig)  # a mapping (JSON, YAML) or None is parsed in place
     init_expert_location: str = "trivial"  # or a JSON file of recorded load or a placement (scheduler/expert_location)
     router_skew: float = 0.0  # benchmarks only: a Zipf(s) tilt of every MoE gate's choice (model/gate.skewed)
+    # each KV-holding process's cache in memory the others map (/dev/shm, or CUDA IPC): set by a
+    # deployment whose instances hand KV over on one host (pd), so a handoff copies once
+    share_kv_cache: bool = False
 
     def __post_init__(self) -> None:
         check_engine(self)
+        require(isinstance(self.share_kv_cache, bool),
+                f"EngineConfig.share_kv_cache must be true or false, got {self.share_kv_cache!r}")
         require(isinstance(self.router_skew, (int, float)) and not isinstance(self.router_skew, bool)
                  and self.router_skew >= 0, f"EngineConfig.router_skew must be a number >= 0, got {self.router_skew!r}")
         if isinstance(self.kv_transfer_config, dict):

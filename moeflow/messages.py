@@ -53,6 +53,30 @@ class NewRequest:
 
 
 @dataclass(frozen=True)
+class KvRegion:
+    """One KV-holding member's whole cache, in memory other processes map by ``handle``
+    (``comm/ipc_memory.py``: a /dev/shm file on a host, CUDA IPC on a device), carved as
+    ``model.kv_cache.carve`` lays it out. A worker reports it at start when its engine hands KV over."""
+
+    handle: bytes
+    num_layers: int
+    num_slots: int
+    block_size: int
+    dtype: str  # torch dtype name without "torch."
+    entries: tuple[tuple[str, tuple[int, ...]], ...]  # this member's own per-token shapes (its heads)
+    member: int  # its TP member index (which heads of a split entry it holds)
+
+
+@dataclass(frozen=True)
+class KvSource:
+    """Where a stage's KV is when it was not staged: in the prefill group's own caches (``regions``,
+    one per member), at ``blocks``; the decode members copy it from there, the one copy on a host."""
+
+    regions: tuple[KvRegion, ...]
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class KvStage:
     """Where one request's prompt KV is staged for a handoff: ``num_tokens`` positions of every
     layer and entry, whole (unsplit) heads, at ``offset_bytes`` of the staging arena."""
@@ -66,6 +90,8 @@ class KvStage:
     dtype: str  # torch dtype name without "torch."
     entries: tuple[tuple[str, tuple[int, ...]], ...]  # KV layout: name -> whole per-token shape
     fail: bool = False  # injected failure (MOEFLOW_PD_FAIL_PROB): the member reports failure, copies nothing
+    # None: the KV is in the arena's heap at ``offset_bytes`` (staged); else where it is in place
+    source: KvSource | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +105,8 @@ class KvSend:
 @dataclass(frozen=True)
 class KvRecv:
     """Engine -> every KV-holding member of a decode group, before any work item that names the
-    request: copy the stage into these (pre-allocated) blocks."""
+    request: copy the stage into these (pre-allocated) blocks: its arena range, or, with a
+    ``source``, straight out of the prefill members' caches."""
 
     stage: KvStage
     block_ids: tuple[int, ...]
@@ -155,6 +182,7 @@ class WorkerReady:
     index: int
     pid: int
     memory: dict = field(default_factory=dict)  # bytes the worker holds, by kind (KV cache, experts, buffers)
+    kv_region: KvRegion | None = None  # its KV cache, shared for the handoff (None: private, or none)
 
 
 @dataclass

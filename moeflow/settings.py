@@ -43,6 +43,15 @@ def paged_attention_mode() -> str:
     return os.environ.get("MOEFLOW_PAGED_ATTENTION", "auto").strip().lower() or "auto"
 
 
+def kv_copy_mode() -> str:
+    """$MOEFLOW_KV_COPY: how the KV handoff's in-place copy runs on the CPU (``model/kv_copy.py``):
+    auto (default: the C++ op where it builds) or torch (a torch copy per run; raises on any other)."""
+    mode = os.environ.get("MOEFLOW_KV_COPY", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "torch"):
+        raise ValueError(f"MOEFLOW_KV_COPY must be auto or torch, got {mode!r}")
+    return mode
+
+
 def gloo_socket_ifname() -> str | None:
     """$GLOO_SOCKET_IFNAME (gloo's own switch): the interface gloo binds between hosts; None: moeflow
     picks the one on the route to node 0 (``workers/interface.py``)."""

@@ -65,8 +65,8 @@ class KvArena:
             self._heap = self._memory.tensor
         elif self._heap is None:
             at = _FLAGS_BYTES + _HANDLE_BYTES
-            self._heap = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=self.segment.size_bytes - at,
-                                          offset=at)
+            count = self.segment.size_bytes - at  # 0: flags only (KV read in place, nothing staged)
+            self._heap = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=count, offset=at) if count                 else torch.empty(0, dtype=torch.uint8, device="cpu")
         return self._heap
 
     heap_bytes = property(lambda self: self.heap.numel())

@@ -126,7 +126,8 @@ class Engine(abc.ABC):
         """What a KV handoff's side may do to this deployment: its pool's leases and reservations,
         and its KV-holding members (``scheduler/handoff/port.py``)."""
         if getattr(self, "_kv_port", None) is None:
-            self._kv_port = KvPort(self.scheduler.pool, self._kv_members, self._send_kv, self._kv_arrived)
+            self._kv_port = KvPort(self.scheduler.pool, self._kv_members, self._send_kv, self._kv_arrived,
+                                   self._kv_regions)
         return self._kv_port
 
     def _kv_members(self, group: int) -> int:
@@ -139,6 +140,11 @@ class Engine(abc.ABC):
         raise ConfigError(f"mode {self.mode_name!r} cannot hand KV blocks over")
 
     _kv_arrived = None  # (request) -> None: what else a request decoding from handed-over KV needs
+
+    def _kv_regions(self, group: int) -> tuple | None:
+        """Group ``group``'s caches as others map them, one ``KvRegion`` per member (None: private;
+        ``EngineConfig.share_kv_cache`` shares them)."""
+        return None
 
     def collect_spans(self) -> list:
         """Trace spans recorded by the deployment's workers (modes with worker processes)."""

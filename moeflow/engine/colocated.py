@@ -1,8 +1,12 @@
 """Mode ``colocated``: the whole model in this process; the reference every other mode must match."""
 from __future__ import annotations
 
+import os
+import uuid
+
 import torch
 
+from moeflow.comm.segment import segment_path
 from moeflow.config import EngineConfig
 from moeflow.core import Request
 from moeflow.engine.base import Engine, StepResult, clock, context_len, validate_request
@@ -14,7 +18,7 @@ from moeflow.model.kv_cache import KVCache
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import TORCH_DTYPES, load_weights
 from moeflow.scheduler import make_scheduler
-from moeflow.workers.kv_transfer import KvTransfers
+from moeflow.workers.kv_transfer import KvTransfers, shared_cache
 from moeflow.workers.runner import ModelRunner
 
 
@@ -36,7 +40,13 @@ class ColocatedEngine(Engine):
         self.model_config, weights = load_weights(model_path, dtype, device=device, router_skew=config.router_skew)
         mc = self.model_config
         self.max_model_len = context_len(config, mc)
-        kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype, device)
+        self._region = self._kv_memory = None
+        if config.share_kv_cache:  # NOTE: <pid>-<hex>, as an engine's: the reaper unlinks it if we are killed
+            kv, self._region, self._kv_memory = shared_cache(
+                mc, config.num_kv_blocks, config.kv_block_size, dtype, device,
+                segment_path(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", "kv-cache"), 0)
+        else:
+            kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype, device)
         self.runner = ModelRunner(MoETransformer(mc, weights), kv, seed=config.seed)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
         self._kv = KvTransfers(kv, 0)
@@ -55,8 +65,14 @@ class ColocatedEngine(Engine):
         with torch.inference_mode():
             self._kv.handle(message)
 
+    def _kv_regions(self, group: int) -> tuple | None:
+        return None if self._region is None else (self._region,)
+
     def shutdown(self) -> None:
         self._kv.close()
+        if self._kv_memory is not None:
+            self._kv_memory.close()
+            self._kv_memory = None
 
     def step(self) -> StepResult:
         works = self.scheduler.schedule(clock())

@@ -54,22 +54,29 @@ class KvConnector:
 
     @classmethod
     def for_model(cls, deployment_id: str, mc, max_model_len: int, dtype: str, buffer_mib: int | None,
-                  heap: tuple[str, bool]) -> "KvConnector":
+                  heap: tuple[str, bool], staged: bool = True) -> "KvConnector":
         """The staging arena of a deployment or server running ``mc``: ``buffer_mib``, or four of its
-        longest prompts' KV within [64 MiB, 1 GiB]."""
+        longest prompts' KV within [64 MiB, 1 GiB]; not ``staged``: flags only (KV read in place)."""
         entries = tuple(attention_for(mc).kv_layout().items())
         full = staged_bytes(mc.num_layers, max_model_len, getattr(torch, dtype).itemsize, entries)
         heap_bytes = (buffer_mib << 20) if buffer_mib else min(max(4 * full, 64 << 20), 1 << 30)
+        heap_bytes = heap_bytes if staged else 0
         return cls(deployment_id, heap_bytes, mc.num_layers, dtype, entries, heap)
 
     def bytes_for(self, num_tokens: int) -> int:
         return staged_bytes(self.num_layers, num_tokens, self.itemsize, self.entries)
 
+    @property
+    def staged(self) -> bool:
+        """Whether stages hold copies (False: a heap of 0 bytes, every stage a row of flags for KV
+        read in place)."""
+        return self.heap.size_bytes > 0
+
     def open(self, num_tokens: int) -> KvStage | None:
         """A stage for ``num_tokens`` positions, or None while the arena has no room."""
         if not self._slots:
             return None
-        offset = self.heap.take(self.bytes_for(num_tokens))
+        offset = self.heap.take(self.bytes_for(num_tokens)) if self.staged else 0
         if offset is None:
             return None
         return KvStage(self.arena.segment.path, self._slots.pop(), next(self._ids), offset, num_tokens,

@@ -68,7 +68,7 @@ class LLM:
                  memory_budget_gib: float | None = None, activation_reserve_gib: float | None = None,
                  max_restarts: int = 0, restart_backoff_s: float = 1.0, stall_timeout_s: float = 60.0,
                  kv_admission: str = "on-demand", enable_eplb: bool = False, eplb_config=None, router_skew: float = 0.0,
-                 init_expert_location: str = "trivial",
+                 init_expert_location: str = "trivial", share_kv_cache: bool = False,
                  cluster: ClusterConfig | None = None, kv_transfer_config: KvTransferConfig | dict | None = None,
                  layout: Layout | None = None, **layout_kwargs):
         """``max_restarts``: when a worker dies, its requests end with errors and, before the next
@@ -92,7 +92,7 @@ class LLM:
                               stall_timeout_s=stall_timeout_s, kv_admission=kv_admission,
                               cluster=cluster or ClusterConfig(), kv_transfer_config=kv_transfer_config,
                               enable_eplb=enable_eplb, eplb_config=eplb_config, router_skew=router_skew,
-                              init_expert_location=init_expert_location)
+                              init_expert_location=init_expert_location, share_kv_cache=share_kv_cache)
         self.restart_policy = RestartPolicy(max_restarts, restart_backoff_s)
         self.model_path = resolve_model(model, revision)
         self.layout, self.mode = layout, layout.mode

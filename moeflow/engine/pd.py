@@ -4,8 +4,9 @@ Each instance is a whole engine of its own layout (built by the mode table's ``c
 this engine routes requests and moves their KV. A request runs on the least-loaded prefill
 instance with ``max_tokens=1``; its blocks stay leased there when its first token is sampled (the
 client sees that token at once). Then: decode room found (the instance with the most free KV,
-blocks pre-allocated there) -> the prefill members copy the blocks into the staging arena ->
-the decode members copy them into the reserved blocks -> the request decodes there. A handoff
+blocks pre-allocated there) -> the decode members copy the leased blocks straight out of the
+prefill members' caches (shared memory, or CUDA IPC: one copy; ``share_kv_cache``) into the
+reserved blocks -> the lease ends and the request decodes there. A handoff
 that fails, or whose lease runs out waiting for decode room, fails the request or is recomputed
 on a decode instance (``kv_load_failure_policy``). ``docs/pd.md`` has the diagram and the table.
 """
@@ -50,9 +51,11 @@ class PdEngine(Engine):
             for e in self.decode:  # one deployment builds both from one model; separate servers may not
                 check_compatible(first, e)
             mc = self.model_config
+            # every prefill group's caches shared: the decode members read them in place, no staging heap
+            in_place = all(p.handoff_port().regions(0) is not None for p in self.prefill)
             # NOTE: <pid>-<hex>, as an engine's: a SIGKILLed owner's arena is reclaimed by the next one
             self.kv = KvConnector.for_model(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", mc, self.max_model_len,
-                                            config.dtype, layout.kv_buffer_mib, heap_device(config))
+                                            config.dtype, layout.kv_buffer_mib, heap_device(config), in_place is False)
         except BaseException:
             self.shutdown()
             raise
@@ -64,7 +67,7 @@ class PdEngine(Engine):
         self.handoffs = self.machine.handoffs  # request id -> its handoff, oldest first
 
     def _instance(self, layout) -> Engine:
-        e = PdEngine.build_instance(layout, self.model_path, self.config)
+        e = PdEngine.build_instance(layout, self.model_path, dataclasses.replace(self.config, share_kv_cache=True))
         e.max_wait_s = _SUB_WAIT_S
         return e
 
@@ -79,7 +82,7 @@ class PdEngine(Engine):
         if request.request_id in self.requests:
             raise RequestError(f"request {request.request_id}: a request with this id is running")
         need = self.kv.bytes_for(request.num_prompt_tokens)
-        if need > self.kv.heap.size_bytes:
+        if self.kv.staged and need > self.kv.heap.size_bytes:
             raise RequestError(f"request {request.request_id}: its prompt's KV ({need / 2**20:.1f} MiB) exceeds the "
                                f"handoff buffer ({self.kv.heap.size_bytes / 2**20:.1f} MiB, kv_buffer_mib)")
         if len(self.handoffs) >= self.layout.max_pending_handoffs:

@@ -149,11 +149,14 @@ class _Stages:
 
 def handoff_spans(h: Handoff, arrived_s: float) -> list[Span]:
     """One handoff on the trace's "handoff" track, between the two sides' tracks: waiting for decode
-    room, the copy out of the prefill instance and the copy into the decode instance, each from the
-    message sent to every member's flag (the members' own "kv copy" spans say what the copy took)."""
+    room, the copy out of the prefill instance (none in place) and the copy into the decode
+    instance, each from the message sent to every member's flag (the members' own "kv copy" spans
+    say what the copy took)."""
     track = f"handoff/prefill{h.prefill}->decode{h.decode}"
     args = {"request": h.request_id, "tokens": h.stage.num_tokens}
-    return [Span("handoff: wait for decode room", track, h.prefilled_s, h.started_s, args),
-            Span("handoff: out (sent to done)", track, h.started_s, h.written_s, args),
+    wait = Span("handoff: wait for decode room", track, h.prefilled_s, h.started_s, args)
+    if h.in_place:
+        return [wait, Span("handoff: in, from the prefill cache (sent to done)", track, h.written_s, arrived_s, args)]
+    return [wait, Span("handoff: out (sent to done)", track, h.started_s, h.written_s, args),
             Span("handoff: in (sent to done)", track, h.written_s, arrived_s, args)]
 

@@ -65,10 +65,17 @@ class ProcessEngine(Startup):
         return getattr(self.layout, "attn_tp", 1)
 
     def _send_kv(self, group: int, message) -> None:
+        for w in self._kv_holders(group):
+            self.deployment.send(w, message)
+
+    def _kv_holders(self, group: int) -> list:
         t = self._kv_members(group)
-        for w in self.deployment.workers:
-            if w.role in KV_ROLES and w.index // t == group:
-                self.deployment.send(w, message)
+        return sorted((w for w in self.deployment.workers if w.role in KV_ROLES and w.index // t == group),
+                      key=lambda w: w.index)
+
+    def _kv_regions(self, group: int) -> tuple | None:
+        regions = tuple(w.kv_region for w in self._kv_holders(group))
+        return None if any(r is None for r in regions) else regions
 
     # -- work messages ------------------------------------------------------------------------
 

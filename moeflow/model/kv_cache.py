@@ -18,21 +18,53 @@ from moeflow.model.attention import KVLayout, attention_for
 from moeflow.model.paged_attention import DecodeBatch
 
 
+_ALIGN = 64  # bytes: each entry of a cache carved from one buffer starts on a cache line
+
+
+def storage_bytes(layout: KVLayout, num_layers: int, num_slots: int, dtype: torch.dtype) -> int:
+    """Bytes of one buffer that ``carve`` lays a cache's entries out in."""
+    return sum(-(-num_layers * num_slots * math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+               for shape in dict(layout).values())
+
+
+def carve(storage: torch.Tensor, layout: KVLayout, num_layers: int, num_slots: int,
+          dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One [L, N, *e] view per entry of a uint8 ``storage`` (no copy), entry after entry in layout
+    order: the layout a process that maps another's cache (the KV handoff) rebuilds from the same
+    numbers."""
+    need = storage_bytes(layout, num_layers, num_slots, dtype)
+    if need > storage.numel():
+        raise ValueError(f"a KV cache of {need} bytes does not fit a {storage.numel()}-byte buffer")
+    out, off = {}, 0
+    for name, shape in dict(layout).items():
+        count = num_layers * num_slots * math.prod(shape)
+        out[name] = storage[off:off + count * dtype.itemsize].view(dtype).view(num_layers, num_slots, *shape)
+        off += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
+    return out
+
+
 class KVCache:
     def __init__(self, layout: KVLayout, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", storage: torch.Tensor | None = None):
+        """``storage``: a uint8 buffer the entries are carved from (memory another process maps, for
+        the KV handoff; ``storage_bytes`` says how big); None: the cache's own tensors."""
         self.layout = dict(layout)
         self.num_layers, self.block_size, self.num_blocks, self.dtype = num_layers, block_size, num_blocks, dtype
-        self.device = torch.device(device)
+        self.device = torch.device(device if storage is None else storage.device)
+        if storage is not None:
+            self.entries = carve(storage, self.layout, num_layers, num_blocks * block_size, dtype)
+            for t in self.entries.values():
+                t.zero_()
+            return
         self.entries = {name: torch.zeros((num_layers, num_blocks * block_size, *shape), dtype=dtype,
                                           device=self.device)  # [L, N, *e]
                         for name, shape in self.layout.items()}
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> "KVCache":
+                  device: torch.device | str = "cpu", storage: torch.Tensor | None = None) -> "KVCache":
         """The cache of ``cfg``'s attention kind (a TP member passes its own, sharded config)."""
-        return cls(attention_for(cfg).kv_layout(), cfg.num_layers, num_blocks, block_size, dtype, device)
+        return cls(attention_for(cfg).kv_layout(), cfg.num_layers, num_blocks, block_size, dtype, device, storage)
 
     @property
     def bytes_per_token(self) -> int:

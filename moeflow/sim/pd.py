@@ -46,21 +46,23 @@ class _Stages:
 
 
 class _Copier:
-    """A side's copy as time on the clock: the cost model's copy out or copy in, then ``done(request id)``."""
+    """A side's copy as time on the clock, then ``done(request id)``. In place, as the engine's pd
+    deployment hands KV over on one host: nothing is copied out, and the copy in reads the leased
+    blocks; it takes the cost model's whole handoff (its copy out and copy in)."""
 
-    def __init__(self, system: "PdSystem", out: bool, done):
-        self.system, self.out, self.done = system, out, done
+    def __init__(self, system: "PdSystem", done):
+        self.system, self.done = system, done
 
-    def _after(self, stage: _Stage) -> None:
-        out_s, in_s = self.system.cost.kv_handoff_s(stage.nbytes)
+    def _after(self, seconds: float, stage: _Stage) -> None:
         loop = self.system.loop
-        loop.at(loop.now + (out_s if self.out else in_s), self.done, stage.request_id)
+        loop.at(loop.now + seconds, self.done, stage.request_id)
 
-    def copy_out(self, group: int, stage: _Stage, blocks) -> None:
-        self._after(stage)
+    def copy_out(self, group: int, stage: _Stage, blocks) -> tuple[_Stage, bool]:
+        self._after(0.0, stage)
+        return stage, True
 
     def copy_in(self, group: int, stage: _Stage, blocks) -> None:
-        self._after(stage)
+        self._after(sum(self.system.cost.kv_handoff_s(stage.nbytes)), stage)
 
     def abandon(self, stage: _Stage, side: int, group: int) -> None:
         pass
@@ -76,8 +78,8 @@ class PdSystem(System):
                        for j in range(lay.decode_instances)]
         m = self.model
         self.machine = PdHandoffs(
-            [PrefillSide(p.handoff_port(), _Copier(self, True, self._copied_out)) for p in self.prefill],
-            [DecodeSide(d.handoff_port(), _Copier(self, False, self._landed)) for d in self.decode],
+            [PrefillSide(p.handoff_port(), _Copier(self, self._copied_out)) for p in self.prefill],
+            [DecodeSide(d.handoff_port(), _Copier(self, self._landed)) for d in self.decode],
             _Stages(m.kv_bytes_per_token_layer * m.num_layers), lay.kv_lease_s, lay.kv_load_failure_policy)
         self.requests: dict[str, Request] = {}  # the client's, until it finishes
         self.tracks: dict[str, _Track] = {}  # a handoff's: arrival, first batch, first token and compute so far
@@ -142,7 +144,7 @@ class PdSystem(System):
                 self.machine.start(h, now)
 
     def _copied_out(self, rid: str) -> None:
-        """The prefill side's copy is done: its lease ends, its blocks go back; the copy in starts."""
+        """The prefill side's copy is done (in place: none was made); the copy in starts."""
         h = self.machine.handoffs.get(rid)
         if h is None:  # given up while its copy ran (its lease ran out)
             return
@@ -158,6 +160,7 @@ class PdSystem(System):
         d = self.decode[h.decode]
         d.track[rid] = self.tracks.pop(rid)  # its first token is known: the decode side only adds the rest
         d.poke()
+        self.prefill[h.prefill].poke()  # in place, its lease ended only now
 
     def _lease_check(self, rid: str) -> None:
         """Its lease ran out: a handoff still on the prefill side is given up, as the engine does."""

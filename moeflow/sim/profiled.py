@@ -182,8 +182,8 @@ class ProfiledCost(CostModel):
         return self.transfer_s(nbytes)  # a shared-memory transfer here is a memcpy too
 
     def kv_handoff_s(self, nbytes):
-        # the engine here stages a handoff in shared memory: a copy out, then a copy in
-        return self.device_copy_s(nbytes), self.device_copy_s(nbytes)
+        # the engine's pd deployment reads the prefill side's blocks in place: one copy, into the decode side
+        return 0.0, self.device_copy_s(nbytes)
 
     @property
     def link_bw_Bps(self):

@@ -24,6 +24,7 @@ class AttentionWorker:
         self.expert_slots = expert_slots  # a dep rank's own experts (it takes MoveExperts)
         self.replies = replies  # the group's leader reports WorkDone; other TP members stay silent
         self.kv = KvTransfers(stages.runner.kv_cache, stages.member)  # the prefill/decode handoff
+        self.kv_region = stages.kv_region  # reported at start: where others read this cache in place
 
     def serve(self, conn) -> None:
         pipe = EarlyKv(LockedConn(conn), self._copy)  # a dep rank's expert mover reports from its thread

@@ -53,7 +53,7 @@ def worker_main(setup: WorkerSetup, conn: Connection, environ: dict[str, str], s
             setup = dataclasses.replace(setup, comm=dataclasses.replace(setup.comm, compute_device=setup.device))
         tp = init_world(setup)
         worker = build_worker(setup, make_transport(setup.comm), tp)
-        conn.send(WorkerReady(setup.role, setup.index, os.getpid(), worker.memory()))
+        conn.send(WorkerReady(setup.role, setup.index, os.getpid(), worker.memory(), worker.kv_region))
         worker.serve(conn)
     except BaseException:
         try:

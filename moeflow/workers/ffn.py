@@ -61,6 +61,8 @@ def ffn_tokens(experts: ExpertWeights, layer: int, kind: GateKind, gate: GateWei
 
 
 class FfnDaemon:
+    kv_region = None  # it holds no KV cache (stateless)
+
     def __init__(self, setup: WorkerSetup, transport):
         layout, j = setup.layout, setup.index
         self.setup, self.index = setup, j

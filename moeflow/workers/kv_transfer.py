@@ -1,7 +1,8 @@
 """A KV-holding worker's side of the prefill/decode handoff: ``KvSend`` copies a request's blocks
-into the staging arena, ``KvRecv`` copies the stage into pre-allocated blocks, each then stores this
-member's flag (the engine reads it; no reply on the pipe, so an asap group busy with a work item
-answers when it gets to the message, and the engine's step never waits for it)."""
+into the staging arena, ``KvRecv`` copies the stage into pre-allocated blocks (or, when the KV is
+in place, straight out of the prefill members' caches: the one copy on a host), each then stores
+this member's flag (the engine reads it; no reply on the pipe, so an asap group busy with a work
+item answers when it gets to the message, and the engine's step never waits for it)."""
 from __future__ import annotations
 
 import logging
@@ -9,9 +10,15 @@ import time
 
 import torch
 
-from moeflow.comm.kv_arena import READ, WRITE, KvArena, stage_in, stage_out
-from moeflow.messages import KvRecv, KvSend
-from moeflow.model.kv_cache import KVCache, slots_for
+from moeflow.comm.ipc_memory import IpcMemory
+from moeflow.comm.kv_arena import READ, WRITE, Entries, KvArena, stage_in, stage_out
+from moeflow.comm.kv_pull import paired_runs, pull
+from moeflow.messages import KvRecv, KvRegion, KvSend, KvSource, KvStage
+from moeflow.model.attention import attention_for
+from moeflow.model.kv_cache import KVCache, carve, slots_for, storage_bytes
+from moeflow.model.kv_copy import copy_runs
+
+_MAPPED = 64  # prefill members' caches kept mapped (a restarted member's new one replaces the old)
 
 logger = logging.getLogger("moeflow.worker")
 
@@ -20,6 +27,7 @@ class KvTransfers:
     def __init__(self, cache: KVCache, member: int):
         self.cache, self.member = cache, member
         self._arenas: dict[str, KvArena] = {}
+        self._caches: dict[bytes, tuple[IpcMemory, Entries]] = {}  # other members' caches, by handle
         # the last handle's copy, up to (not including) its flag store: once the flag is stored the
         # engine may see it and go on, so a time taken after it could outlast the engine's own window
         self.last_copy_s = 0.0
@@ -37,14 +45,16 @@ class KvTransfers:
         t0 = time.perf_counter()
         if ok:
             try:
-                staged = arena.views(st.offset_bytes, st.num_layers, st.num_tokens, getattr(torch, st.dtype),
-                                     st.entries)
-                slots = slots_for(msg.block_ids, 0, st.num_tokens, self.cache.block_size)
-                cache = self.cache.entries
-                if side == WRITE:
-                    stage_out(cache, slots, staged, self.member)
+                if st.source is not None:  # in place: straight out of the prefill members' caches
+                    self._pull(st, st.source, msg.block_ids)
                 else:
-                    stage_in(staged, cache, slots, self.member)
+                    staged = arena.views(st.offset_bytes, st.num_layers, st.num_tokens, getattr(torch, st.dtype),
+                                         st.entries)
+                    slots = slots_for(msg.block_ids, 0, st.num_tokens, self.cache.block_size)
+                    if side == WRITE:
+                        stage_out(self.cache.entries, slots, staged, self.member)
+                    else:
+                        stage_in(staged, self.cache.entries, slots, self.member)
                 if self.cache.device.type == "cuda":
                     torch.cuda.current_stream(self.cache.device).synchronize()  # the copy, before the flag
             except Exception as e:  # noqa: BLE001  (a failed transfer is that request's, not the worker's)
@@ -54,7 +64,53 @@ class KvTransfers:
         self.last_copy_s = time.perf_counter() - t0
         arena.flags[st.slot, side, self.member] = st.transfer_id if ok else -st.transfer_id
 
+    def _pull(self, st: KvStage, source: KvSource, block_ids: tuple[int, ...]) -> None:
+        runs = paired_runs(source.blocks, source.regions[0].block_size, block_ids, self.cache.block_size,
+                           st.num_tokens)
+        pull([(self._mapped(r), r.member) for r in source.regions], dict(st.entries), self.cache.entries,
+             self.member, runs, copy_runs)
+
+    def _mapped(self, region: KvRegion) -> Entries:
+        """A prefill member's whole cache, mapped once by its handle."""
+        got = self._caches.get(region.handle)
+        if got is None:
+            if len(self._caches) >= _MAPPED:
+                old = next(iter(self._caches))
+                self._caches.pop(old)[0].close()
+            mem = IpcMemory.open(region.handle)
+            entries = carve(mem.tensor, dict(region.entries), region.num_layers, region.num_slots,
+                            getattr(torch, region.dtype))
+            got = self._caches[region.handle] = (mem, entries)
+        return got[1]
+
     def close(self) -> None:
         for a in self._arenas.values():
             a.close()
         self._arenas.clear()
+        for mem, _ in self._caches.values():
+            mem.close()
+        self._caches.clear()
+
+
+def shared_cache(cfg, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str, path: str,
+                 member: int) -> tuple[KVCache, KvRegion, IpcMemory]:
+    """``cfg``'s KV cache carved from memory other processes map (a /dev/shm file at ``path`` on a
+    host, CUDA IPC on a device), and the region that names it for the handoff; the caller keeps the
+    memory and closes it at exit."""
+    return shared_cache_of(attention_for(cfg).kv_layout(), cfg.num_layers, num_blocks, block_size, dtype, device,
+                           path, member)
+
+
+def shared_cache_of(layout, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                    device: torch.device | str, path: str, member: int) -> tuple[KVCache, KvRegion, IpcMemory]:
+    """``shared_cache`` of a KV layout (entry name -> this member's per-token shape)."""
+    layout = dict(layout)
+    mem = IpcMemory.allocate(storage_bytes(layout, num_layers, num_blocks * block_size, dtype), str(device), path)
+    try:
+        cache = KVCache(layout, num_layers, num_blocks, block_size, dtype, storage=mem.tensor)
+    except BaseException:
+        mem.close()
+        raise
+    region = KvRegion(mem.handle, num_layers, num_blocks * block_size, block_size, str(dtype).removeprefix("torch."),
+                      tuple((n, tuple(s)) for n, s in layout.items()), member)
+    return cache, region, mem

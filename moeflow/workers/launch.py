@@ -24,7 +24,7 @@ from moeflow.comm.segment import SHM_DIR, reclaim_stale
 from moeflow.comm.space import check_room
 from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
-from moeflow.messages import Shutdown, WorkerFailed, WorkerReady, WorkerSetup
+from moeflow.messages import KvRegion, Shutdown, WorkerFailed, WorkerReady, WorkerSetup
 from moeflow.workers import fork_start
 from moeflow.workers.entry import worker_main
 from moeflow.workers.interface import choose
@@ -85,6 +85,7 @@ class WorkerHandle:
     process: mp.process.BaseProcess | ExitedProcess  # or a RemoteProcess (its node closes it)
     conn: Connection  # engine end of the control pipe
     memory: dict = field(default_factory=dict)  # what it reported holding at start, bytes by kind
+    kv_region: KvRegion | None = None  # its KV cache, shared for the handoff (``EngineConfig.share_kv_cache``)
 
     @property
     def name(self) -> str:
@@ -193,7 +194,7 @@ class Deployment:
                 msg = self._recv(w)
                 if not isinstance(msg, WorkerReady):
                     raise WorkerDied(f"{w.name} sent {type(msg).__name__} while starting")
-                w.memory = msg.memory
+                w.memory, w.kv_region = msg.memory, msg.kv_region
                 pending.pop(w.conn, None)
 
     def _recv(self, w: WorkerHandle):
@@ -243,7 +244,7 @@ class Deployment:
         msg = self._recv(w)
         if not isinstance(msg, WorkerReady):
             raise WorkerDied(f"{w.name} sent {type(msg).__name__} while starting", w)
-        w.memory = msg.memory
+        w.memory, w.kv_region = msg.memory, msg.kv_region
         return True
 
     def send(self, w: WorkerHandle, msg) -> None:

@@ -24,6 +24,8 @@ _POLL_S = 0.25  # longest a blocking wait lasts before the control pipe is looke
 
 
 class MoEWorker:
+    kv_region = None  # it holds no KV cache
+
     def __init__(self, setup: WorkerSetup, transport):
         self.setup = setup
         self.index = setup.index

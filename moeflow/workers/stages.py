@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeflow.comm.segment import segment_path
 from moeflow.core import Batch
 from moeflow.messages import SeqOutput, WorkerSetup
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
@@ -20,6 +21,7 @@ from moeflow.model.transformer import AttentionOut, MoETransformer
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.dispatch import ExpertRoutes, LayeredRoutes, WorkerShare, tag_layer
 from moeflow.workers.expert_load import ExpertLoadRecorder
+from moeflow.workers.kv_transfer import shared_cache
 from moeflow.workers.runner import ModelRunner
 from moeflow.workers.tracer import Tracer
 from moeflow.workers.world import TPGroup
@@ -99,7 +101,13 @@ class AttentionStages:
         mcfg, mweights = shard_attention(cfg, weights, member, tp_size)
         self.model = MoETransformer(mcfg, mweights, attn_reduce=tp.all_reduce if tp else None)
         e = setup.engine
-        kv = KVCache.for_model(mcfg, e.num_kv_blocks, e.kv_block_size, dtype, self.device)
+        self.kv_region = self._kv_memory = None  # the cache shared for the KV handoff (share_kv_cache)
+        if e.share_kv_cache:
+            kv, self.kv_region, self._kv_memory = shared_cache(
+                mcfg, e.num_kv_blocks, e.kv_block_size, dtype, self.device,
+                segment_path(setup.comm.deployment_id, f"kv-cache-{setup.role}{setup.index}"), member)
+        else:
+            kv = KVCache.for_model(mcfg, e.num_kv_blocks, e.kv_block_size, dtype, self.device)
         self.runner = ModelRunner(self.model, kv, seed=e.seed)
         self.tracer = Tracer(setup.role, setup.index, setup.engine.trace)
         # the group's leader counts what its batches route (every member routes the same)
@@ -146,6 +154,9 @@ class AttentionStages:
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
+        if self._kv_memory is not None:
+            self._kv_memory.close()
+            self._kv_memory = None
 
     def begin(self, batches: tuple[Batch, ...], t0: float) -> list[InFlight]:
         flights = []

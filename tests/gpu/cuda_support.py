@@ -6,8 +6,8 @@ lists them anywhere) and skipped, with the reason, where torch sees no CUDA devi
 is imported inside the functions, so collecting these tests costs only torch and moeflow.
 
 The rehearsal (``MOEFLOW_GPU_REHEARSAL=1``): the same tests on the CPU, ``cuda-ipc`` replaced by its
-rehearsal ``deferred`` (the same handles and ownership rules over host memory) and decode attention
-on the gather path a GPU takes, so that every GPU test's logic runs in the CPU suite
+rehearsal ``deferred`` (the same handles and ownership rules over host memory), decode attention
+on the gather path a GPU takes and the KV handoff's copy by torch slices, as on a GPU, so that every GPU test's logic runs in the CPU suite
 (``tests/integration/test_gpu_rehearsal.py``); what only a GPU can show is skipped there, saying so.
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA and not REHEARSAL, reaso
                                            "none; MOEFLOW_GPU_REHEARSAL=1 runs them on the CPU)")]
 DEVICE = "cpu" if REHEARSAL else "cuda"
 TRANSPORT = "deferred" if REHEARSAL else "cuda-ipc"  # between processes: device memory by handle, or its rehearsal
-if REHEARSAL:  # the rehearsal is a pytest run of its own: decode attention on a GPU's path, for every worker too
-    os.environ["MOEFLOW_PAGED_ATTENTION"] = "gather"
+if REHEARSAL:  # the rehearsal is a pytest run of its own: decode attention and the KV handoff's copy on a
+    os.environ["MOEFLOW_PAGED_ATTENTION"] = "gather"  # GPU's path, for every worker too
+    os.environ["MOEFLOW_KV_COPY"] = "torch"
 RESULTS_ENV = "MOEFLOW_GPU_CHECK_OUT"  # verify/gpu_check.sh points it at $OUT/results
 
 

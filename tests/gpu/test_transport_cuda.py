@@ -5,8 +5,9 @@ reference (the CPU suite runs the same plan over host and deferred arenas), then
 processes exchange activations or weights, on one GPU, against colocated on that GPU: asap with
 one attention and one MoE process, dep with two ranks (and with live rebalances moving experts
 device to device), dwdp with two ranks pulling each other's experts device to device, afd with one
-attention instance and one FFN daemon, and pd (asap prefill, dep decode) whose KV handoff stages in
-a device heap shared by CUDA IPC (greedy tokens equal, prompt logprobs within 1e-3 in float32).
+attention instance and one FFN daemon, and pd (asap prefill, dep decode) whose KV handoff is one copy
+out of the prefill worker's cache, shared by CUDA IPC, into the decode ranks' (greedy tokens equal,
+prompt logprobs within 1e-3 in float32).
 Before them, the KV staging heap on its own: a member process opens the owner's device heap from
 the handle in the segment and writes into it. dep, dep with EPLB and pd open their own process's
 handles (every rank attaches every rank's mailbox; one process owns the arena and reads it): the
@@ -111,15 +112,19 @@ def test_modes_over_cuda_ipc_match_colocated(colocated, mode, layout):
 
 
 def test_pd_on_one_gpu_hands_the_kv_over_in_device_memory(colocated):
+    import pickle
+
     from moeflow import LLM
-    from moeflow.comm.kv_arena import HANDLE_HEAP
+    from moeflow.comm.ipc_memory import HOST
 
     params, refs = colocated
     with LLM("tiny", mode="pd", prefill=dict(mode="asap", attn_dp=1, moe_workers=1), decode=dict(mode="dep", dp=2),
              device=DEVICE, dtype="float32", num_kv_blocks=64, transport=TRANSPORT) as llm:
         outs = llm.generate(PROMPTS, params)
-        arena, stats = llm.engine.kv.arena, llm.engine.kv.stats
-        assert arena.heap.device.type == DEVICE and arena.kind == HANDLE_HEAP  # shared by handle, not in the segment
+        kv, stats = llm.engine.kv, llm.engine.kv.stats
+        (region,) = llm.engine.prefill[0].handoff_port().regions(0)
+        # read in place: nothing staged; the prefill worker's cache shared by CUDA IPC (its rehearsal: /dev/shm)
+        assert not kv.staged and (pickle.loads(region.handle)[0] == HOST) == (DEVICE == "cpu")
     assert stats.transfers == len(PROMPTS) and stats.recomputes == 0
     for o, r in zip(outs, refs, strict=True):
         assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids

@@ -26,12 +26,16 @@ def test_bench_front_cpu_measures_both_modes(checkpoints, tmp_path):
 
 
 def test_bench_kv_transfer_moves_the_bytes_and_writes_its_table(tmp_path):
-    """The handoff between two worker processes, checked (the decode side's slots equal the prefill
-    side's), timed beside memcpy, with the workers' own copy time."""
+    """The handoff between two worker processes by both paths, checked (the decode side's slots
+    equal the prefill side's), timed beside memcpy, with the workers' own copy time: in place the
+    prefill worker copies nothing."""
     out, md = tmp_path / "kv.json", tmp_path / "kv.md"
     assert main(["bench", "kv-transfer", "--layouts", "gqa,mla", "--sizes-mib", "0.25", "--repeats", "2",
                  "--layers", "2", "--cache", "hot", "--json", str(out), "--md", str(md)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["layout"] for r in rows] == ["gqa", "mla"]
-    assert all(0 < r["worker_out_ms"] <= r["copy_out_ms"] and 0 < r["worker_in_ms"] <= r["copy_in_ms"] for r in rows)
-    assert "| gqa | 0.25 |" in md.read_text()
+    assert [(r["layout"], r["path"]) for r in rows] == [("gqa", "in-place"), ("gqa", "staged"), ("mla", "in-place"),
+                                                        ("mla", "staged")]
+    assert all(0 < r["worker_in_ms"] <= r["copy_in_ms"] for r in rows)
+    assert all(0 < r["worker_out_ms"] <= r["copy_out_ms"] for r in rows if r["path"] == "staged")
+    assert all(r["worker_out_ms"] == r["copy_out_ms"] == 0 for r in rows if r["path"] == "in-place")
+    assert "| gqa | in-place | 0.25 |" in md.read_text() and "| gqa | staged | 0.25 |" in md.read_text()

@@ -90,7 +90,8 @@ def test_abort_at_every_stage(checkpoints):
 
 def test_the_trace_shows_each_handoff_between_the_two_sides(checkpoints, tmp_path):
     """trace=True: each instance's worker tracks under its side, and one handoff track between them
-    with each request's wait for decode room, copy out and copy in, in order."""
+    with each request's wait for decode room and its one copy (in place: the decode members read
+    the prefill cache), in order."""
     import json
 
     from moeflow.engine.trace import write_chrome_trace
@@ -103,14 +104,14 @@ def test_the_trace_shows_each_handoff_between_the_two_sides(checkpoints, tmp_pat
     tracks = {s.track.partition("/")[0] for s in spans}
     assert any(t.startswith("prefill0:") for t in tracks) and any(t.startswith("decode0:") for t in tracks)
     hand = [s for s in spans if s.track == "handoff/prefill0->decode0"]
-    assert len(hand) == 9 and {s.args["request"] for s in hand} == {"0", "1", "2"}
+    assert len(hand) == 6 and {s.args["request"] for s in hand} == {"0", "1", "2"}
     for rid in ("0", "1", "2"):
-        wait, out, into = sorted((s for s in hand if s.args["request"] == rid), key=lambda s: s.start_s)
-        assert (wait.name, out.name, into.name) == ("handoff: wait for decode room", "handoff: out (sent to done)",
-                                                    "handoff: in (sent to done)")
-        assert wait.end_s == out.start_s <= out.end_s == into.start_s <= into.end_s
+        wait, into = sorted((s for s in hand if s.args["request"] == rid), key=lambda s: s.start_s)
+        assert (wait.name, into.name) == ("handoff: wait for decode room",
+                                          "handoff: in, from the prefill cache (sent to done)")
+        assert wait.end_s <= into.start_s <= into.end_s
     copies = [s for s in spans if s.name in ("kv copy out", "kv copy in")]  # the members' own, inside those
-    assert len(copies) == 6 and all(0 < s.end_s - s.start_s for s in copies)
+    assert len(copies) == 3 and all(s.name == "kv copy in" and 0 < s.end_s - s.start_s for s in copies)
     write_chrome_trace(spans, str(tmp_path / "t.json"))
     names = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
              if e["name"] == "process_name"}

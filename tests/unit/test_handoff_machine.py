@@ -12,11 +12,14 @@ from moeflow.scheduler.pool import RequestPool
 
 
 class Copies:
-    def __init__(self):
-        self.sent, self.abandoned = [], []
+    def __init__(self, in_place: bool = False):
+        self.sent, self.abandoned, self.in_place = [], [], in_place
 
     def copy_out(self, group, stage, blocks):
+        if self.in_place:  # nothing is sent: the copy in reads the leased blocks
+            return stage, True
         self.sent.append(("out", stage, blocks))
+        return stage, False
 
     def copy_in(self, group, stage, blocks):
         self.sent.append(("in", stage, blocks))
@@ -47,11 +50,11 @@ def _leased(pool: RequestPool, rid: str, n: int) -> None:
     pool.update(0, type("B", (), {"seqs": (pool.seq(r, n),)})(), {rid: 7})
 
 
-def _machine(decode_blocks=(10, 10), room=8, policy="recompute"):
+def _machine(decode_blocks=(10, 10), room=8, policy="recompute", in_place=False):
     prefill_pool = RequestPool([BlockAllocator(40, 4)], 1000, 8)
     decode_pools = [RequestPool([BlockAllocator(b, 4)], 1000, 8) for b in decode_blocks]
     arrived = []
-    p_copies, d_copies = Copies(), Copies()
+    p_copies, d_copies = Copies(in_place), Copies()
     m = PdHandoffs([PrefillSide(KvPort(prefill_pool), p_copies)],
                    [DecodeSide(KvPort(p, on_arrive=arrived.append), d_copies) for p in decode_pools],
                    Stages(room), lease_s=1.0, policy=policy)
@@ -122,3 +125,25 @@ def test_dropping_mid_copy_in_drains_the_stage_first():
     m.drop(h)  # an abort: the decode members may still be copying
     assert dc.abandoned == [("a", READ)] and "a" in m.stages.open_now  # the owner closes it once drained
     assert all(p.groups[0].allocator.num_free == 10 for p in dps) and not m.handoffs
+
+
+def test_in_place_the_lease_lasts_until_the_copy_in_is_done():
+    m, pp, dps, pc, dc, arrived = _machine(in_place=True)
+    h = _prefilled(m, pp, "a")
+    assert m.start(h, 0.5) and h.in_place and pc.sent == []  # nothing copied out
+    assert m.copied_out(h, True, 0.5) is None and h.state == "reading"
+    assert pp.leases == {"a": 0} and pp.groups[0].allocator.num_free == 40 - 3  # the decode side reads them
+    assert m.copied_in(h, True, 0.7, nbytes=100) is None
+    assert not pp.leases and pp.groups[0].allocator.num_free == 40 and arrived == [h.decode_request]
+    assert m.stages.open_now == set()
+
+
+def test_in_place_a_copy_in_given_up_frees_the_lease_and_drains_the_stage():
+    m, pp, dps, pc, dc, arrived = _machine(in_place=True)
+    h = _prefilled(m, pp, "a")
+    m.start(h, 0.5)
+    m.copied_out(h, True, 0.5)
+    g = m.give_up(h, "the decode instance failed", answered=False)
+    assert g.recompute_on is not None and not pp.leases and pp.groups[0].allocator.num_free == 40
+    assert dc.abandoned == [("a", READ)] and "a" in m.stages.open_now  # its owner closes it once drained
+    assert all(d.groups[0].allocator.num_free == 10 for d in dps)

@@ -5,7 +5,9 @@ clock) both run.
 Per request: ``pending`` (its blocks leased on the prefill instance, waiting for decode room and a
 stage) -> ``writing`` (blocks reserved on the decode instance with the most free KV; the prefill
 members copy into the stage) -> ``reading`` (the lease ended: the stage holds the copy; the decode
-members copy into the reserved blocks) -> arrived (it decodes). A failed copy, a lease that runs
+members copy into the reserved blocks) -> arrived (it decodes). In place (the prefill instance's
+caches are shared, one host): ``writing`` copies nothing and ends at once, ``reading`` copies
+straight out of the leased blocks, and the lease ends with it. A failed copy, a lease that runs
 out, or a dead instance gives the handoff up: every block is freed, then the policy: ``recompute``
 (the prompt and the first token on the live decode instance with the most free KV) or ``fail``.
 """
@@ -53,6 +55,7 @@ class Handoff:
     decode: int | None = None
     stage: Any = None
     started_s: float | None = None  # decode room found: blocks reserved, the copy out began
+    in_place: bool = False  # nothing copied out: the copy in reads the leased blocks
     written_s: float | None = None  # the copy out done: the copy in began
 
     @property
@@ -113,7 +116,7 @@ class PdHandoffs:
         h.decode, h.stage, h.started_s, h.state = j, stage, now, "writing"
         self.decode[j].reserve(h.decode_request, gid)
         self.stats.prealloc_wait_s.append(now - h.prefilled_s)
-        self.prefill[h.prefill].copy_out(h.request_id, stage)
+        h.stage, h.in_place = self.prefill[h.prefill].copy_out(h.request_id, stage)
         return True
 
     def copied_out(self, h: Handoff, ok: bool, now: float) -> GivenUp | None:
@@ -122,7 +125,8 @@ class PdHandoffs:
             self.stats.failures += 1
             return self.give_up(h, "its KV copy out of the prefill instance failed")
         h.written_s, h.state = now, "reading"
-        self.prefill[h.prefill].copied(h.request_id)
+        if not h.in_place:
+            self.prefill[h.prefill].copied(h.request_id)
         self.decode[h.decode].copy_in(h.request_id, h.stage)
         return None
 
@@ -136,6 +140,8 @@ class PdHandoffs:
         s.seconds.append(now - h.started_s)
         del self.handoffs[h.request_id]
         self.stages.close(h.stage)
+        if h.in_place:
+            self.prefill[h.prefill].copied(h.request_id)
         self.decode[h.decode].arrived(h.request_id)
         return None
 

@@ -15,12 +15,14 @@ from moeflow.scheduler.pool import RequestPool
 class KvPort:
     def __init__(self, pool: RequestPool, members: Callable[[int], int] = lambda group: 1,
                  send: Callable[[int, Any], None] | None = None,
-                 on_arrive: Callable[[Request], None] | None = None):
+                 on_arrive: Callable[[Request], None] | None = None,
+                 regions: Callable[[int], tuple | None] = lambda group: None):
         """``members(group)``: processes holding a share of that group's KV; ``send(group, message)``:
         a copy message to each of them; ``on_arrive(request)``: the engine's own bookkeeping for a
-        request that starts decoding from handed-over KV (after the pool took it)."""
+        request that starts decoding from handed-over KV (after the pool took it); ``regions(group)``:
+        where others may read that group's caches in place, one per member (None: they may not)."""
         self.arrivals = Arrivals(pool)
-        self.members, self._send, self._on_arrive = members, send, on_arrive
+        self.members, self._send, self._on_arrive, self.regions = members, send, on_arrive, regions
 
     @property
     def pool(self) -> RequestPool:

@@ -23,7 +23,9 @@ class Copier(Protocol):
     """How one side's copies are made. ``copy_out``/``copy_in`` may raise when a member is found gone
     (the engine's ``WorkerDied``); the caller fails that instance."""
 
-    def copy_out(self, group: int, stage: Any, blocks: tuple[int, ...]) -> None: ...
+    def copy_out(self, group: int, stage: Any, blocks: tuple[int, ...]) -> tuple[Any, bool]:
+        """The stage the copy in reads, and whether the KV stays in place (nothing copied out: the
+        decode side reads the leased blocks, so the lease lasts until the copy in is done)."""
 
     def copy_in(self, group: int, stage: Any, blocks: tuple[int, ...]) -> None: ...
 
@@ -39,7 +41,8 @@ class Lease:
 
 
 class PrefillSide:
-    """Lease -> copy out -> lease ended (the stage holds the KV) or dropped."""
+    """Lease -> copy out -> lease ended (the stage holds the KV) or dropped; in place: lease -> read
+    by the decode side -> lease ended."""
 
     def __init__(self, port: KvPort, copier: Copier):
         self.port, self.copier = port, copier
@@ -53,12 +56,13 @@ class PrefillSide:
         lease = self.leases[request_id] = Lease(request_id, *held)
         return lease
 
-    def copy_out(self, request_id: str, stage: Any) -> None:
+    def copy_out(self, request_id: str, stage: Any) -> tuple[Any, bool]:
+        """The stage the copy in reads, and whether the KV stays in the leased blocks."""
         lease = self.leases[request_id]
-        self.copier.copy_out(lease.group, stage, lease.blocks)
+        return self.copier.copy_out(lease.group, stage, lease.blocks)
 
     def copied(self, request_id: str) -> None:
-        """The stage holds the copy: the blocks are free."""
+        """The stage holds the copy (or, in place, the decode side has read it): the blocks are free."""
         self.end(request_id)
 
     def drop(self, request_id: str, stage: Any = None, answered: bool = True) -> None:
