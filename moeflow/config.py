@@ -223,6 +223,9 @@ class KvTransferConfig:
     failure_policy: str = "recompute"  # decode: a handoff that fails: the request fails, or recomputes its prompt
     max_pending: int = 256  # decode: requests waiting for blocks or for their KV; beyond it new ones are refused
     buffer_mib: int | None = None  # the staging arena (default: room for 4 full-context requests, 64 MiB-1 GiB)
+    # prefill: offer the KV where it is (the inner engine's cache shared: a decode server on this host
+    # copies it once, one elsewhere pulls what this server gathers); False: copy it out into the arena first
+    in_place: bool = True
     # what a decode server proves it knows to pair with a prefill server's KV port (None: no proof asked)
     secret: str | None = field(default=None, repr=False)
 
@@ -241,6 +244,8 @@ class KvTransferConfig:
                  f"kv_transfer_config.max_pending must be a positive int, got {self.max_pending!r}")
         require(self.buffer_mib is None or (isinstance(self.buffer_mib, int) and self.buffer_mib > 0),
                  f"kv_transfer_config.buffer_mib must be a positive int, got {self.buffer_mib!r}")
+        require(isinstance(self.in_place, bool), f"kv_transfer_config.in_place must be true or false, "
+                                                 f"got {self.in_place!r}")
         require(self.secret is None or (isinstance(self.secret, str) and self.secret != ""),
                  "kv_transfer_config.secret must be a non-empty string (leave it unset for none)")
 

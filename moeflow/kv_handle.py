@@ -65,6 +65,14 @@ class KvHandle:
     staged: bool = True
     token: int = 0  # the range's token (0: none staged)
     weights: str = ""  # the prefill server's weights fingerprint (``model.checkpoint.weights_fingerprint``)
+    # in place (not staged in the arena): the leased blocks of the prefill server's attention group
+    # ``group``; a decode server on its host copies them out of its caches, one elsewhere pulls them
+    block_ids: tuple[int, ...] = ()
+    group: int = 0
+
+    @property
+    def in_place(self) -> bool:
+        return bool(self.block_ids)
 
     def to_params(self) -> dict[str, Any]:
         """``kv_transfer_params`` of the prefill server's answer (JSON)."""
@@ -77,7 +85,8 @@ class KvHandle:
                 "first_token_id": self.first_token_id,
                 "first_logprobs": None if self.first_logprobs is None else _lp_out(self.first_logprobs),
                 "prompt_logprobs": [_lp_out(x) for x in self.prompt_logprobs], "remote_staged": self.staged,
-                "remote_token": f"{self.token:016x}", "weights_fingerprint": self.weights}
+                "remote_token": f"{self.token:016x}", "weights_fingerprint": self.weights,
+                "remote_block_ids": list(self.block_ids), "remote_group": self.group}
 
     @classmethod
     def from_params(cls, p: dict[str, Any]) -> "KvHandle":
@@ -90,6 +99,14 @@ class KvHandle:
 
         layout = KvLayout.from_dict(get("kv_layout", dict), "kv_transfer_params.kv_layout")
         first_lp = p.get("first_logprobs")
+        blocks = p.get("remote_block_ids") or []
+        if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0
+                                                   for b in blocks):
+            raise ValueError(f"kv_transfer_params.remote_block_ids: expected a list of block ids (ints >= 0), "
+                             f"got {blocks!r}")
+        group = p.get("remote_group", 0)
+        if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+            raise ValueError(f"kv_transfer_params.remote_group: expected an int >= 0, got {group!r}")
         try:
             return cls(get("remote_engine_id", str), get("remote_host", str), get("remote_port", int),
                        get("remote_host_id", str), get("remote_arena", str), get("remote_slot", int),
@@ -98,7 +115,7 @@ class KvHandle:
                        None if first_lp is None else _lp_in(first_lp, "first_logprobs"),
                        tuple(_lp_in(x, "prompt_logprobs") for x in p.get("prompt_logprobs") or ()),
                        p.get("remote_staged", True) is not False, _token(get("remote_token", str)),
-                       get("weights_fingerprint", str))
+                       get("weights_fingerprint", str), tuple(blocks), group)
         except (TypeError, IndexError) as e:
             raise ValueError(f"kv_transfer_params: malformed logprobs ({e})") from None
 

@@ -84,7 +84,7 @@ class KvStage:
     arena: str  # the arena's shared-memory path (comm/kv_arena.py)
     slot: int  # its row of the arena's flag table
     transfer_id: int  # > 0; what a member stores in its flag when done (minus it: failed)
-    offset_bytes: int
+    offset_bytes: int  # -1: none (a row of flags for KV read in place)
     num_tokens: int
     num_layers: int
     dtype: str  # torch dtype name without "torch."

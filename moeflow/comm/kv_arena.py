@@ -106,12 +106,7 @@ class KvArena:
     def views(self, offset_bytes: int, num_layers: int, num_tokens: int, dtype: torch.dtype,
               entries: tuple[tuple[str, tuple[int, ...]], ...]) -> Entries:
         """The staged request at ``offset_bytes`` of the heap: one [L, n, *e] view per entry."""
-        out, off = {}, offset_bytes
-        for name, shape in entries:
-            count = num_layers * num_tokens * math.prod(shape)
-            out[name] = self.heap[off:off + count * dtype.itemsize].view(dtype).view(num_layers, num_tokens, *shape)
-            off += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
-        return out
+        return staged_views(self.heap, offset_bytes, num_layers, num_tokens, dtype, entries)
 
     def heap_view(self, offset_bytes: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` bytes of the heap at ``offset_bytes`` as a uint8 view [nbytes] (a pull's source or target)."""
@@ -125,6 +120,18 @@ class KvArena:
         if self._memory is not None:
             self._memory.close()
         self.segment.close()
+
+
+def staged_views(buf: torch.Tensor, offset_bytes: int, num_layers: int, num_tokens: int, dtype: torch.dtype,
+                 entries) -> Entries:
+    """A staged request's layout at ``offset_bytes`` of the uint8 ``buf`` (the heap, or the buffer a
+    prefill server gathers a request into for a pull): one [L, n, *e] view per entry."""
+    out, off = {}, offset_bytes
+    for name, shape in entries:
+        count = num_layers * num_tokens * math.prod(shape)
+        out[name] = buf[off:off + count * dtype.itemsize].view(dtype).view(num_layers, num_tokens, *shape)
+        off += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
+    return out
 
 
 def gloo_buffer(view: torch.Tensor) -> torch.Tensor:

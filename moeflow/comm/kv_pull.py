@@ -54,6 +54,10 @@ def pull(sources: list[tuple[Entries, int]], whole: dict[str, tuple[int, ...]], 
          runs: list[Run], copy: Copy = copy_by_slices) -> None:
     """Copy ``runs`` of every layer from ``sources`` (each prefill member's entries and its member
     index) into ``dst``, this decode ``member``'s entries (its own heads)."""
+    s_len, d_len = next(iter(sources[0][0].values())).shape[1], next(iter(dst.values())).shape[1]
+    for at, to, n in runs:  # the blocks come from a handle: none may reach outside either cache
+        if min(at, to, n) < 0 or at + n > s_len or to + n > d_len:
+            raise ValueError(f"run ({at}, {to}, {n}) is outside the caches' {s_len} / {d_len} slots")
     for name, d in dst.items():
         shape = tuple(whole[name])
         d_lo, d_hi = _heads(shape, tuple(d.shape[2:]), member)

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -48,6 +49,8 @@ class Offer:
     deadline_s: float  # unclaimed past this: freed (the lease ran out)
     pair: int | None = None  # the pair that claimed it
     released: bool = False
+    # a range held in place (not in the arena): what a pull sends, gathered when asked ([nbytes] uint8)
+    gather: Callable[[], torch.Tensor] | None = None
 
 
 class Offers:
@@ -60,9 +63,17 @@ class Offers:
         self._gone_pairs: set[int] = set()
         self.expired = 0  # leases that ran out unclaimed, or claimed by a pair that ended
 
-    def offer(self, transfer_id: int, slot: int, offset_bytes: int, nbytes: int, token: int) -> None:
+    def offer(self, transfer_id: int, slot: int, offset_bytes: int, nbytes: int, token: int,
+              gather: Callable[[], torch.Tensor] | None = None) -> None:
+        """``gather``: the range is held in place, not in the arena; a pull sends what it returns."""
         with self._lock:
-            self._offers[transfer_id] = Offer(slot, offset_bytes, nbytes, token, self.clock() + self.lease_s)
+            self._offers[transfer_id] = Offer(slot, offset_bytes, nbytes, token, self.clock() + self.lease_s,
+                                              gather=gather)
+
+    def gather_of(self, transfer_id: int) -> Callable[[], torch.Tensor] | None:
+        with self._lock:
+            o = self._offers.get(transfer_id)
+            return None if o is None else o.gather
 
     def claim(self, transfer_id: int, slot: int, offset_bytes: int, nbytes: int, token: int, pair: int) -> bool:
         """Pin the range for ``pair``; False when it is not offered (any more), names other bytes, or
@@ -203,10 +214,17 @@ class KvServer:
                     continue
                 ok = (op in (CLAIM, PULL) and not self._stopping
                       and self.offers.claim(tid, slot, offset, nbytes, token, pair))
+                view = None
+                if ok and op == PULL:
+                    try:
+                        view = self._bytes(tid, offset, nbytes)
+                    except Exception as e:  # noqa: BLE001  (that range's failure, answered as GONE)
+                        logger.warning("KV transfer %d: gathering it for a pull failed: %s: %s", tid,
+                                       type(e).__name__, e)
+                        ok = False
                 status[0] = OK if ok else GONE
                 pg.send([status], 1, STATUS_TAG).wait(CONNECT_TIMEOUT)
                 if ok and op == PULL:
-                    view = self.arena.heap_view(offset, nbytes)
                     data = gloo_buffer(view)
                     if data is not view:  # a device heap: through pinned host memory
                         data.copy_(view)
@@ -216,6 +234,16 @@ class KvServer:
                 logger.info("KV link pair %d (%s) ended: %s: %s", pair, peer_addr, type(e).__name__, e)
         finally:
             self.offers.pair_gone(pair)
+
+    def _bytes(self, tid: int, offset: int, nbytes: int) -> torch.Tensor:
+        """What a pull of range ``tid`` sends: its arena bytes, or a range held in place gathered now."""
+        gather = self.offers.gather_of(tid)
+        if gather is None:
+            return self.arena.heap_view(offset, nbytes)
+        data = gather()
+        if data.numel() != nbytes:
+            raise ValueError(f"gathered {data.numel()} bytes for a pull of {nbytes}")
+        return data
 
     def shutdown(self) -> None:
         """Stop accepting; a pair still open answers GONE to everything until its decode server says BYE."""

@@ -158,7 +158,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             kw[name] = getattr(args, name)
     given = layout_kwargs(args)
     if getattr(args, "role", None) is not None:  # serve --role: pd's handoff flags set this server's side
-        kv = {"role": args.role, "host": args.kv_host, "port": args.kv_port}
+        kv = {"role": args.role, "host": args.kv_host, "port": args.kv_port,
+              "in_place": not getattr(args, "kv_staged", False)}
         for flag, key in _ROLE_FLAGS.items():
             if flag in given:
                 kv[key] = given.pop(flag)

@@ -4,8 +4,9 @@ prefill server instead of computing it. Requests without one are served as usual
 
 Per handoff: waiting (for blocks: pre-allocated against this server's budget, in a queue of at
 most ``max_pending``; beyond it new handoffs are refused) -> fetching (on the same host: the range
-claimed, the members will read the prefill server's shared memory; elsewhere: pulled over the link
-into this server's own arena) -> reading (the members copy the range into the reserved blocks) ->
+claimed, the members will read the prefill server's shared memory: its caches' blocks when the
+handle is in place, else its staged range; elsewhere: pulled over the link into this server's own
+arena) -> reading (the members copy it into the reserved blocks) ->
 arrived: the first token (the prefill side's) goes out with its logprobs, and the request decodes.
 A failed claim, pull or copy frees everything and applies ``failure_policy``: recompute the prompt
 here (from the prompt and the first token), or fail the request. So does a handoff that stays in
@@ -27,9 +28,10 @@ from moeflow.engine.base import Engine, KvTransfer, StepResult, clock, validate_
 from moeflow.engine.handle_arenas import HandleArenas, remote_of, stage_of
 from moeflow.engine.kv_copier import EngineCopier
 from moeflow.engine.kv_handoff import BUSY, DONE, FAILED
+from moeflow.engine.kv_regions import read_regions
 from moeflow.engine.server_side import ServerSide
 from moeflow.kv_handle import KvHandle
-from moeflow.messages import KvStage, SeqOutput
+from moeflow.messages import KvSource, KvStage, SeqOutput
 from moeflow.scheduler.handoff.sides import DecodeSide
 from moeflow.settings import pd_fail_prob
 
@@ -47,7 +49,8 @@ class Incoming:
     group: int | None = None
     blocks: tuple[int, ...] = ()
     stage: KvStage | None = None  # what the members read: the prefill server's range, or the local copy
-    local: KvStage | None = None  # this server's arena range a pull lands in (another host)
+    local: KvStage | None = None  # this server's arena range a pull lands in (another host), or in place its flags
+    source: KvSource | None = None  # in place on this host: the prefill server's caches the members copy from
     started_s: float | None = None  # blocks reserved
 
 
@@ -150,6 +153,8 @@ class DecodeServer(ServerSide):
                 if inc.local is not None:
                     self.kv.close(inc.local)
                 self._give_up(inc, a.error, out)
+            elif inc.source is not None:  # claimed in place: the members copy out of the prefill caches
+                self._read(inc, dataclasses.replace(inc.local, source=inc.source))
             elif inc.local is not None:  # pulled: the prefill server may free its range now
                 self.client.release(inc.remote)
                 self._read(inc, inc.local)
@@ -177,13 +182,16 @@ class DecodeServer(ServerSide):
     def _start(self, inc: Incoming) -> None:
         """Blocks reserved in the group with the most free ones, then the claim or the pull."""
         h, same_host = inc.handle, inc.handle.host_id == self.host_id and self.arenas.by_path(inc.handle.arena) is not None
+        regions = read_regions(h.arena, h.group) if same_host and h.in_place else None
+        same_host = same_host and (regions is not None or not h.in_place)  # no table to read: pull it
         gid = self.side.room(inc.request)
         if gid is None:
             return
-        if not same_host:
-            inc.local = self.kv.open(h.num_tokens)
+        if not same_host or h.in_place:  # a range to pull into, or in place a row of flags
+            inc.local = self.kv.open(h.num_tokens, staged=None if not same_host else False)
             if inc.local is None:
                 return
+            inc.source = KvSource(regions, h.block_ids) if same_host else None
         inc.group, inc.state, inc.started_s = gid, "fetching", clock()
         inc.state_s = inc.started_s
         inc.blocks = self.side.reserve(inc.request, gid)
@@ -204,7 +212,8 @@ class DecodeServer(ServerSide):
         s = self.kv.stats
         s.transfers, s.bytes_total = s.transfers + 1, s.bytes_total + h.nbytes
         s.seconds.append(secs)
-        out.kv_transfers.append(KvTransfer(secs, h.nbytes, "shm" if inc.local is None else "gloo"))
+        out.kv_transfers.append(KvTransfer(secs, h.nbytes, "gloo" if inc.local is not None and inc.source is None
+                                           else "shm"))
         out.prealloc_waits_s.append(inc.started_s - inc.since_s)
         out.outputs[r.request_id] = SeqOutput(h.first_token_id, h.first_logprobs, list(h.prompt_logprobs))
         if r.append_token(h.first_token_id):  # its first token ended it: nothing to decode
@@ -272,7 +281,7 @@ class DecodeServer(ServerSide):
     def _finish_read(self, inc: Incoming) -> None:
         if inc.local is not None:
             self.kv.close(inc.local)
-        else:
+        if inc.local is None or inc.source is not None:  # read on this host: the prefill server may free it
             self.client.release(inc.remote)
 
     def load(self):

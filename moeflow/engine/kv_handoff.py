@@ -18,6 +18,7 @@ from moeflow.messages import KvStage
 from moeflow.scheduler.handoff.deployment import HandoffStats
 
 BUSY, DONE, FAILED = "busy", "done", "failed"
+NO_RANGE = -1  # the offset of a stage that holds no bytes (a row of flags for KV read in place)
 
 
 def flags_state(arena: KvArena, stage: KvStage, side: int, members: int) -> str:
@@ -72,11 +73,13 @@ class KvConnector:
         read in place)."""
         return self.heap.size_bytes > 0
 
-    def open(self, num_tokens: int) -> KvStage | None:
-        """A stage for ``num_tokens`` positions, or None while the arena has no room."""
+    def open(self, num_tokens: int, staged: bool | None = None) -> KvStage | None:
+        """A stage for ``num_tokens`` positions (not ``staged``: a row of flags only, for KV read in
+        place), or None while the arena has no room."""
         if not self._slots:
             return None
-        offset = self.heap.take(self.bytes_for(num_tokens)) if self.staged else 0
+        staged = self.staged if staged is None else staged
+        offset = self.heap.take(self.bytes_for(num_tokens)) if staged else NO_RANGE
         if offset is None:
             return None
         return KvStage(self.arena.segment.path, self._slots.pop(), next(self._ids), offset, num_tokens,

@@ -67,7 +67,9 @@ def create_engine(layout: Layout, model_path: str, config: EngineConfig) -> Engi
     if layout.mode not in modes:
         raise ConfigError(f"a {kv.role} server runs one of the modes {modes}, not {layout.mode!r}"
                           + (" (a pd deployment hands KV between its own instances)" if layout.mode == "pd" else ""))
-    inner = cls(model_path, config, layout)
+    # a prefill server offering its KV in place shares its cache (decode servers on this host map it)
+    share = kv.role == "prefill" and kv.in_place
+    inner = cls(model_path, dataclasses.replace(config, share_kv_cache=config.share_kv_cache or share), layout)
     try:
         return side(inner, kv, weights_fingerprint(model_path))
     except BaseException:

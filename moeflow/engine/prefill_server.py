@@ -1,16 +1,22 @@
 """The prefill server's side of the handoff (``moeflow serve --role prefill``): a request that asks for a remote
 decode (``Request.kv_handoff``, the router's ``do_remote_decode``) runs with ``max_tokens=1``; when
-its first token is sampled its blocks stay leased, the members copy them into the staging arena,
-the blocks are freed, and the request finishes with a ``KvHandle`` to the staged range, which the
-KV link (``comm/kv_server.py``) offers to decode servers until one releases it or the lease runs
-out. A first token that ends the request (EOS, a stop token) needs no decode: no handle.
+its first token is sampled its blocks stay leased and the request finishes with a ``KvHandle``,
+which the KV link (``comm/kv_server.py``) offers to decode servers until one releases it or the
+lease runs out. In place (``KvTransferConfig.in_place``, the default): the handle names the leased
+blocks themselves, a decode server on this host copies them out of the shared caches and one
+elsewhere pulls what the link gathers (``kv_regions.py``); the blocks are freed when the offer
+ends. Staged: the members first copy them into the staging arena, the blocks are freed, and the
+handle names that range. A first token that ends the request (EOS, a stop token) needs no
+decode: no handle.
 
-Per handoff request: prefilling (the inner engine's) -> staging (blocks leased; waiting for arena
-room, then copying out) -> offered (the answer went out; the range waits for a decode server).
+Per handoff request: prefilling (the inner engine's) -> staging (blocks leased; waiting for a flag
+row, or arena room and the copy out) -> offered (the answer went out; the KV waits for a decode
+server).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 import uuid
@@ -24,6 +30,7 @@ from moeflow.core import Request, RequestError
 from moeflow.engine.base import Engine, KvTransfer, StepResult, clock
 from moeflow.engine.kv_copier import EngineCopier
 from moeflow.engine.kv_handoff import DONE, FAILED
+from moeflow.engine.kv_regions import Gatherer, RegionTable
 from moeflow.engine.server_side import ServerSide
 from moeflow.kv_handle import UNKNOWN, KvHandle
 from moeflow.messages import KvStage
@@ -55,9 +62,13 @@ class PrefillServer(ServerSide):
         self.staging: dict[str, Staging] = {}
         self.offered: dict[int, KvStage] = {}  # transfer id -> its stage, until reaped
         self._logprobs: dict[str, tuple] = {}  # handoff request -> (first token's, prompt's so far)
-        port = inner.handoff_port()
+        self.port = port = inner.handoff_port()
         self.copier = EngineCopier(self.kv, port, pd_fail_prob(), random.Random(self.config.seed))
         self.side = PrefillSide(port, self.copier)
+        self.in_place = kv.in_place and port.regions(0) is not None
+        self.leased: dict[int, str] = {}  # transfer id -> the request whose blocks it offers in place
+        self.region_table = RegionTable(self.kv.arena.segment.path) if self.in_place else None
+        self.gatherer = Gatherer(self.kv.num_layers, self.kv.dtype, self.kv.entries) if self.in_place else None
 
     def add_request(self, request: Request) -> None:
         if request.kv_handoff and request.params.max_tokens != 1:
@@ -114,6 +125,9 @@ class PrefillServer(ServerSide):
     def _reap(self) -> None:
         for tid in self.offers.reap():
             self.kv.close(self.offered.pop(tid))
+            rid = self.leased.pop(tid, None)
+            if rid is not None:  # offered in place: nobody reads the blocks any more
+                self.side.end(rid)
         self.kv.drain()
 
     def _advance(self, s: Staging, out: StepResult) -> None:
@@ -122,6 +136,11 @@ class PrefillServer(ServerSide):
             self.kv.stats.lease_expiries += 1
             return self._fail(s, out, f"its KV lease expired after {self.kv_config.lease_s:g} s: the staging "
                                       f"buffer had no room (kv_transfer_config.buffer_mib)")
+        if s.stage is None and self.in_place:
+            s.stage = self.kv.open(r.num_prompt_tokens, staged=False)
+            if s.stage is not None:
+                self._offer_in_place(s, out)
+            return
         if s.stage is None:
             s.stage, s.stage_s = self.kv.open(r.num_prompt_tokens), clock()
             if s.stage is not None:
@@ -152,12 +171,32 @@ class PrefillServer(ServerSide):
             self.kv.stats.seconds.append(clock() - s.since_s)
             out.kv_transfers.append(KvTransfer(clock() - s.since_s, nbytes, "stage"))
 
-    def _hand_over(self, s: Staging, out: StepResult, token: int | None = None) -> None:
+    def _offer_in_place(self, s: Staging, out: StepResult) -> None:
+        """The leased blocks offered as they are: the table of our caches published (decode servers
+        on this host read it), a pull's gather ready (for one elsewhere); the blocks stay leased until
+        the offer ends (``_reap``)."""
+        r, st, lease = s.request, s.stage, s.lease
+        n, nbytes, token = r.num_prompt_tokens, self.kv.bytes_for(r.num_prompt_tokens), new_token()
+        regions = self.port.regions(lease.group)
+        self.region_table.publish({g: self.port.regions(g) for g in range(len(self.port.pool.groups))})
+        self.offers.offer(st.transfer_id, st.slot, st.offset_bytes, nbytes, token,
+                          gather=functools.partial(self.gatherer.gather, regions, lease.blocks, n, nbytes))
+        self.offered[st.transfer_id] = st
+        self.leased[st.transfer_id] = r.request_id
+        self._hand_over(s, out, token, in_place=True)
+        self.kv.stats.transfers += 1
+        self.kv.stats.bytes_total += nbytes
+        self.kv.stats.seconds.append(clock() - s.since_s)
+        out.kv_transfers.append(KvTransfer(clock() - s.since_s, nbytes, "in-place"))  # offered, nothing copied
+
+    def _hand_over(self, s: Staging, out: StepResult, token: int | None = None, in_place: bool = False) -> None:
         """The request finishes here with its handle: the staged range under ``token`` (the blocks
-        are free now), or none (None) when its copy failed."""
+        are free now), its blocks in place (freed when the offer ends), or none (None) when its
+        copy failed."""
         r, st, staged = s.request, s.stage, token is not None
         del self.staging[r.request_id]
-        self.side.copied(r.request_id)  # copied or not, the blocks go back
+        if not in_place:
+            self.side.copied(r.request_id)  # copied or not, the blocks go back
         first_lp, plp = self._logprobs.pop(r.request_id, (None, []))
         where = (st.arena, st.slot, st.transfer_id, st.offset_bytes, self.kv.bytes_for(st.num_tokens)) if staged \
             else ("", 0, 0, 0, 0)
@@ -165,7 +204,8 @@ class PrefillServer(ServerSide):
                                r.num_prompt_tokens, self.kv_layout, r.output_token_ids[0],
                                first_lp if r.params.logprobs is not None else None,
                                tuple(plp) if r.params.prompt_logprobs is not None else (), staged,
-                               token or 0, self.weights)
+                               token or 0, self.weights, s.lease.blocks if in_place else (),
+                               s.lease.group if in_place else 0)
         out.finished.append(r)
 
     def _fail(self, s: Staging, out: StepResult, why: str) -> None:
@@ -189,4 +229,7 @@ class PrefillServer(ServerSide):
 
     def shutdown(self) -> None:
         self.server.shutdown()
+        if self.in_place:
+            self.gatherer.close()
+            self.region_table.close()
         super().shutdown()

@@ -43,7 +43,8 @@ class ServerMetrics:
                               "(each failed the deployment, or a dwdp rank, as a dead worker would)", registry=r)
         self.kv_transfer = Histogram("moeflow_kv_transfer_seconds", "pd: one request's KV handoff, decode room "
                                      "found to KV in place on the decode side, by path (shm: one host's shared "
-                                     "memory; gloo: pulled from another host; stage: a prefill server's copy out)",
+                                     "memory; gloo: pulled from another host; stage: a prefill server's copy out; "
+                                     "in-place: its offer of the blocks where they are, nothing copied)",
                                      ["path"], buckets=_LATENCY_BUCKETS_S, registry=r)
         self.kv_bytes = Counter("moeflow_kv_transfer_bytes", "pd: KV bytes handed from prefill to decode instances, "
                                 "by path", ["path"], registry=r)

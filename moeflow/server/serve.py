@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     r.add_argument("--kv-host", default="127.0.0.1", help="prefill: the KV port's address, advertised to decode "
                    "servers (this host's address on the network they share)")
     r.add_argument("--kv-port", type=int, default=0, help="prefill: the KV port (0: any free one)")
+    r.add_argument("--kv-staged", action="store_true", help="prefill: copy each request's KV into the staging "
+                   "arena before offering it (two copies on a host), instead of offering the blocks in place "
+                   "(a decode server on this host copies them once; the default)")
     r.add_argument("--kv-secret", default=None, help="what a decode server proves it knows (an HMAC of a fresh "
                    "nonce) to pair with a prefill server's KV port; the same on every prefill and decode server "
                    "(default: $MOEFLOW_KV_SECRET, else the API key; neither: any decode server that reaches the port "

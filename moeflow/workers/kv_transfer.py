@@ -5,7 +5,9 @@ this member's flag (the engine reads it; no reply on the pipe, so an asap group 
 item answers when it gets to the message, and the engine's step never waits for it)."""
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import time
 
 import torch
@@ -13,6 +15,7 @@ import torch
 from moeflow.comm.ipc_memory import IpcMemory
 from moeflow.comm.kv_arena import READ, WRITE, Entries, KvArena, stage_in, stage_out
 from moeflow.comm.kv_pull import paired_runs, pull
+from moeflow.comm.segment import segment_path
 from moeflow.messages import KvRecv, KvRegion, KvSend, KvSource, KvStage
 from moeflow.model.attention import attention_for
 from moeflow.model.kv_cache import KVCache, carve, slots_for, storage_bytes
@@ -27,7 +30,7 @@ class KvTransfers:
     def __init__(self, cache: KVCache, member: int):
         self.cache, self.member = cache, member
         self._arenas: dict[str, KvArena] = {}
-        self._caches: dict[bytes, tuple[IpcMemory, Entries]] = {}  # other members' caches, by handle
+        self.caches = MappedCaches()  # prefill members' caches this member read in place
         # the last handle's copy, up to (not including) its flag store: once the flag is stored the
         # engine may see it and go on, so a time taken after it could outlast the engine's own window
         self.last_copy_s = 0.0
@@ -67,16 +70,28 @@ class KvTransfers:
     def _pull(self, st: KvStage, source: KvSource, block_ids: tuple[int, ...]) -> None:
         runs = paired_runs(source.blocks, source.regions[0].block_size, block_ids, self.cache.block_size,
                            st.num_tokens)
-        pull([(self._mapped(r), r.member) for r in source.regions], dict(st.entries), self.cache.entries,
+        pull([(self.caches.entries(r), r.member) for r in source.regions], dict(st.entries), self.cache.entries,
              self.member, runs, copy_runs)
 
-    def _mapped(self, region: KvRegion) -> Entries:
-        """A prefill member's whole cache, mapped once by its handle."""
+    def close(self) -> None:
+        for a in self._arenas.values():
+            a.close()
+        self._arenas.clear()
+        self.caches.close()
+
+
+class MappedCaches:
+    """Other processes' KV caches, each mapped once by its region's handle (at most ``_MAPPED``: a
+    restarted member's new cache replaces its old one, which is unmapped when it is the oldest)."""
+
+    def __init__(self):
+        self._caches: dict[bytes, tuple[IpcMemory, Entries]] = {}
+
+    def entries(self, region: KvRegion) -> Entries:
         got = self._caches.get(region.handle)
         if got is None:
             if len(self._caches) >= _MAPPED:
-                old = next(iter(self._caches))
-                self._caches.pop(old)[0].close()
+                self._caches.pop(next(iter(self._caches)))[0].close()
             mem = IpcMemory.open(region.handle)
             entries = carve(mem.tensor, dict(region.entries), region.num_layers, region.num_slots,
                             getattr(torch, region.dtype))
@@ -84,12 +99,21 @@ class KvTransfers:
         return got[1]
 
     def close(self) -> None:
-        for a in self._arenas.values():
-            a.close()
-        self._arenas.clear()
         for mem, _ in self._caches.values():
             mem.close()
         self._caches.clear()
+
+
+def own_cache_path(deployment_id: str, what: str) -> str:
+    """Where this process's shared cache lives: a name of its own (``what`` and its pid), so that a
+    reader holding a predecessor's handle never maps a successor's blocks; a predecessor's file
+    (it died: we replace it) is removed first."""
+    for stale in glob.glob(segment_path(deployment_id, f"{what}-*")):
+        try:
+            os.unlink(stale)
+        except FileNotFoundError:
+            pass
+    return segment_path(deployment_id, f"{what}-{os.getpid()}")
 
 
 def shared_cache(cfg, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str, path: str,

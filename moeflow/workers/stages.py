@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeflow.comm.segment import segment_path
 from moeflow.core import Batch
 from moeflow.messages import SeqOutput, WorkerSetup
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
@@ -21,7 +20,7 @@ from moeflow.model.transformer import AttentionOut, MoETransformer
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.dispatch import ExpertRoutes, LayeredRoutes, WorkerShare, tag_layer
 from moeflow.workers.expert_load import ExpertLoadRecorder
-from moeflow.workers.kv_transfer import shared_cache
+from moeflow.workers.kv_transfer import own_cache_path, shared_cache
 from moeflow.workers.runner import ModelRunner
 from moeflow.workers.tracer import Tracer
 from moeflow.workers.world import TPGroup
@@ -105,7 +104,7 @@ class AttentionStages:
         if e.share_kv_cache:
             kv, self.kv_region, self._kv_memory = shared_cache(
                 mcfg, e.num_kv_blocks, e.kv_block_size, dtype, self.device,
-                segment_path(setup.comm.deployment_id, f"kv-cache-{setup.role}{setup.index}"), member)
+                own_cache_path(setup.comm.deployment_id, f"kv-cache-{setup.role}{setup.index}"), member)
         else:
             kv = KVCache.for_model(mcfg, e.num_kv_blocks, e.kv_block_size, dtype, self.device)
         self.runner = ModelRunner(self.model, kv, seed=e.seed)

@@ -66,22 +66,24 @@ def assert_roles_clean(p: LLM, d: LLM) -> None:
         pool = e.inner.scheduler.pool
         assert not pool.leases and not e.inner.handoff_port().arrivals.reserved
         assert all(g.allocator.num_free == g.allocator.num_blocks for g in pool.groups)
-    assert p.engine.kv.heap.used_bytes == 0 and not p.engine.staging and not p.engine.offered
+    assert p.engine.kv.heap.used_bytes == 0 and not p.engine.staging and not p.engine.offered and not p.engine.leased
     assert d.engine.kv.heap.used_bytes == 0 and not d.engine.incoming
 
 
-@pytest.mark.parametrize("name,prefill,decode", [
-    ("qwen3", dict(ASAP, attn_tp=2), AFD),  # heads split on the prefill side, whole on the decode side
-    pytest.param("deepseek_v3", {"mode": "colocated"}, {"mode": "dep", "dp": 2},  # MLA's latent rows
+@pytest.mark.parametrize("name,prefill,decode,in_place", [
+    ("qwen3", dict(ASAP, attn_tp=2), AFD, True),  # heads split on the prefill side, whole on the decode side
+    ("qwen3", dict(ASAP, attn_tp=2), AFD, False),  # staged: copied out into the arena, then in
+    pytest.param("deepseek_v3", {"mode": "colocated"}, {"mode": "dep", "dp": 2}, True,  # MLA's latent rows
                  marks=pytest.mark.slow),
 ])
-def test_roles_match_colocated(checkpoints, name, prefill, decode):
+def test_roles_match_colocated(checkpoints, name, prefill, decode, in_place):
     ref = colocated_outputs(checkpoints, (name,))[name]
     path = checkpoints(name).path
-    with LLM(path, dtype="float32", kv_transfer_config={"role": "prefill"}, **prefill) as p, \
+    with LLM(path, dtype="float32", kv_transfer_config={"role": "prefill", "in_place": in_place}, **prefill) as p, \
             LLM(path, dtype="float32", kv_transfer_config={"role": "decode"}, **decode) as d:
-        outs, _ = run_split(p, d, PROMPTS, PARAMS)
+        outs, handles = run_split(p, d, PROMPTS, PARAMS)
         assert_same(outs, ref)
+        assert all(h.in_place == in_place for h in handles.values())
         st = d.engine.kv.stats
         assert st.transfers == len(PROMPTS) and st.recomputes == 0 and st.failures == 0
         assert st.bytes_total == sum(d.engine.kv.bytes_for(len(x)) for x in PROMPTS)

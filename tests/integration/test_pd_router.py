@@ -76,8 +76,10 @@ def test_router_matches_colocated(split):
     handed = 2 * len(PROMPTS) + 1
     pm, dm = prefill.metrics(), decode.metrics()
     assert dm['moeflow_kv_transfer_seconds_count{path="shm"}'] == handed  # one host: read from shared memory
-    assert pm['moeflow_kv_transfer_seconds_count{path="stage"}'] == handed
-    assert dm['moeflow_kv_transfer_bytes_total{path="shm"}'] == pm['moeflow_kv_transfer_bytes_total{path="stage"}'] > 0
+    # in place: the prefill server offered its blocks, copying nothing; the decode server's members copied once
+    assert pm['moeflow_kv_transfer_seconds_count{path="in-place"}'] == handed
+    assert 'moeflow_kv_transfer_seconds_count{path="stage"}' not in pm
+    assert dm['moeflow_kv_transfer_bytes_total{path="shm"}'] == pm['moeflow_kv_transfer_bytes_total{path="in-place"}'] > 0
     wait_clean(prefill, decode)
 
 

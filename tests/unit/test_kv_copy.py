@@ -120,3 +120,30 @@ def test_a_decode_member_reads_a_shared_cache_in_place_and_stores_its_flag():
         src_mem.close()
         dst_mem.close()
         assert cleanup(run) == []  # the owners unlinked their caches
+
+
+def test_a_prefill_servers_table_of_caches_is_read_back_and_only_from_our_own_segments(tmp_path):
+    """``engine/kv_regions.py``: the table a decode server on the host reads; republished when a
+    worker's cache changes (the name stays); a path from a handle outside /dev/shm/moeflow-* is not read."""
+    import os
+    import uuid
+
+    from moeflow.comm.kv_arena import arena_path
+    from moeflow.engine.kv_regions import RegionTable, read_regions
+    from moeflow.messages import KvRegion
+
+    arena = arena_path(f"{os.getpid()}-regions{uuid.uuid4().hex[:6]}")
+    r0 = KvRegion(b"handle-a", L, NB * BS, BS, "float32", (("k", (2, 8)),), 0)
+    table = RegionTable(arena)
+    try:
+        table.publish({0: (r0,), 1: (r0,)})
+        assert read_regions(arena, 0) == (r0,) and read_regions(arena, 5) is None
+        r1 = dataclasses.replace(r0, handle=b"handle-b")
+        table.publish({0: (r1,), 1: (r0,)})  # a restarted worker's new cache
+        assert read_regions(arena, 0) == (r1,) and os.path.exists(table.path)
+        foreign = tmp_path / "x.kv-arena"
+        (tmp_path / "x.kv-regions").write_bytes(b"\0" * 16)
+        assert read_regions(str(foreign), 0) is None
+    finally:
+        table.close()
+    assert not os.path.exists(table.path) and read_regions(arena, 0) is None

@@ -104,6 +104,14 @@ def test_the_handle_survives_json_and_names_what_is_wrong():
     for bad in ("", "x" * 16, "8000000000000000", "1" * 17, "-1"):
         with pytest.raises(ValueError, match="kv_transfer_params.remote_token"):
             KvHandle.from_params({**p, "remote_token": bad})
+    placed = _handle(block_ids=(4, 0, 9), group=1, offset_bytes=-1)  # the leased blocks, in place
+    assert KvHandle.from_params(json.loads(json.dumps(placed.to_params()))) == placed and placed.in_place
+    assert not h.in_place
+    for bad in ([1, -2], [1, True], "3", [1.5]):
+        with pytest.raises(ValueError, match="kv_transfer_params.remote_block_ids: expected a list of block ids"):
+            KvHandle.from_params({**p, "remote_block_ids": bad})
+    with pytest.raises(ValueError, match="kv_transfer_params.remote_group: expected an int >= 0"):
+        KvHandle.from_params({**p, "remote_group": -1})
 
 
 def test_a_pull_over_a_gloo_pair_on_loopback():
