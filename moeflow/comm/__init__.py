@@ -9,7 +9,7 @@ from moeflow.comm.config import CommConfig
 from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, DispatchRow, ProtocolError,
                                   SendStats)
 from moeflow.comm.segment import cleanup, list_segments
-from moeflow.comm.spec import CommSpec
+from moeflow.layout.comm_spec import CommSpec
 from moeflow.comm.transport import TRANSPORTS, Transport, mailbox_bytes, make_transport
 from moeflow.comm.wait import POLICIES, WaitPolicy
 

@@ -27,7 +27,7 @@ import struct
 import torch
 
 from moeflow.comm.ipc_memory import IpcMemory
-from moeflow.comm.spec import DTYPE_BYTES
+from moeflow.layout.comm_spec import DTYPE_BYTES
 
 ARENAS: dict[str, type["PayloadArena"]] = {}
 

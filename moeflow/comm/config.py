@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeflow.comm.segment import check_deployment_id
-from moeflow.comm.spec import CommSpec
+from moeflow.layout.comm_spec import CommSpec
 from moeflow.comm.wait import WaitPolicy
 from moeflow.config import ConfigError
 

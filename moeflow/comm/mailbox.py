@@ -55,7 +55,7 @@ import torch
 from moeflow.comm.arena import ARENAS, PayloadArena
 from moeflow.comm.doorbell import FutexDoorbell
 from moeflow.comm.segment import Segment, pid_alive
-from moeflow.comm.spec import DTYPE_BYTES
+from moeflow.layout.comm_spec import DTYPE_BYTES
 
 MAGIC = 0x316F6C6665656F6D  # b"moeflow1", little-endian
 VERSION = 1

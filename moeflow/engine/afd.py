@@ -15,12 +15,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from moeflow.comm import CommSpec
 from moeflow.config import EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock
-from moeflow.engine.eplb import expert_process
-from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import AfdLayout
@@ -30,40 +27,13 @@ from moeflow.workers.launch import WorkerDied
 _IDLE_S = 2e-3  # an idle deployment's step sleeps this long (never a busy spin)
 
 
-def _spec(layout: AfdLayout, mc, config: EngineConfig) -> CommSpec:
-    """An instance is a region of one lane in every daemon's buffer, a daemon an expert rank; an
-    instance keeps up to m micro-batches in flight per lane."""
-    s, held = layout.max_batch_tokens, layout.experts_held(mc.num_experts)
-    return CommSpec(num_regions=layout.attn_workers, lanes_per_region=1, num_expert_ranks=layout.ffn_workers,
-                    num_experts=mc.num_experts, top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
-                    max_batch_tokens=s, dtype=config.dtype, num_slots=max(2, layout.micro_batches),
-                    combine_rows=s if layout.router == "ffn" else 0,
-                    max_local_experts=max(len(ids) for ids in held))
-
-
-def footprint(layout: AfdLayout, mc, config: EngineConfig):
-    spec, held = _spec(layout, mc, config), layout.experts_held(mc.num_experts)
-    gates = layout.router == "ffn"
-    return layout.max_batch_tokens, lambda fp, block: [
-        *(ProcessFootprint(f"attention{i}", fp.attention_side(), spec.combine_buffer_bytes, block)
-          for i in range(layout.attn_workers)),
-        *(_ffn(layout, config, fp, j, len(held[j]), fp.routers if gates else 0, spec.dispatch_buffer_bytes)
-          for j in range(layout.ffn_workers))]
-
-
-def _ffn(layout: AfdLayout, config: EngineConfig, fp, j: int, slots: int, routers: int,
-         buffers: int) -> ProcessFootprint:
-    name, nbytes = expert_process(layout, config, fp, f"ffn{j}", slots)
-    return ProcessFootprint(name, nbytes + routers, buffers)
-
-
 class AfdEngine(ProcessEngine):
     mode_name = "afd"
 
     def __init__(self, model_path: str, config: EngineConfig, layout: AfdLayout):
         super().__init__(config, layout)
         self.attention = self._build(model_path, Blueprint(
-            footprint, _spec, ("afd_attention", layout.attn_workers), ("ffn", layout.ffn_workers),
+            ("afd_attention", layout.attn_workers), ("ffn", layout.ffn_workers),
             computes=layout.topology == "all"))
         self._steps: deque[list[Work]] = deque()  # steps sent, oldest first
 

@@ -6,39 +6,14 @@ for any group to finish (or a batch to fall due) -> update.
 """
 from __future__ import annotations
 
-from moeflow.comm import CommSpec
 from moeflow.config import EngineConfig
 from moeflow.engine.base import StepResult, clock
-from moeflow.engine.eplb import expert_process
-from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import AsapLayout
 from moeflow.messages import WorkDone
-from moeflow.model.attention import attention_for
-from moeflow.model.footprint import kv_bytes_per_token
-from moeflow.model.weights import TORCH_DTYPES
 from moeflow.workers.launch import WorkerDied
 
-
-
-def _spec(layout: AsapLayout, mc, config: EngineConfig) -> CommSpec:
-    """A region per DP group, a lane per TP member, an expert rank per MoE worker."""
-    held = layout.experts_held(mc.num_experts)
-    return CommSpec(num_regions=layout.attn_dp, lanes_per_region=layout.attn_tp, num_expert_ranks=layout.moe_workers,
-                    num_experts=mc.num_experts, top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size,
-                    max_batch_tokens=layout.scheduler.max_batch_tokens, dtype=config.dtype,
-                    max_local_experts=max(len(ids) for ids in held))
-
-
-def footprint(layout: AsapLayout, mc, config: EngineConfig):
-    spec, held, t = _spec(layout, mc, config), layout.experts_held(mc.num_experts), layout.attn_tp
-    member_block = config.kv_block_size * kv_bytes_per_token(attention_for(mc).member_config(t), TORCH_DTYPES[config.dtype])
-    return layout.scheduler.max_batch_tokens, lambda fp, block: [
-        *(ProcessFootprint(f"attention{r}", fp.attention_side(t), spec.combine_buffer_bytes, member_block)
-          for r in range(layout.num_attention_workers)),
-        *(ProcessFootprint(*expert_process(layout, config, fp, f"moe{i}", len(held[i])), spec.dispatch_buffer_bytes)
-          for i in range(layout.moe_workers))]
 
 
 class AsapEngine(ProcessEngine):
@@ -47,7 +22,7 @@ class AsapEngine(ProcessEngine):
     def __init__(self, model_path: str, config: EngineConfig, layout: AsapLayout):
         super().__init__(config, layout)
         self.attention = self._build(model_path, Blueprint(
-            footprint, _spec, ("attention", layout.num_attention_workers), ("moe", layout.moe_workers),
+            ("attention", layout.num_attention_workers), ("moe", layout.moe_workers),
             attn_tp=layout.attn_tp))
 
     def step(self) -> StepResult:

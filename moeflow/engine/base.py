@@ -64,7 +64,7 @@ class EngineLoad:
 class Engine(abc.ABC):
     """One deployment: schedule -> execute -> update, one ``step`` at a time. A mode's engine names
     itself (``mode_name``) and says whether its workers may run on several hosts (``multinode``);
-    its module's ``footprint`` says what each of its processes holds (the memory plan)."""
+    what each of its processes holds (the memory plan) is its layout's, ``layout/memory.py``."""
 
     mode_name: str
     multinode: bool = False

@@ -10,7 +10,7 @@ from moeflow.comm.segment import segment_path
 from moeflow.config import EngineConfig
 from moeflow.core import Request
 from moeflow.engine.base import Engine, StepResult, clock, context_len, validate_request
-from moeflow.engine.memory import ProcessFootprint, apply_budget
+from moeflow.engine.memory import apply_budget
 from moeflow.hardware.device import worker_device
 from moeflow.layout import ColocatedLayout
 from moeflow.messages import BatchTiming
@@ -22,15 +22,11 @@ from moeflow.workers.kv_transfer import KvTransfers, shared_cache
 from moeflow.workers.runner import ModelRunner
 
 
-def footprint(layout: ColocatedLayout, mc, config: EngineConfig):
-    return config.max_num_batched_tokens, lambda fp, block: [ProcessFootprint("colocated", fp.total, 0, block)]
-
-
 class ColocatedEngine(Engine):
     mode_name = "colocated"
 
     def __init__(self, model_path: str, config: EngineConfig, layout: ColocatedLayout):
-        config, self.memory_plan = apply_budget(config, model_path, layout, footprint)
+        config, self.memory_plan = apply_budget(config, model_path, layout)
         self.config, self.layout = config, layout
         torch.set_num_threads(config.num_threads)
         dtype = TORCH_DTYPES[config.dtype]

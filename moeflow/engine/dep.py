@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import time
 
-from moeflow.comm import CommSpec
 from moeflow.config import ONE_HOST_SHARED, ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock
-from moeflow.engine.eplb import expert_process
-from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import DepLayout
@@ -22,32 +19,13 @@ from moeflow.workers.launch import WorkerDied
 _IDLE_S = 0.002  # a step with nothing to schedule sleeps this long instead of spinning
 
 
-def _spec(layout: DepLayout, mc, config: EngineConfig) -> CommSpec:
-    """Each rank writes the one lane of its own region in every rank's buffer, and owns one (an expert
-    rank): one process, so one world rank for both (``shared_ranks``)."""
-    experts = layout.experts_held(mc.num_experts)
-    return CommSpec(num_regions=layout.dp, lanes_per_region=1, num_expert_ranks=layout.dp, num_experts=mc.num_experts,
-                    top_k=mc.num_experts_per_tok, hidden_size=mc.hidden_size, max_batch_tokens=layout.max_batch_tokens,
-                    dtype=config.dtype, max_local_experts=max(len(ids) for ids in experts), shared_ranks=True)
-
-
-def footprint(layout: DepLayout, mc, config: EngineConfig):
-    spec, experts = _spec(layout, mc, config), layout.experts_held(mc.num_experts)
-
-    def rank(fp, block, r):
-        name, nbytes = expert_process(layout, config, fp, f"rank{r}", len(experts[r]))
-        buffers = spec.dispatch_buffer_bytes + spec.combine_buffer_bytes
-        return ProcessFootprint(name, fp.attention_side() + nbytes, buffers, block)
-    return layout.max_batch_tokens, lambda fp, block: [rank(fp, block, r) for r in range(layout.dp)]
-
-
 class DepEngine(ProcessEngine):
     mode_name = "dep"
 
     def __init__(self, model_path: str, config: EngineConfig, layout: DepLayout):
         super().__init__(config, layout)
         # rank r holds the r-th 1/N of every layer, or what --init-expert-location places there
-        self.ranks = self._build(model_path, Blueprint(footprint, _spec, ("dep", layout.dp)))
+        self.ranks = self._build(model_path, Blueprint(("dep", layout.dp)))
 
     def _refuse(self) -> None:
         layout, config = self.layout, self.config

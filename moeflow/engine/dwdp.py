@@ -17,7 +17,6 @@ from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ONE_HOST_SHARED, ConfigError, EngineConfig
 from moeflow.engine.base import EngineLoad, StepResult, clock
 from moeflow.engine.eplb import start_placement
-from moeflow.engine.memory import ProcessFootprint
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import DwdpLayout
@@ -28,22 +27,13 @@ from moeflow.workers.launch import WorkerDied, WorkerHandle, WorkerStalled
 
 
 
-def footprint(layout: DwdpLayout, mc, config: EngineConfig):
-    """Resident experts, and two layers' worth of pulled ones (the ping-pong slots)."""
-    placement = layout.experts_held(mc.num_experts)
-    pulled = [mc.num_experts - len(set(ids)) for ids in placement]
-    return layout.max_batch_tokens, lambda fp, block: [
-        ProcessFootprint(f"rank{r}", fp.attention_side() + fp.experts(len(ids)),
-                         2 * pulled[r] * fp.per_expert // mc.num_moe_layers, block) for r, ids in enumerate(placement)]
-
-
 class DwdpEngine(ProcessEngine):
     mode_name = "dwdp"
 
     def __init__(self, model_path: str, config: EngineConfig, layout: DwdpLayout):
         super().__init__(config, layout)
-        # weight pulls only (no spec: no dispatch/combine buffers); peers on other hosts serve pulls over gloo
-        self.ranks = self._build(model_path, Blueprint(footprint, None, ("dwdp", layout.dp), computes=False))
+        # weight pulls only (no dispatch/combine buffers); peers on other hosts serve pulls over gloo
+        self.ranks = self._build(model_path, Blueprint(("dwdp", layout.dp), computes=False))
         self.dead: dict[int, str] = {}  # rank -> why it is gone (until its replacement is ready)
         self._respawning: dict[int, WorkerHandle] = {}  # rank -> its replacement, not yet ready
 

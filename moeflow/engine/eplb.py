@@ -222,10 +222,3 @@ def summary(eplb: Eplb | None) -> dict | None:
             "balancedness_per_layer": bal, "rebalances": [dataclasses.asdict(r) for r in eplb.history]}
 
 
-def expert_process(layout, config, fp, name: str, slots: int) -> tuple[str, int]:
-    """An expert-holding process's name in a memory plan and the bytes of its routed experts:
-    ``slots`` of them, twice under live rebalancing (its second buffer)."""
-    nbytes = fp.experts(slots) * (2 if config.enable_eplb else 1)
-    if getattr(layout, "num_redundant_experts", 0) or config.enable_eplb:
-        name += f" ({slots} expert slots{', two buffers for live rebalancing' if config.enable_eplb else ''})"
-    return name, nbytes

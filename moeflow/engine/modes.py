@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 from moeflow.config import ConfigError, EngineConfig
-from moeflow.engine import afd, asap, colocated, dep, dwdp
 from moeflow.engine.afd import AfdEngine
 from moeflow.engine.asap import AsapEngine
 from moeflow.engine.base import Engine
 from moeflow.engine.colocated import ColocatedEngine
 from moeflow.engine.dep import DepEngine
 from moeflow.engine.dwdp import DwdpEngine
-from moeflow.engine.memory import Footprint, MemoryPlan, apply_budget
+from moeflow.engine.memory import MemoryPlan, apply_budget
 from moeflow.engine.decode_server import DecodeServer
 from moeflow.engine.pd import PdEngine
 from moeflow.engine.prefill_server import PrefillServer
@@ -29,9 +28,6 @@ from moeflow.scheduler.expert_location import TRIVIAL
 
 MODES: dict[str, type[Engine]] = {e.mode_name: e for e in (ColocatedEngine, DepEngine, AsapEngine, DwdpEngine,
                                                           AfdEngine, PdEngine)}
-# what each process of a mode's deployment holds, for its memory plan (each mode's module says)
-FOOTPRINTS: dict[str, Footprint] = {"colocated": colocated.footprint, "dep": dep.footprint, "asap": asap.footprint,
-                                    "dwdp": dwdp.footprint, "afd": afd.footprint}
 MULTINODE_MODES = tuple(m for m, e in MODES.items() if e.multinode)  # the modes whose workers may span hosts
 # a prefill or decode server (KvTransferConfig.role, `serve --role`): one side of the handoff around its engine
 SERVER_SIDES = {"prefill": (PrefillServer, PREFILL_MODES), "decode": (DecodeServer, DECODE_MODES)}
@@ -82,7 +78,5 @@ PdEngine.build_instance = staticmethod(create_engine)  # a pd deployment's insta
 
 def plan_for(layout: Layout, model_path: str, config: EngineConfig) -> MemoryPlan:
     """The memory plan ``layout`` would get under ``config``'s budget (its dtype resolved)."""
-    if layout.mode not in FOOTPRINTS:
-        raise ConfigError(f"mode {layout.mode!r} declares no memory footprint; modes that do: {sorted(FOOTPRINTS)}")
-    _, plan = apply_budget(config, model_path, layout, FOOTPRINTS[layout.mode])
+    _, plan = apply_budget(config, model_path, layout)
     return plan

@@ -12,16 +12,16 @@ import dataclasses
 import functools
 import os
 import uuid
-from typing import Callable
 
-from moeflow.comm import CommConfig, CommSpec, WaitPolicy
+from moeflow.comm import CommConfig, WaitPolicy
 from moeflow.comm.cuda_ipc import check_engine as check_cuda_ipc
 from moeflow.config import ConfigError, EngineConfig
 from moeflow.engine.base import Engine, context_len
 from moeflow.engine.eplb import attach, check_live, start_placement
-from moeflow.engine.memory import Footprint, apply_budget
+from moeflow.engine.memory import apply_budget
 from moeflow.layout import Layout
 from moeflow.layout.expert_map import ExpertMap
+from moeflow.layout.memory import comm_spec
 from moeflow.logs import get_logger
 from moeflow.messages import WorkerSetup, World
 from moeflow.model.sharding import check_tp
@@ -36,8 +36,6 @@ log = get_logger("moeflow.engine")
 
 @dataclasses.dataclass(frozen=True)
 class Blueprint:
-    footprint: Footprint  # the mode module's (engine/memory.py): its memory plan
-    spec: Callable[..., CommSpec] | None  # (layout, model, config) -> its buffers; None: no dispatch/combine (dwdp)
     side: tuple[str, int]  # (role, count) of the attention side, or of the ranks
     experts: tuple[str, int] | None = None  # (role, count) of the expert side; None: ranks
     attn_tp: int | None = None  # the attention side's TP size (asap), checked against the model
@@ -100,9 +98,9 @@ class Startup(Engine):
             check_tp(mc, bp.attn_tp)
         self.max_model_len = context_len(config, mc)
         transport, rank_nodes = self._transport(bp.nodes(config.cluster.nnodes))
-        spec = bp.spec(layout, mc, config) if bp.spec else None
+        spec = comm_spec(layout, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size, config.dtype)
         comm = CommConfig(spec, transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
-        config = self._budget(config, model_path, bp.footprint)
+        config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
         groups = bp.tp_groups
         world = self._world(bp.size, groups) if groups or transport in DIST_TRANSPORTS else None
@@ -124,10 +122,9 @@ class Startup(Engine):
         """Bytes this host's workers publish in /dev/shm beside their buffers (checked for room)."""
         return 0
 
-    def _budget(self, config: EngineConfig, model_path: str, footprint: Footprint) -> EngineConfig:
-        """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``);
-        ``footprint``: the mode's (its module's ``footprint``)."""
-        self.config, self.memory_plan = apply_budget(config, model_path, self.layout, footprint)
+    def _budget(self, config: EngineConfig, model_path: str) -> EngineConfig:
+        """``config`` with its KV blocks from the memory budget, if one is set (``engine/memory.py``)."""
+        self.config, self.memory_plan = apply_budget(config, model_path, self.layout)
         return self.config
 
     def _setup(self, model_path: str, comm, experts_held, world, role: str, index: int, rank: int,

@@ -14,7 +14,8 @@ from moeflow.experiment.decode import load_decode_experiment
 from moeflow.experiment.serve import parse_experiment
 from moeflow.layout import make_layout
 from moeflow.sim.decode import against_measured, closed_form, factors, simulate_decode
-from moeflow.sim.memory import GIB, activation_reserve, plan_kv
+from moeflow.layout.memory import reserve as activation_reserve
+from moeflow.sim.memory import GIB, model_sizes, plan_kv
 from moeflow.sim.model_spec import model_preset
 from moeflow.sim.run import build_cost, run_point
 
@@ -36,7 +37,7 @@ def _decode(name: str, context: int = 8192, quiet: bool = False, **layout) -> di
 
 def test_the_memory_budget_sets_b_from_what_each_device_holds():
     m = model_preset("qwen3-235b-a22b-fp8")
-    budget, reserve = 155.9 * GIB, activation_reserve(m, 8192, 1024)
+    budget, reserve = 155.9 * GIB, activation_reserve(model_sizes(m), 8192, 1024)
     kv = m.kv_bytes_per_token_layer * m.num_layers
     assert kv == 94 * 2 * 4 * 128 * 2  # K and V of 4 KV heads x 128, bf16, 94 layers
     dep = plan_kv(m, make_layout("dep", dp=4), budget, 8192, 1024)
