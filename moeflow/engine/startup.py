@@ -24,8 +24,11 @@ from moeflow.layout.expert_map import ExpertMap
 from moeflow.layout.memory import comm_spec
 from moeflow.logs import get_logger
 from moeflow.messages import WorkerSetup, World
+from moeflow.hardware.device import resolve_device
+from moeflow.model.attention import attention_for
+from moeflow.model.kv_cache import storage_bytes
 from moeflow.model.sharding import check_tp
-from moeflow.model.weights import load_config
+from moeflow.model.weights import TORCH_DTYPES, load_config
 from moeflow.scheduler import make_scheduler
 from moeflow.workers import rendezvous
 from moeflow.workers.launch import Deployment, WorkerHandle, describe_nodes, free_port
@@ -105,7 +108,8 @@ class Startup(Engine):
         groups = bp.tp_groups
         world = self._world(bp.size, groups) if groups or transport in DIST_TRANSPORTS else None
         setup = functools.partial(self._setup, model_path, comm, held, world)
-        self._launch([setup(*w) for w in bp.workers(config.cluster.nnodes)], self._shm_bytes(model_path, family))
+        self._launch([setup(*w) for w in bp.workers(config.cluster.nnodes)],
+                     self._shm_bytes(model_path, family) + self._shared_kv_bytes(mc, bp))
         experts, attention = bp.sides(self.deployment.workers)
         attach(self, mc, held, experts, attention, polls=bp.experts is not None, computes=bp.computes)
         return attention
@@ -117,6 +121,17 @@ class Startup(Engine):
         """The placement the expert holders start with (``eplb.start_placement``)."""
         held = self.layout.experts_held(mc.num_experts)
         return start_placement(self.config, self.layout, mc, held, self.mode_name, computes=computes)
+
+    def _shared_kv_bytes(self, mc, bp: Blueprint) -> int:
+        """The KV caches this deployment's attention side keeps in /dev/shm (``share_kv_cache`` on a
+        CPU host; on a GPU they are device memory)."""
+        config = self.config
+        if not config.share_kv_cache or resolve_device(config.device) != "cpu":
+            return 0
+        member = attention_for(mc).member_config(bp.attn_tp) if bp.attn_tp else mc
+        per = storage_bytes(attention_for(member).kv_layout(), member.num_layers,
+                            config.num_kv_blocks * config.kv_block_size, TORCH_DTYPES[config.dtype])
+        return bp.side[1] * per
 
     def _shm_bytes(self, model_path: str, family) -> int:
         """Bytes this host's workers publish in /dev/shm beside their buffers (checked for room)."""
