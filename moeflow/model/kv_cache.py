@@ -97,6 +97,24 @@ def slots_for(block_ids: tuple[int, ...] | list[int], start: int, stop: int, blo
     return table[pos // block_size] * block_size + pos % block_size
 
 
+def _token_positions(query_lens: list[int], context_lens: list[int], block_tables: list[tuple[int, ...]] | None,
+                     block_size: int, cpu: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[T] positions and (with tables) [T] cache slots of the new tokens, on ``cpu`` (the step's
+    device: the host's lists go over once each; every op's shape is known on the host)."""
+    total = sum(query_lens)
+    q = torch.as_tensor(query_lens, dtype=torch.int64, device=cpu)
+    c = torch.as_tensor(context_lens, dtype=torch.int64, device=cpu)
+    seq = torch.repeat_interleave(torch.arange(len(query_lens), device=cpu), q, output_size=total)  # [T]
+    first = torch.cumsum(q, 0) - q  # each request's first row
+    positions = c[seq] + torch.arange(total, dtype=torch.int64, device=cpu) - first[seq]
+    if block_tables is None:
+        return positions, None
+    width = max((len(t) for t in block_tables), default=0)
+    table = torch.as_tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64,
+                            device=cpu).view(len(block_tables), width)
+    return positions, table[seq, positions // block_size] * block_size + positions % block_size
+
+
 @dataclass
 class AttentionMetadata:
     """Where each request's new tokens sit in the batch and in the cache."""
@@ -108,21 +126,17 @@ class AttentionMetadata:
     block_tables: list[tuple[int, ...]]  # per request: its blocks, in position order
     block_size: int
     device: torch.device = torch.device("cpu")  # where the batch's tensors (and the cache) are
+    max_position: int = 0  # one past the largest position of the batch (known on the host)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[tuple[int, ...]] | None,
               block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Positions and slots of every new token, in a fixed number of ops whatever the batch: what
+        a step launches does not grow with its requests, and nothing is read back."""
         device = torch.device(device)
-        positions = torch.cat([torch.arange(c, c + q, dtype=torch.int64, device=device)
-                               for q, c in zip(query_lens, context_lens)]) if query_lens else \
-            torch.empty(0, dtype=torch.int64, device=device)
-        slot_mapping = None
-        if block_tables is not None:
-            parts = [slots_for(bt, c, c + q, block_size, device)
-                     for bt, q, c in zip(block_tables, query_lens, context_lens)]
-            slot_mapping = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
-        return cls(positions, list(query_lens), list(context_lens), slot_mapping,
-                   list(block_tables or []), block_size, device)
+        positions, slot_mapping = _token_positions(query_lens, context_lens, block_tables, block_size, device)
+        return cls(positions, list(query_lens), list(context_lens), slot_mapping, list(block_tables or []),
+                   block_size, device, max((c + q for q, c in zip(query_lens, context_lens)), default=0))
 
     @classmethod
     def no_cache(cls, query_lens: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":

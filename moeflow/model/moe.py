@@ -158,24 +158,27 @@ class ExpertPlan:
 
     pair_index: torch.Tensor  # [N] int64 flat index t*K + k of each grouped row
     token_index: torch.Tensor  # [N] int64 token row of each grouped row
-    counts: torch.Tensor  # [El] int64 rows per local expert
+    counts: torch.Tensor  # [El] int64 rows per local expert (their sum: the rows computed, first)
+    # [N] bool: rows of a held expert; the rest (pairs of experts held elsewhere) trail the grouped
+    # rows, are not computed and add nothing. None: every row is held.
+    held: torch.Tensor | None = None
 
 
 def plan_pairs(topk_ids: torch.Tensor, w: ExpertWeights | ExpertIndex) -> ExpertPlan:
-    """Group the pairs whose expert is held locally by local expert id (stable order).
+    """Group the pairs by local expert id (stable order), pairs of experts not held here last.
 
-    topk_ids: [T, K] global ids. Pairs of experts not held here are left out. (Slots that differ
-    by layer are routed by ``workers.dispatch.ExpertRoutes``, not here.)
+    topk_ids: [T, K] global ids. Every pair keeps a row, so the plan's shapes are the batch's, not
+    the data's: nothing is read back to the host (a ``nonzero`` of the held pairs would be). (Slots
+    that differ by layer are routed by ``workers.dispatch.ExpertRoutes``, not here.)
     """
     k = topk_ids.shape[1]
     index = w if isinstance(w, ExpertIndex) else w.index
     local = index.local_ids(topk_ids.reshape(-1))  # [P]
-    held = torch.nonzero(local >= 0).squeeze(1)  # [N]
-    local_held = local[held]
-    order = torch.argsort(local_held, stable=True)
-    pair_index = held[order]
-    counts = torch.bincount(local_held, minlength=len(index.expert_ids))
-    return ExpertPlan(pair_index, pair_index // k, counts)
+    el = len(index.expert_ids)
+    key = torch.where(local >= 0, local, el)  # not held here: after every local expert
+    order = torch.argsort(key, stable=True)  # [P]
+    counts = torch.zeros(el + 1, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+    return ExpertPlan(order, order // k, counts[:el], key[order] < el)
 
 
 def weighted_sum(num_tokens: int, plan: ExpertPlan, y_sorted: torch.Tensor, topk_weights: torch.Tensor,
@@ -184,5 +187,8 @@ def weighted_sum(num_tokens: int, plan: ExpertPlan, y_sorted: torch.Tensor, topk
     if out is None:
         out = torch.zeros(num_tokens, y_sorted.shape[1], dtype=y_sorted.dtype, device=y_sorted.device)
     wts = topk_weights.reshape(-1)[plan.pair_index].to(y_sorted.dtype).unsqueeze(1)  # [N, 1]
-    out.index_add_(0, plan.token_index, y_sorted * wts)
+    contrib = y_sorted * wts
+    if plan.held is not None:  # rows not computed hold whatever the buffer held: drop them, not scale them
+        contrib = torch.where(plan.held.unsqueeze(1), contrib, 0)
+    out.index_add_(0, plan.token_index, contrib)
     return out

@@ -2,18 +2,21 @@
 
 The requests of a batch that decode (one new token over cached context) go through one call:
 the C++ kernel (``paged_attention.cpp``, built on first use by ``extension.py``) follows each
-request's block table into the layer's cache views and copies nothing; the slow path and oracle,
+request's block table into the layer's cache views and copies nothing; ``batched_decode_attention``
+gathers the whole batch's contexts through their block tables in one indexing op and runs one
+SDPA over them (a fixed handful of ops whatever the batch, nothing read back to the host: what a
+GPU runs, and what a CUDA graph can capture); the slow path and oracle,
 ``gathered_decode_attention``, gathers each request's context (index_select) and runs SDPA
 request by request, as attention did before the kernel.
 
 Which runs is ``$MOEFLOW_PAGED_ATTENTION`` (read in ``settings``): ``auto`` (default) takes the
-kernel on CPU where it builds and the gather path elsewhere (one warning naming why, when it does
-not build); ``gather`` forces the slow path (the "before" of before/after runs); ``kernel``
-requires the kernel and raises where it cannot run. Only the choice knows about CPUs: the caller
-passes tensors on any device. On CUDA the gather path runs (SDPA over each request's gathered
-keys): flash-attn's paged decode needs KV blocks of a multiple of 256 tokens and FlashInfer is not
-a dependency, so neither is wired in yet; the choice per device kind is logged once
-(``uses_kernel``), so a run says which path its decode took.
+kernel on CPU where it builds and the batched path elsewhere (one warning naming why, when it does
+not build); ``batched`` forces the batched path on any device (the path a GPU takes, run on the
+CPU in tests and benchmarks); ``gather`` forces the per-request path (the "before" of before/after
+runs); ``kernel`` requires the kernel and raises where it cannot run. Only the choice knows about
+CPUs: the caller passes tensors on any device. flash-attn's paged decode needs KV blocks of a
+multiple of 256 tokens and FlashInfer is not a dependency, so neither is wired in; the choice per
+device kind is logged once (``path_for``), so a run says which path its decode took.
 
 Legend: B decode requests, Hq / Hkv query / kv heads, Dk / Dv key / value dims, N cache slots.
 """
@@ -32,7 +35,7 @@ from moeflow.settings import paged_attention_mode
 
 log = get_logger("moeflow.model.paged_attention")
 
-MODES = ("auto", "gather", "kernel")
+MODES = ("auto", "gather", "kernel", "batched")
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.cpp")
 
 
@@ -75,39 +78,62 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: D
                      scale: float | None = None) -> torch.Tensor:
     """q: [B, Hq, Dk] one query per decode request; k: [N, Hkv, Dk], v: [N, Hkv, Dv] one layer's cache
     (strided views, last dim contiguous); scale: None = Dk^-0.5. -> [B, Hq, Dv] in q's dtype."""
-    op = paged_decode_attention if uses_kernel(q.device) else gathered_decode_attention
+    op = {"kernel": paged_decode_attention, "batched": batched_decode_attention,
+          "gather": gathered_decode_attention}[path_for(q.device)]
     return op(q, k, v, batch.block_tables, batch.context_lens, batch.block_size, scale)
+
+
+def batched_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+                             context_lens: torch.Tensor, block_size: int, scale: float | None = None) -> torch.Tensor:
+    """The whole batch in a fixed handful of ops on any device, with nothing read back to the host:
+    every request's context gathered through its block table into [B, L, Hkv, D] (L: the table's
+    width in slots; padding slots point at block 0 and are masked), then one SDPA."""
+    width = block_tables.shape[1] * block_size
+    pos = torch.arange(width, device=k.device)  # [L]
+    table = block_tables.to(device=k.device, dtype=torch.int64)
+    slots = table[:, pos // block_size] * block_size + pos % block_size  # [B, L]
+    keys, values = k[slots].transpose(1, 2), v[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    mask = pos.unsqueeze(0) < context_lens.to(device=k.device).unsqueeze(1)  # [B, L]: a request's own keys
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out[:, :, 0]  # [B, Hq, Dv]
 
 
 def uses_kernel(device: torch.device) -> bool:
     """Whether decode attention on ``device`` runs the in-place kernel (see the module docstring)."""
-    use = _uses_kernel(device)
-    _log_choice(device.type, use)
-    return use
+    return path_for(device) == "kernel"
+
+
+def path_for(device: torch.device) -> str:
+    """Which decode attention runs on ``device``: "kernel", "batched" or "gather" (the module docstring)."""
+    path = _path_for(device)
+    _log_choice(device.type, path)
+    return path
 
 
 @functools.cache
-def _log_choice(device_type: str, kernel: bool) -> None:
+def _log_choice(device_type: str, path: str) -> None:
     if device_type != "meta":
-        log.info("decode attention on %s: %s", device_type, "the in-place paged kernel" if kernel else
-                 "SDPA over each request's gathered KV")
+        log.info("decode attention on %s: %s", device_type, {
+            "kernel": "the in-place paged kernel", "batched": "SDPA over the batch's gathered KV, no host sync",
+            "gather": "SDPA over each request's gathered KV"}[path])
 
 
-def _uses_kernel(device: torch.device) -> bool:
+def _path_for(device: torch.device) -> str:
     mode = paged_attention_mode()
     if mode not in MODES:
         raise ValueError(f"MOEFLOW_PAGED_ATTENTION={mode!r}: must be one of {MODES}")
-    if mode == "gather":
-        return False
+    if mode in ("gather", "batched"):
+        return mode
     if device.type != "cpu":
         if mode == "kernel":
             raise RuntimeError(f"MOEFLOW_PAGED_ATTENTION=kernel: the paged attention kernel is CPU-only, "
                                f"the tensors are on {device}")
-        return False
+        return "batched"
     status = kernel_status()
     if not status.available and mode == "kernel":
         raise RuntimeError(f"MOEFLOW_PAGED_ATTENTION=kernel, but the kernel is unavailable: {status.reason}")
-    return status.available
+    return "kernel" if status.available else "batched"
 
 
 @dataclass(frozen=True)

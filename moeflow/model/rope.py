@@ -58,7 +58,14 @@ def inv_freq_and_scaling(dim: int, theta: float, scaling: dict, max_position: in
 
 
 class Rotary:
-    """RoPE over the last D dims of [T, heads, D], with a lazily grown cos/sin table.
+    """RoPE over the last D dims of [T, heads, D], with a cos/sin table of every position up to the
+    model's ``max_position`` (made on first use, on the positions' device), or further where a
+    batch's metadata says it reaches further (``cover``).
+
+    NOTE: sized from the configured maximum and the host's own numbers, never from the positions
+    tensor: reading its largest value back would be a sync in every layer of every step (and what a
+    CUDA graph cannot hold). The table costs max_position x D x 8 bytes once per model
+    (DeepSeek-R1's 163840 x 64: 84 MB).
 
     ``interleave``: DeepSeek lays rotated pairs out as (x0, x1), (x2, x3), ...; the result is
     de-interleaved (even dims' rotations first), as transformers computes it: queries and keys
@@ -70,23 +77,28 @@ class Rotary:
         self.dim, self.interleave = dim, interleave
         self._freq_args = (dim, theta, scaling or {}, max_position)
         self.inv_freq, self.attention_scaling = inv_freq_and_scaling(*self._freq_args)
-        self._cos: torch.Tensor | None = None  # [n, D], grown on use, on the positions' device
+        self._cos: torch.Tensor | None = None  # [max_position, D], on the positions' device
         self._sin: torch.Tensor | None = None
+        self._covers = 0  # positions a batch said it reaches (AttentionMetadata.max_position)
 
-    def _grow(self, n: int, device: torch.device) -> None:
-        have = self._cos.shape[0] if self._cos is not None and self._cos.device == device else 0
-        n = max(n, 2 * have, 256)
+    def cover(self, n: int) -> None:
+        """Positions [0, n) will be asked for (a host number: the batch's metadata)."""
+        if n > self._covers:
+            self._covers = n
+            if self._cos is not None and n > self._cos.shape[0]:
+                self._cos = self._sin = None  # remade, larger, at the next call
+
+    def _make(self, device: torch.device) -> None:
+        n = max(self._freq_args[3], self._covers, 256)
         inv = inv_freq_and_scaling(*self._freq_args, device=device)[0]  # made there, not copied there
         freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=device), inv)  # [n, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
         self._cos, self._sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D]; positions: [T] int64 -> rotated x, same dtype."""
-        # NOTE: a meta tensor has no values: its table is only sized (the device test runs on meta)
-        needed = int(positions.max()) + 1 if positions.numel() and positions.device.type != "meta" else 0
-        if self._cos is None or self._cos.device != positions.device or needed > self._cos.shape[0]:
-            self._grow(needed, positions.device)
+        """x: [T, heads, D]; positions: [T] int64 below ``max_position`` -> rotated x, same dtype."""
+        if self._cos is None or self._cos.device != positions.device:
+            self._make(positions.device)
         cos = self._cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1).to(x.dtype)
         half = self.dim // 2

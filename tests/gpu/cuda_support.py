@@ -7,7 +7,7 @@ is imported inside the functions, so collecting these tests costs only torch and
 
 The rehearsal (``MOEFLOW_GPU_REHEARSAL=1``): the same tests on the CPU, ``cuda-ipc`` replaced by its
 rehearsal ``deferred`` (the same handles and ownership rules over host memory), decode attention
-on the gather path a GPU takes and the KV handoff's copy by torch slices, as on a GPU, so that every GPU test's logic runs in the CPU suite
+on the batched path a GPU takes and the KV handoff's copy by torch slices, as on a GPU, so that every GPU test's logic runs in the CPU suite
 (``tests/integration/test_gpu_rehearsal.py``); what only a GPU can show is skipped there, saying so.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA and not REHEARSAL, reaso
 DEVICE = "cpu" if REHEARSAL else "cuda"
 TRANSPORT = "deferred" if REHEARSAL else "cuda-ipc"  # between processes: device memory by handle, or its rehearsal
 if REHEARSAL:  # the rehearsal is a pytest run of its own: decode attention and the KV handoff's copy on a
-    os.environ["MOEFLOW_PAGED_ATTENTION"] = "gather"  # GPU's path, for every worker too
+    os.environ["MOEFLOW_PAGED_ATTENTION"] = "batched"  # GPU's path, for every worker too
     os.environ["MOEFLOW_KV_COPY"] = "torch"
 RESULTS_ENV = "MOEFLOW_GPU_CHECK_OUT"  # verify/gpu_check.sh points it at $OUT/results
 

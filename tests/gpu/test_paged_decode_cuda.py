@@ -1,5 +1,5 @@
-"""Decode attention over the paged KV cache on the GPU: ``decode_attention`` (the gather path there:
-the C++ kernel is CPU-only) against the float32 oracle, and a whole model decoding through its cache
+"""Decode attention over the paged KV cache on the GPU: ``decode_attention`` (the batched path there:
+one gather and one SDPA for the batch, no host sync; the C++ kernel is CPU-only) against the float32 oracle, and a whole model decoding through its cache
 against recomputing each sequence from scratch.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from cuda_support import DEVICE, GPU, prompts
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
 from moeflow.model.layers import attention_reference
-from moeflow.model.paged_attention import DecodeBatch, decode_attention, uses_kernel
+from moeflow.model.paged_attention import DecodeBatch, decode_attention, path_for
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import load_weights
 
@@ -55,8 +55,8 @@ def _reference(q, k, v, batch: DecodeBatch) -> torch.Tensor:
     return torch.stack(out)  # [B, Hq, Dv]
 
 
-def test_the_gpu_takes_the_gather_path():
-    assert not uses_kernel(torch.device(DEVICE))  # the rehearsal asks for it (MOEFLOW_PAGED_ATTENTION=gather)
+def test_the_gpu_takes_the_batched_path():
+    assert path_for(torch.device(DEVICE)) == "batched"  # the rehearsal asks for it (MOEFLOW_PAGED_ATTENTION=batched)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

@@ -84,15 +84,17 @@ def test_layer_is_a_runtime_argument():
         experts_grouped(w, 1, x, counts)
 
 
-def test_plan_pairs_drops_experts_not_held():
+def test_plan_pairs_puts_the_pairs_of_experts_not_held_last_and_masks_them():
     held = (1, 4, 6)
     w = _weights(held)
     topk_ids = torch.tensor([[1, 6], [0, 2], [6, 4], [7, 1], [3, 5]])  # [T, K] global ids
     plan = plan_pairs(topk_ids, w)
-    # grouped by local expert (1 -> 0, 4 -> 1, 6 -> 2), stable within a group
+    # grouped by local expert (1 -> 0, 4 -> 1, 6 -> 2), stable within a group; then the others,
+    # in order: a row per pair whatever the data (no nonzero, no host sync), the rest not computed
     assert plan.counts.tolist() == [2, 1, 2]
-    assert plan.pair_index.tolist() == [0, 7, 5, 1, 4]  # flat t*K + k
-    assert plan.token_index.tolist() == [0, 3, 2, 0, 2]
+    assert plan.pair_index.tolist() == [0, 7, 5, 1, 4, 2, 3, 6, 8, 9]  # flat t*K + k
+    assert plan.token_index.tolist() == [0, 3, 2, 0, 2, 1, 1, 3, 4, 4]
+    assert plan.held.tolist() == [True] * 5 + [False] * 5
     local = w.local_ids(topk_ids.reshape(-1))
     assert local.tolist() == [0, 2, -1, -1, 2, 1, -1, 0, -1, -1]
     # ids above the largest held one map to -1 too (no out-of-range lookup)

@@ -12,8 +12,8 @@ from moeflow.model.attention import attention_for
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
 from moeflow.model.layers import attention_core, attention_reference
 from moeflow.model.weights import load_weights
-from moeflow.model.paged_attention import (DecodeBatch, gathered_decode_attention, kernel_status,
-                                           paged_decode_attention, uses_kernel)
+from moeflow.model.paged_attention import (DecodeBatch, batched_decode_attention, gathered_decode_attention,
+                                           kernel_status, paged_decode_attention, path_for, uses_kernel)
 
 torch.set_num_threads(1)
 
@@ -102,6 +102,31 @@ def test_kernel_matches_the_gather_path_on_odd_dims(kernel):
                                gathered_decode_attention(q, k, v, tables, lens, 3), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("group,hkv,d", SHAPES)
+def test_the_batched_path_matches_the_reference_fp32(group, hkv, d, block_size):
+    """The path a GPU takes (one gather and one SDPA for the batch), on the CPU: padding slots of
+    shorter requests point at block 0 and are masked."""
+    k, v, tables, lens = _paged(5, hkv, d, d, block_size, 45, torch.float32, seed=group * d + block_size)
+    q = torch.randn(5, group * hkv, d, generator=torch.Generator().manual_seed(1))
+    out = batched_decode_attention(q, k, v, tables, lens, block_size)
+    torch.testing.assert_close(out, _reference(q, k, v, tables, lens, block_size), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_batched_path_reads_mla_latents_and_odd_dims(dtype, atol):
+    k, v, tables, lens = _paged(3, 1, 576, 512, 16, 37, dtype, seed=4, latent=True)
+    q = torch.randn(3, 16, 576, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out = batched_decode_attention(q, k, v, tables, lens, 16, scale=0.07)
+    assert out.dtype == dtype and out.shape == (3, 16, 512)
+    ref = _reference(q * 0.07 * 576 ** 0.5, k, v, tables, lens, 16)
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=atol)
+    k, v, tables, lens = _paged(4, 1, 20, 12, 3, 31, torch.float32, seed=6)
+    q = torch.randn(4, 7, 20, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(batched_decode_attention(q, k, v, tables, lens, 3),
+                               gathered_decode_attention(q, k, v, tables, lens, 3), atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_rejects_a_block_outside_the_cache(kernel):
     k, v, tables, lens = _paged(2, 2, 64, 64, 16, 20, torch.float32, seed=8)
     tables[1, 0] = k.shape[0] // 16  # one past the last block
@@ -164,14 +189,16 @@ def test_mla_decode_in_place_equals_the_per_request_absorbed_path(kernel, checkp
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
-def test_mode_is_validated_and_a_non_cpu_device_takes_the_gather_path(monkeypatch):
+def test_mode_is_validated_and_a_non_cpu_device_takes_the_batched_path(monkeypatch):
     monkeypatch.setenv("MOEFLOW_PAGED_ATTENTION", "fast")
     with pytest.raises(ValueError, match="MOEFLOW_PAGED_ATTENTION='fast'"):
         uses_kernel(torch.device("cpu"))
     monkeypatch.setenv("MOEFLOW_PAGED_ATTENTION", "gather")
-    assert not uses_kernel(torch.device("cpu"))
+    assert not uses_kernel(torch.device("cpu")) and path_for(torch.device("cpu")) == "gather"
+    monkeypatch.setenv("MOEFLOW_PAGED_ATTENTION", "batched")
+    assert path_for(torch.device("cpu")) == "batched"
     monkeypatch.setenv("MOEFLOW_PAGED_ATTENTION", "auto")
-    assert not uses_kernel(torch.device("meta"))
+    assert not uses_kernel(torch.device("meta")) and path_for(torch.device("meta")) == "batched"
     monkeypatch.setenv("MOEFLOW_PAGED_ATTENTION", "kernel")
     with pytest.raises(RuntimeError, match="CPU-only"):
         uses_kernel(torch.device("meta"))

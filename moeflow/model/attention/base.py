@@ -38,6 +38,15 @@ class AttentionKind(abc.ABC):
     @abc.abstractmethod
     def kv_layout(self) -> KVLayout: ...
 
+    def rotaries(self) -> tuple:
+        """The kind's rotary tables (``model/rope.py``), sized per batch from ``meta.max_position``."""
+        return ()
+
+    def fit_rotaries(self, meta: AttentionMetadata) -> None:
+        """Every rotary table covers the batch's positions (a host number: no sync)."""
+        for r in self.rotaries():
+            r.cover(meta.max_position)
+
     @abc.abstractmethod
     def load(self, r: CheckpointReader, prefix: str, input_norm: torch.Tensor,
              post_norm: torch.Tensor) -> AttentionWeights:

@@ -53,6 +53,9 @@ class DSA(MLA):
     def kv_layout(self) -> KVLayout:
         return {**super().kv_layout(), "index_k": (self.di,)}
 
+    def rotaries(self) -> tuple:
+        return (*super().rotaries(), self.index_rotary)
+
     def load(self, r: CheckpointReader, prefix: str, input_norm: torch.Tensor, post_norm: torch.Tensor) -> DSAWeights:
         base = super().load(r, prefix, input_norm, post_norm)
         c, i = self.cfg, f"{prefix}indexer."

@@ -88,6 +88,9 @@ class GQA(AttentionKind):
         c = self.cfg
         return dataclasses.replace(c, num_heads=c.num_heads // size, num_kv_heads=c.num_kv_heads // size)
 
+    def rotaries(self) -> tuple:
+        return (self.rotary,)
+
     def forward(self, w: GQAWeights, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None,
                 layer: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
         c = self.cfg
@@ -99,6 +102,7 @@ class GQA(AttentionKind):
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, c.rms_norm_eps)
             k = rms_norm(k, w.k_norm, c.rms_norm_eps)
+        self.fit_rotaries(meta)
         q = self.rotary(q, meta.positions)
         k = self.rotary(k, meta.positions)
         o = attention_core(q, k, v.contiguous(), meta, kv_cache, layer)  # [T, Hq, D]

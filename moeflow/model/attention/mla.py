@@ -118,6 +118,9 @@ class MLA(AttentionKind):
 
     # -- forward --------------------------------------------------------------------------------
 
+    def rotaries(self) -> tuple:
+        return (self.rotary,)
+
     def project(self, w: MLAWeights, x: torch.Tensor, positions: torch.Tensor) -> Projected:
         t, hn = x.shape[0], self.cfg.num_heads
         q_resid = None
@@ -145,6 +148,7 @@ class MLA(AttentionKind):
     def forward(self, w: MLAWeights, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None,
                 layer: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
         t = x.shape[0]
+        self.fit_rotaries(meta)
         p = self.project(w, x, meta.positions)
         entries = self.cache_entries(w, x, p, meta.positions)
         if kv_cache is not None:
