@@ -136,40 +136,60 @@ def probabilities(logits: torch.Tensor, rows: Sequence[RowSampling], prompts: Se
     return probs
 
 
-def sample(logits: torch.Tensor, rows: Sequence[RowSampling], prompts: Sequence[Sequence[int]],
-           outputs: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
-           default: torch.Generator) -> list[int]:
-    """One token id per row; ``generators[b]`` is row b's own (seeded) generator or None."""
+def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampling], prompts: Sequence[Sequence[int]],
+                  outputs: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
+                  default: torch.Generator) -> torch.Tensor:
+    """[B] int64 on the logits' device, one token id per row, nothing read back to the host;
+    ``generators[b]`` is row b's own (seeded) generator or None."""
     probs = probabilities(logits, rows, prompts, outputs)
-    tokens = [0] * len(rows)
+    dev = probs.device
+    tokens = torch.zeros(len(rows), dtype=torch.int64, device=dev)
     greedy = [b for b, r in enumerate(rows) if r.greedy]
     if greedy:
-        for b, t in zip(greedy, probs[greedy].argmax(-1).tolist()):
-            tokens[b] = t
+        sel = torch.tensor(greedy, device=dev)
+        tokens[sel] = probs[sel].argmax(-1)
     shared = [b for b, r in enumerate(rows) if not r.greedy and generators[b] is None]
     if shared:
-        for b, t in zip(shared, torch.multinomial(probs[shared], 1, generator=default).squeeze(1).tolist()):
-            tokens[b] = t
-    for b, r in enumerate(rows):
+        sel = torch.tensor(shared, device=dev)
+        tokens[sel] = torch.multinomial(probs[sel], 1, generator=default).squeeze(1)
+    for b, r in enumerate(rows):  # NOTE: one draw per seeded row, on its own generator (no batched form)
         if not r.greedy and generators[b] is not None:
-            tokens[b] = int(torch.multinomial(probs[b], 1, generator=generators[b]))
+            tokens[b:b + 1] = torch.multinomial(probs[b], 1, generator=generators[b])
     return tokens
 
 
-def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: int | Sequence[int]) -> list[RawLogprobs]:
-    """Top-n plus the chosen token for each row. logits: [B, V]; chosen: [B] int64; top_n: one for
-    all rows or one per row."""
+def sample(logits: torch.Tensor, rows: Sequence[RowSampling], prompts: Sequence[Sequence[int]],
+           outputs: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
+           default: torch.Generator) -> list[int]:
+    """``sample_tokens``, read back: one token id per row."""
+    return sample_tokens(logits, rows, prompts, outputs, generators, default).tolist()
+
+
+def logprobs_packed(logits: torch.Tensor, chosen: torch.Tensor, most: int) -> torch.Tensor:
+    """[B, 2 most + 3] float64 on the logits' device: each row's top ``most`` logprobs, their ids,
+    then the chosen id, its logprob and its rank (ids and ranks are exact in float64), so that one
+    copy brings everything to the host (``logprobs_unpacked``). logits: [B, V]; chosen: [B] int64."""
     lp = logits.float().log_softmax(-1)  # [B, V]
-    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [B]
-    ranks = (lp > chosen_lp.unsqueeze(1)).sum(1) + 1  # [B]
-    ns = [top_n] * lp.shape[0] if isinstance(top_n, int) else list(top_n)
-    most = max(ns, default=0)
-    top_v, top_i = (torch.topk(lp, most, dim=-1) if most > 0 else (None, None))
-    top_v, top_i = (top_v.tolist(), top_i.tolist()) if most > 0 else (None, None)
-    chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.tolist(), ranks.tolist()
+    chosen_lp = lp.gather(1, chosen.unsqueeze(1))  # [B, 1]
+    ranks = (lp > chosen_lp).sum(1, keepdim=True) + 1  # [B, 1]
+    top_v, top_i = torch.topk(lp, most, dim=-1) if most > 0 else (lp[:, :0], chosen[:, None][:, :0])
+    return torch.cat([top_v.double(), top_i.double(), chosen.unsqueeze(1).double(), chosen_lp.double(),
+                      ranks.double()], dim=1)
+
+
+def logprobs_unpacked(packed: list[list[float]], top_n: Sequence[int]) -> list[RawLogprobs]:
+    """``logprobs_packed``'s rows, read back, as each row's top ``top_n[b]`` plus its chosen token."""
     out: list[RawLogprobs] = []
-    for b, n in enumerate(ns):
-        d: RawLogprobs = {t: (v, r + 1) for r, (t, v) in enumerate(zip(top_i[b][:n], top_v[b][:n]))} if n else {}
-        d[chosen_l[b]] = (chosen_lp_l[b], ranks_l[b])
+    for row, n in zip(packed, top_n):
+        most = (len(row) - 3) // 2
+        d: RawLogprobs = {int(row[most + r]): (row[r], r + 1) for r in range(n)}
+        d[int(row[-3])] = (row[-2], int(row[-1]))
         out.append(d)
     return out
+
+
+def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, top_n: int | Sequence[int]) -> list[RawLogprobs]:
+    """Top-n plus the chosen token for each row (one read back). logits: [B, V]; chosen: [B] int64;
+    top_n: one for all rows or one per row."""
+    ns = [top_n] * logits.shape[0] if isinstance(top_n, int) else list(top_n)
+    return logprobs_unpacked(logprobs_packed(logits, chosen, max(ns, default=0)).tolist(), ns)

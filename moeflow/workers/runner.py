@@ -13,7 +13,7 @@ import torch
 from moeflow.core import Batch, SamplingParams
 from moeflow.messages import SeqOutput
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
-from moeflow.model.sampler import RowSampling, logprobs_of, sample
+from moeflow.model.sampler import RowSampling, logprobs_of, logprobs_packed, logprobs_unpacked, sample_tokens
 from moeflow.model.transformer import MoETransformer
 
 _LOGITS_ROWS = 1024  # prompt logprobs are computed in slices to bound the [rows, V] buffer
@@ -109,18 +109,26 @@ class ModelRunner:
             states = [self.requests[rid] for rid in last_ids]
             # NOTE: histories are copied only for rows with penalties (the only ones that read them)
             pen = [st.params.uses_penalties for st in states]
-            tokens = sample(logits, [st.row() for st in states],
-                            [st.token_ids[:st.num_prompt] if u else () for st, u in zip(states, pen)],
-                            [st.token_ids[st.num_prompt:] if u else () for st, u in zip(states, pen)],
-                            [st.generator for st in states], self._default_gen)
-            for rid, st, tok in zip(last_ids, states, tokens):
-                out[rid].token_id = tok
-                st.token_ids.append(tok)
+            tokens = sample_tokens(logits, [st.row() for st in states],
+                                   [st.token_ids[:st.num_prompt] if u else () for st, u in zip(states, pen)],
+                                   [st.token_ids[st.num_prompt:] if u else () for st, u in zip(states, pen)],
+                                   [st.generator for st in states], self._default_gen)  # [B], on the device
             want = [i for i, st in enumerate(states) if st.params.logprobs is not None]
+            ns = [states[i].params.logprobs for i in want]
+            # NOTE: the step's one read back: the tokens, and the logprobs of the rows that asked, together
+            packed = None
             if want:
-                chosen = torch.tensor([tokens[i] for i in want], dtype=torch.int64, device=self.device)
-                lps = logprobs_of(logits[want], chosen, [states[i].params.logprobs for i in want])
-                for i, lp in zip(want, lps):
+                sel = torch.tensor(want, device=logits.device)
+                packed = logprobs_packed(logits[sel], tokens[sel], max(ns))
+            host = torch.cat([tokens.double()] + ([packed.flatten()] if want else [])).tolist()
+            b = len(states)
+            for rid, st, tok in zip(last_ids, states, host[:b]):
+                out[rid].token_id = int(tok)
+                st.token_ids.append(int(tok))
+            if want:
+                width = packed.shape[1]
+                rows = [host[b + j * width:b + (j + 1) * width] for j in range(len(want))]
+                for i, lp in zip(want, logprobs_unpacked(rows, ns)):
                     out[last_ids[i]].logprobs = lp
         return out
 
