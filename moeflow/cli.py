@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         contention,
         decode,
         decode_attention,
+        decode_ops,
         demo,
         env,
         experts,
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for m in (prefill, decode, decode_attention, comm, experts, router_load, serve, soak, compare, plot, trace_summary,
+    for m in (prefill, decode, decode_attention, decode_ops, comm, experts, router_load, serve, soak, compare, plot, trace_summary,
               contention, front_cpu, kv_transfer, roofline):
         m.add_parser(bsub)
 

@@ -39,3 +39,15 @@ def test_bench_kv_transfer_moves_the_bytes_and_writes_its_table(tmp_path):
     assert all(0 < r["worker_out_ms"] <= r["copy_out_ms"] for r in rows if r["path"] == "staged")
     assert all(r["worker_out_ms"] == r["copy_out_ms"] == 0 for r in rows if r["path"] == "in-place")
     assert "| gqa | in-place | 0.25 |" in md.read_text() and "| gqa | staged | 0.25 |" in md.read_text()
+
+
+def test_bench_decode_ops_counts_a_step_per_path_and_batch(tmp_path):
+    """One colocated decode step counted: on the batched path its ops do not grow with the batch and
+    it syncs once; the table names where each sync comes from."""
+    out, md = tmp_path / "ops.json", tmp_path / "ops.md"
+    assert main(["bench", "decode-ops", "--batches", "1,6", "--paths", "batched,gather", "--json", str(out),
+                 "--md", str(md)]) == 0
+    rows = {(r["path"], r["batch"]): r for r in json.loads(out.read_text())["rows"]}
+    assert abs(rows[("batched", 6)]["ops"] - rows[("batched", 1)]["ops"]) <= 2
+    assert rows[("batched", 6)]["syncs"] == 1 and rows[("gather", 6)]["ops"] > rows[("gather", 1)]["ops"] + 50
+    assert "| batched | 6 |" in md.read_text() and "workers/runner.py" in md.read_text()  # the one sync: the tokens
