@@ -37,8 +37,11 @@ class PdLayout(Layout):
                                       "or the decode instance recomputes its prompt", choices=FAILURE_POLICIES)
     max_pending_handoffs: int = opt(256, "prefilled requests waiting for room on a decode instance; beyond this "
                                          "new requests are refused (overloaded)")
-    kv_buffer_mib: int | None = opt(None, "the handoff staging buffer (default: room for 4 full-context requests, "
-                                          "64 MiB to 1 GiB)")
+    kv_buffer_mib: int | None = opt(None, "the handoff staging buffer, where KV is staged: a prefill server's "
+                                          "with --kv-staged, a decode server's pulls from another host, a deployment "
+                                          "whose instances cannot share their caches (default: room for 4 "
+                                          "full-context requests, 64 MiB to 1 GiB); a pd deployment's instances "
+                                          "share theirs and stage nothing")
 
     def __post_init__(self) -> None:
         for side, modes in (("prefill", PREFILL_MODES), ("decode", DECODE_MODES)):

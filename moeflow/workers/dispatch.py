@@ -47,7 +47,9 @@ class ExpertRoutes:
         """(worker [n, K], local slot [n, K]) of each pair of a whole batch."""
         flat = topk_ids.reshape(-1)  # [P]
         order = torch.argsort(flat, stable=True)
-        per = torch.bincount(flat, minlength=self.num_copies.numel())
+        # NOTE: not bincount: its output's size depends on the largest id, read back on a GPU
+        per = torch.zeros(self.num_copies.numel(), dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         first = torch.cumsum(per, 0) - per  # [E] where each expert's pairs start in sorted order
         occ = torch.empty_like(flat)
         occ[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]  # i: the expert's i-th pair
@@ -78,10 +80,14 @@ class ExpertRoutes:
 
     def local_plan(self, topk_ids: torch.Tensor, worker: int) -> ExpertPlan:
         """The pairs ``worker`` computes, grouped by its local slot (an expert-side router: an FFN
-        daemon that routes the rows itself keeps only the replicas chosen for it)."""
-        share = self.split(topk_ids, [worker])[0]
-        counts = torch.tensor(share.counts, dtype=torch.int64, device=topk_ids.device)
-        return ExpertPlan(share.pair_index, share.pair_index // topk_ids.shape[1], counts)
+        daemon that routes the rows itself keeps only the replicas chosen for it); as ``plan_pairs``,
+        a row for every pair, the others last and masked, so nothing is read back to the host."""
+        w, local = self.assign(topk_ids)
+        el = self.num_local[worker]
+        key = torch.where(w == worker, local, el).reshape(-1)  # [P]: not this worker's, after its slots
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(el + 1, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+        return ExpertPlan(order, order // topk_ids.shape[1], counts[:el], key[order] < el)
 
 
 # NOTE: while a rebalance switches over, dispatches of two placements may be in flight; the layer

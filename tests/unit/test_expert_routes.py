@@ -18,14 +18,14 @@ def test_every_pair_goes_to_one_copy_and_copies_share_the_rows():
     routes = ExpertRoutes(placement, 8)
     ids = _ids(300, 8, 2)
     plans = [routes.local_plan(ids, w) for w in range(3)]
-    covered = torch.sort(torch.cat([p.pair_index for p in plans])).values
+    covered = torch.sort(torch.cat([p.pair_index[p.held] for p in plans])).values
     assert torch.equal(covered, torch.arange(ids.numel()))  # each (token, expert) pair exactly once
     for e in range(4):  # a replicated expert: its rows split evenly between its two holders
         holders = [w for w in range(3) if e in placement[w]]
         got = [int(plans[w].counts[placement[w].index(e)]) for w in holders]
         assert len(holders) == 2 and abs(got[0] - got[1]) <= 1
     for w, p in enumerate(plans):  # every pair sits in the slot that holds its expert
-        experts = ids.reshape(-1)[p.pair_index]
+        experts = ids.reshape(-1)[p.pair_index[p.held]]
         slot = torch.repeat_interleave(torch.arange(len(placement[w])), p.counts)
         assert [placement[w][s] for s in slot.tolist()] == experts.tolist()
 
@@ -38,9 +38,9 @@ def test_without_replicas_the_plan_is_plan_pairs():
         w13 = torch.zeros(1, len(held), 2, 2)
         oracle = plan_pairs(ids, ExpertWeights(w13, w13, (0,), held))
         mine = routes.local_plan(ids, w)
-        # plan_pairs keeps a row for every pair (those held elsewhere last, not computed): its held rows
-        assert torch.equal(mine.pair_index, oracle.pair_index[oracle.held]) and torch.equal(mine.counts, oracle.counts)
-        assert not oracle.held[int(oracle.counts.sum()):].any()
+        # both keep a row for every pair, those computed elsewhere last (masked)
+        assert torch.equal(mine.pair_index, oracle.pair_index) and torch.equal(mine.counts, oracle.counts)
+        assert torch.equal(mine.held, oracle.held) and not oracle.held[int(oracle.counts.sum()):].any()
 
 
 def test_a_members_share_chooses_as_the_whole_batch_does():
@@ -71,7 +71,7 @@ def test_the_simulator_prices_the_engines_placement_and_replica_routing():
     ids = torch.multinomial(torch.tensor(pop[0]), 2 * 500, replacement=True, generator=g).view(500, 2)
     ids = ids[ids[:, 0] != ids[:, 1]]  # a token's experts are distinct
     routes = ExpertRoutes(m.layers[0], 8)
-    got = [len(routes.local_plan(ids, d).pair_index) for d in range(3)]
+    got = [int(routes.local_plan(ids, d).held.sum()) for d in range(3)]
     counts = torch.bincount(ids.flatten(), minlength=8).tolist()
     want = ExpertMap((m.layers[0],), 8).device_load([counts])[0]
     copies = sum(len(r) for r in m.replicas(0))
