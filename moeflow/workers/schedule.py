@@ -119,7 +119,8 @@ class Prefetching(LayerSchedule):
             finally:
                 self.prefetcher.release(layer)
             c2 = time.monotonic()
-            s.tracer.add("experts", e0, c2, layer=layer, tokens=int(plan.counts.sum()))
+            # every pair is computed here (resident or pulled, a rank runs every expert): a shape, not a read back
+            s.tracer.add("experts", e0, c2, layer=layer, tokens=ids.numel())
             f.wait_s += e0 - w0
             f.compute_s += (w0 - c1) + (c2 - e0)
 
