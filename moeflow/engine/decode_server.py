@@ -188,7 +188,7 @@ class DecodeServer(ServerSide):
         if gid is None:
             return
         if not same_host or h.in_place:  # a range to pull into, or in place a row of flags
-            inc.local = self.kv.open(h.num_tokens, staged=None if not same_host else False)
+            inc.local = self.kv.open(h.num_tokens, staged=not same_host)
             if inc.local is None:
                 return
             inc.source = KvSource(regions, h.block_ids) if same_host else None

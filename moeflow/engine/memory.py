@@ -61,7 +61,7 @@ def model_sizes(mc: ModelConfig, fp: WeightFootprint, dtype: str) -> ModelSizes:
                       whole, split, mc.hidden_size, mc.num_experts_per_tok, dtype, act * tdtype.itemsize, mc.vocab_size)
 
 
-def activation_reserve(mc: ModelConfig, config: EngineConfig, max_batch_tokens: int, sizes: ModelSizes) -> int:
+def activation_reserve(config: EngineConfig, max_batch_tokens: int, sizes: ModelSizes) -> int:
     """The reserve: ``config``'s, or the default (``layout/memory.py``), in bytes."""
     if config.activation_reserve_gib is not None:
         return int(config.activation_reserve_gib * GIB)
@@ -82,7 +82,7 @@ def apply_budget(config: EngineConfig, model_path: str, layout) -> tuple[EngineC
     mc, family = load_config(model_path)
     sizes = model_sizes(mc, weight_footprint(model_path, mc, family, TORCH_DTYPES[config.dtype]), config.dtype)
     procs = memory.processes(layout, sizes, eplb=config.enable_eplb)
-    reserve = activation_reserve(mc, config, memory.batch_tokens(layout, config.max_num_batched_tokens), sizes)
+    reserve = activation_reserve(config, memory.batch_tokens(layout, config.max_num_batched_tokens), sizes)
     plan = plan_memory(config, procs, reserve)
     log.info(plan.describe())
     return dataclasses.replace(config, num_kv_blocks=plan.num_kv_blocks), plan

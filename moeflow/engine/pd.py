@@ -55,7 +55,7 @@ class PdEngine(Engine):
             in_place = all(p.handoff_port().regions(0) is not None for p in self.prefill)
             # NOTE: <pid>-<hex>, as an engine's: a SIGKILLed owner's arena is reclaimed by the next one
             self.kv = KvConnector.for_model(f"{os.getpid()}-{uuid.uuid4().hex[:8]}", mc, self.max_model_len,
-                                            config.dtype, layout.kv_buffer_mib, heap_device(config), in_place is False)
+                                            config.dtype, layout.kv_buffer_mib, heap_device(config), not in_place)
         except BaseException:
             self.shutdown()
             raise

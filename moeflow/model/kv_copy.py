@@ -1,8 +1,8 @@
 """The KV handoff's copy of runs of cache slots, every layer at once (``comm/kv_pull.py`` decides
 which runs and heads): on the CPU the C++ op ``copy_kv_runs`` (``kv_copy.cpp``, built on first
-use: one call per entry, streaming stores), elsewhere or without a compiler one torch ``copy_``
-per run (``comm.kv_pull.copy_by_slices``, also the oracle). ``MOEFLOW_KV_COPY=torch`` picks the
-latter everywhere.
+use: one call per entry, streaming stores); where ``op_runs`` says it does not (another device, no
+compiler, ``MOEFLOW_KV_COPY=torch``) the caller copies run by run in torch
+(``comm.kv_pull.copy_by_slices``, also the oracle).
 """
 from __future__ import annotations
 
@@ -31,11 +31,14 @@ def _kernel() -> bool:
     return True
 
 
+def op_runs(device: torch.device) -> bool:
+    """Whether ``copy_runs`` runs for caches on ``device``."""
+    return device.type == "cpu" and kv_copy_mode() == "auto" and _kernel()
+
+
 def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
-    """``dst[:, to:to + n] = src[:, at:at + n]`` for every run (first source slot, first
-    destination slot, slots), every layer; [L, N, *e] views whose slots are contiguous inside."""
-    if src.device.type == dst.device.type == "cpu" and kv_copy_mode() == "auto" and _kernel():
-        torch.ops.moeflow.copy_kv_runs(src, dst, torch.tensor(runs, dtype=torch.int64, device="cpu").view(-1, 3))
-        return
-    for at, to, n in runs:  # as comm.kv_pull.copy_by_slices (model may not import comm)
-        dst[:, to:to + n].copy_(src[:, at:at + n])
+    """The op: ``dst[:, to:to + n] = src[:, at:at + n]`` for every run (first source slot, first
+    destination slot, slots), every layer; [L, N, *e] CPU views whose slots are contiguous inside."""
+    if not _kernel():
+        raise RuntimeError("the KV copy op could not be built here (the warning says why); copy by slices")
+    torch.ops.moeflow.copy_kv_runs(src, dst, torch.tensor(runs, dtype=torch.int64, device="cpu").view(-1, 3))

@@ -14,12 +14,12 @@ import torch
 
 from moeflow.comm.ipc_memory import IpcMemory
 from moeflow.comm.kv_arena import READ, WRITE, Entries, KvArena, stage_in, stage_out
-from moeflow.comm.kv_pull import paired_runs, pull
+from moeflow.comm.kv_pull import copy_by_slices, paired_runs, pull
 from moeflow.comm.segment import segment_path
 from moeflow.messages import KvRecv, KvRegion, KvSend, KvSource, KvStage
 from moeflow.model.attention import attention_for
 from moeflow.model.kv_cache import KVCache, carve, slots_for, storage_bytes
-from moeflow.model.kv_copy import copy_runs
+from moeflow.model.kv_copy import copy_runs, op_runs
 
 _MAPPED = 64  # prefill members' caches kept mapped (a restarted member's new one replaces the old)
 
@@ -70,8 +70,9 @@ class KvTransfers:
     def _pull(self, st: KvStage, source: KvSource, block_ids: tuple[int, ...]) -> None:
         runs = paired_runs(source.blocks, source.regions[0].block_size, block_ids, self.cache.block_size,
                            st.num_tokens)
+        copy = copy_runs if op_runs(self.cache.device) else copy_by_slices
         pull([(self.caches.entries(r), r.member) for r in source.regions], dict(st.entries), self.cache.entries,
-             self.member, runs, copy_runs)
+             self.member, runs, copy)
 
     def close(self) -> None:
         for a in self._arenas.values():

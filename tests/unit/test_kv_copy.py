@@ -11,9 +11,11 @@ import torch
 
 from moeflow.model.kv_cache import KVCache, carve, slots_for, storage_bytes
 from moeflow.comm.kv_pull import copy_by_slices, paired_runs, pull, pull_reference
-from moeflow.model.kv_copy import copy_runs
+from moeflow.model.kv_copy import copy_runs, op_runs
 
 L, BS, NB = 3, 4, 24
+OP = pytest.mark.skipif(not op_runs(torch.device("cpu")), reason="the KV copy op does not run here (no compiler, "
+                        "or MOEFLOW_KV_COPY=torch)")
 
 
 def _cache(shapes: dict, seed: int, dtype=torch.bfloat16) -> dict:
@@ -36,7 +38,7 @@ def test_paired_runs_pair_every_position_and_merge_what_is_consecutive_on_both_s
     assert paired_runs((2, 3, 4), 4, (7, 8, 9), 4, 12) == [(8, 28, 12)]  # consecutive on both: one run
 
 
-@pytest.mark.parametrize("copy", [copy_runs, copy_by_slices], ids=["op", "torch"])
+@pytest.mark.parametrize("copy", [pytest.param(copy_runs, marks=OP), copy_by_slices], ids=["op", "torch"])
 @pytest.mark.parametrize("src_tp,dst_tp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
 def test_pull_matches_the_oracle_for_every_head_split(copy, src_tp, dst_tp):
     """GQA's K/V split over members by heads; MLA-like whole entries replicated on every member."""
@@ -56,6 +58,7 @@ def test_pull_matches_the_oracle_for_every_head_split(copy, src_tp, dst_tp):
             assert torch.equal(got[name], want[name]), name  # the reserved slots, and nothing else touched
 
 
+@OP
 def test_the_op_copies_head_slices_and_long_runs_as_torch_does():
     """Rows that are not whole (a head slice) go token by token; whole ones as one block per layer,
     past the size where the op streams its stores."""
@@ -68,6 +71,7 @@ def test_the_op_copies_head_slices_and_long_runs_as_torch_does():
         assert torch.equal(a, b)
 
 
+@OP
 def test_the_op_refuses_a_run_outside_the_cache_naming_it():
     src, dst = torch.zeros(2, 32, 4), torch.zeros(2, 32, 4)
     with pytest.raises(RuntimeError, match=r"run 1 \(30, 0, 4\) is outside"):

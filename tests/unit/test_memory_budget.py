@@ -58,11 +58,11 @@ def test_the_reserve_is_stated_and_overridable(checkpoints):
     cfg, fam = load_config(path)
     config = EngineConfig(max_num_seqs=4)
     sizes = model_sizes(cfg, weight_footprint(path, cfg, fam, torch.float32), "float32")
-    r = activation_reserve(cfg, config, 100, sizes)
+    r = activation_reserve(config, 100, sizes)
     per_token = 6 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + \
         cfg.num_experts_per_tok * (cfg.hidden_size + 2 * cfg.moe_intermediate_size)
     assert r == 100 * per_token * 4 + 4 * cfg.vocab_size * 4
-    assert activation_reserve(cfg, dataclasses.replace(config, activation_reserve_gib=0.25), 100, sizes) == GIB // 4
+    assert activation_reserve(dataclasses.replace(config, activation_reserve_gib=0.25), 100, sizes) == GIB // 4
 
 
 @pytest.mark.parametrize("layout", [
