@@ -69,7 +69,9 @@ def _shape(batch) -> list[tuple[str, int, int, bool]]:
 
 
 def test_allocator_hands_out_blocks_as_one_pop_at_a_time_would():
-    """Oracle: the allocation spelled out, one ``pop`` per block (the fast path takes a slice)."""
+    """Oracle: the allocation spelled out, one ``pop`` per block, a new tuple each time (the fast path
+    takes a slice and hands out the same tuple again while a table has not grown); tables shared,
+    freed and taken again in between."""
     import random
 
     class OnePopAtATime(BlockAllocator):
@@ -88,6 +90,11 @@ def test_allocator_hands_out_blocks_as_one_pop_at_a_time_would():
         if rng.random() < 0.3:
             fast.free(rid), slow.free(rid)
             continue
+        src = f"r{rng.randrange(10)}"
+        if rng.random() < 0.1 and src != rid and not fast.num_held(rid) and fast.num_held(src):
+            k = rng.randrange(1, fast.num_held(src) + 1)
+            assert fast.share(src, rid, k) == slow.share(src, rid, k)
+            continue
         n = rng.randrange(60)
         got = []
         for a in (fast, slow):
@@ -95,7 +102,7 @@ def test_allocator_hands_out_blocks_as_one_pop_at_a_time_would():
                 got.append(a.allocate(rid, n))
             except OutOfBlocks:
                 got.append(OutOfBlocks)
-        assert got[0] == got[1] and fast.num_free == slow.num_free
+        assert got[0] == got[1] and fast.num_free == slow.num_free and fast.table(rid) == slow.table(rid)
 
 
 def test_long_prompt_is_chunked_by_token_budget():
