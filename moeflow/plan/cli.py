@@ -128,13 +128,9 @@ def _sides_of(name: str) -> tuple[str, str]:
 
 def _why_estimated(best: dict, confirm: int) -> str:
     """Why the answer is an estimate and how to simulate it: the search's whole simulations
-    (--confirm) ran out on candidates whose estimates ranked higher; an aggregated asap/dwdp
-    candidate's estimate also leaves decode out."""
+    (--confirm) ran out on candidates whose estimates ranked higher."""
     spent = f"--confirm's {confirm} whole simulations went to others" if confirm else "--confirm 0 simulates none"
-    why = f"estimated from its sides, not simulated whole: {spent}; --include {best['name']} simulates it"
-    if best.get("decode_side") is None and "prefill" not in best["layout"]:
-        why += f"; its estimate is its prefill capacity alone: decode is not estimated for {best['layout'].get('mode')}"
-    return why
+    return f"estimated from its sides, not simulated whole: {spent}; --include {best['name']} simulates it"
 
 
 def _print(ranked: list[dict], wall: float, cpu_host: bool) -> None:

@@ -3,15 +3,16 @@
 - A layout's prefill capacity C: the SLO search of ``search.evaluate`` on the workload's prompts
   alone (one output token), held to the TTFT bound only: the highest rate whose TTFT quantile is
   within it.
-- A layout's decode capacity R (dep and afd, the modes ``sim/decode.py`` measures): steady-state
-  decode at the batch's mean context (mean prompt + half the output) for batches of 1, 2, 4, ... per
-  attention group up to what its KV holds; the largest mean batch B whose quantile batch (Poisson
+- A layout's decode capacity R (every mode): decode from handed-over KV (``sim/decode.py``,
+  ``simulate_handed_decode``: the requests land with their prompt's KV, as on pd's decode side) at
+  the batch's mean context (mean prompt + half the output) for batches of 1, 2, 4, ... per attention
+  group up to what its KV holds; the largest mean batch B whose quantile batch (Poisson
   about B) decodes within the TPOT bound gives R = B / (output_len · TPOT(B)).
 
 A pd pair (prefill layout, decode layout) gets the split of instances that serves the most requests
 per second per device by rate matching (``sim/rate_match.py``). An aggregated deployment serves
 prefill and decode on the same devices, so its estimate is C·R / (C + R) (the time each request
-takes of each, added), or C where decode is not measured (asap, dwdp). Neither estimate includes
+takes of each, added). Neither estimate includes
 what the sides do to each other (the handoff and the queue between them; prefill stalling decode
 steps): ``search`` simulates the best candidates whole.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from moeflow.experiment.serve import parse_experiment
 from moeflow.plan.candidates import Candidate
-from moeflow.sim.decode import STEP_MODES, simulate_decode
+from moeflow.sim.decode import simulate_handed_decode
 from moeflow.sim.e2e import mean_prompt
 from moeflow.sim.memory import GIB
 from moeflow.sim.rate_match import Side, rate_match
@@ -56,7 +57,7 @@ def decode_capacity(layout: dict, devices: int, base: dict, slo, memory_gib: flo
     why = None
     for b in _BATCHES:
         try:
-            tpot[b] = simulate_decode(spec, cost, context, 4, 1, hbm_bytes, batch=b * spec.layout.num_groups)["tpot_s"]
+            tpot[b] = simulate_handed_decode(spec, cost, context, 4, hbm_bytes, b * spec.layout.num_groups)["tpot_s"]
         except ValueError as e:
             why = str(e)
             break
@@ -111,7 +112,7 @@ def sides_of(c: Candidate) -> list[tuple[str, dict]]:
     if c.kind == "pd":
         return [("prefill", c.system["prefill"]), ("decode", c.system["decode"])]
     lay = {k: v for k, v in c.system.items() if k != "engine"}
-    return [("prefill", lay)] + ([("decode", lay)] if lay["mode"] in STEP_MODES else [])
+    return [("prefill", lay), ("decode", lay)]
 
 
 def compose(c: Candidate, prefill: dict, decode: dict | None, max_devices: int, cores: int | None = None) -> dict:

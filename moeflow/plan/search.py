@@ -54,8 +54,10 @@ class Slo:
 
 def evaluate(c: Candidate, base: dict, slo: Slo, start_rps: float | None, probes: int = 4) -> dict:
     """One candidate's search: its SLO rate (or a bound), the point there, and its bottleneck. The
-    search starts at ``start_rps``, or (None) at one over a lone request's latency: the rate at
-    which the deployment would serve one request at a time, which batching only raises."""
+    search starts at ``start_rps``, or (None) at its attention groups over a lone request's latency:
+    the rate at which each group would serve one request at a time. Batching raises it and the
+    groups' contention for shared workers lowers it; a start above the answer costs little (those
+    probes stop early), one far below costs a doubling per factor of two."""
     if not c.feasible:
         return {"name": c.name, "feasible": False, "reason": c.reason}
     cfg = parse_experiment({**base, "rps": [start_rps or 1.0], "systems": {c.name: c.system}})
@@ -67,7 +69,7 @@ def evaluate(c: Candidate, base: dict, slo: Slo, start_rps: float | None, probes
     if start_rps is None:
         lone, _ = run_point(spec, cost, cfg, 1e-3, num_requests=1)
         latency = lone["ttft_mean_s"] + (lone.get("tpot_mean_s") or 0.0) * (cfg.workload.output_len - 1)
-        start_rps = float(f"{1 / latency:.2g}")
+        start_rps = float(f"{spec.layout.num_groups / latency:.2g}")
 
     def probe(rate: float) -> float:
         # NOTE: a fixed count of requests at a high rate is a burst shorter than the TTFT bound, which

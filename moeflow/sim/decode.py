@@ -19,6 +19,7 @@ import dataclasses
 
 from moeflow.measure.workload import WorkloadRequest
 from moeflow.scheduler.pool import resident_capacity
+from moeflow.layout.memory import batch_tokens
 from moeflow.sim.memory import GIB, plan_kv
 
 STEP_MODES = ("dep", "afd")
@@ -32,25 +33,11 @@ def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes
     while its group's others prefill, so it holds a few percent fewer)."""
     from moeflow.sim.run import make_system
 
-    layout, e, m = spec.layout, spec.engine, cost.model
+    layout, e = spec.layout, spec.engine
     if layout.mode not in STEP_MODES:
         raise ValueError(f"system {spec.name!r}: the simulator measures decode for {STEP_MODES}, not {layout.mode!r}")
-    if e.memory_budget_gib is None:
-        raise ValueError(f"system {spec.name!r}: decode needs engine.memory_budget_gib (B comes from the budget)")
-    reserve = None if e.activation_reserve_gib is None else e.activation_reserve_gib * GIB
-    plan = plan_kv(m, layout, e.memory_budget_gib * GIB, layout.max_batch_tokens, e.max_num_seqs, reserve, hbm_bytes,
-                   cost.engine_buffers)
-    blocks = plan.kv_tokens // e.kv_block_size
     gen = warmup + steps + 4  # the window, the warm-up and the steps in flight at either end
-    b = capacity = resident_capacity(blocks, e.kv_block_size, context + gen, e.max_num_seqs)
-    if b < 1:
-        raise ValueError(f"system {spec.name!r}: the KV cache ({plan.kv_tokens} tokens) holds no request of "
-                         f"{context + gen} tokens")
-    if batch is not None:
-        if batch % layout.num_groups or batch // layout.num_groups > b:
-            raise ValueError(f"system {spec.name!r}: batch {batch} must split evenly over its {layout.num_groups} "
-                             f"groups and fit their KV caches ({b} each at context {context})")
-        b = batch // layout.num_groups
+    plan, blocks, capacity, b = _batch(spec, cost, context + gen, hbm_bytes, batch)
     # NOTE: prefill is not what is measured: each group prefills all its requests in one step (the
     # batch limit raised for that), so the window starts at once and the simulation stays short.
     # The memory plan above used the layout's own limit; decode steps are far below either.
@@ -77,6 +64,66 @@ def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes
             "groups": layout.num_groups, "devices": devices, "tpot_s": tpot, "tok_s_per_device": total / tpot / devices,
             "capacity_per_group": capacity, "busy": busy, "split": split, "decode_tokens_per_request": gen,
             "memory": plan.to_dict()}
+
+
+def _batch(spec, cost, tokens: int, hbm_bytes: float, batch: int | None):
+    """(the memory plan, KV blocks per group, requests of ``tokens`` each group holds, B per group)."""
+    layout, e = spec.layout, spec.engine
+    if e.memory_budget_gib is None:
+        raise ValueError(f"system {spec.name!r}: decode needs engine.memory_budget_gib (B comes from the budget)")
+    reserve = None if e.activation_reserve_gib is None else e.activation_reserve_gib * GIB
+    plan = plan_kv(cost.model, layout, e.memory_budget_gib * GIB, batch_tokens(layout, 16384), e.max_num_seqs, reserve,
+                   hbm_bytes, cost.engine_buffers)
+    blocks = plan.kv_tokens // e.kv_block_size
+    b = capacity = resident_capacity(blocks, e.kv_block_size, tokens, e.max_num_seqs)
+    if b < 1:
+        raise ValueError(f"system {spec.name!r}: the KV cache ({plan.kv_tokens} tokens) holds no request of "
+                         f"{tokens} tokens")
+    if batch is not None:
+        if batch % layout.num_groups or batch // layout.num_groups > b:
+            raise ValueError(f"system {spec.name!r}: batch {batch} must split evenly over its {layout.num_groups} "
+                             f"groups and fit their KV caches ({b} each at context {tokens})")
+        b = batch // layout.num_groups
+    return plan, blocks, capacity, b
+
+
+def simulate_handed_decode(spec, cost, context: int, steps: int, hbm_bytes: float = 0.0,
+                           batch: int | None = None) -> dict:
+    """Decode of any mode from KV handed over (pd's decode side): B requests per attention group land
+    at once with ``context`` tokens of KV and their first token, and decode ``steps`` more each
+    through the mode's own scheduler and system; TPOT = the mean of theirs. No prefill runs, so no
+    window has to wait for the last prompt (a closed batch that prefills first has none where every
+    request decodes: its early requests finish before its last is prefilled); what prefill does to
+    decode in an aggregated deployment is left to the time it takes of each (``plan/estimate.py``)."""
+    from moeflow.core import Request, SamplingParams
+    from moeflow.sim.run import make_system
+    from moeflow.sim.system import _Track
+
+    layout, e = spec.layout, spec.engine
+    gen = steps + 1
+    plan, blocks, capacity, b = _batch(spec, cost, context + gen, hbm_bytes, batch)
+    engine = dataclasses.replace(e, num_kv_blocks=blocks, max_model_len=context + gen)
+    sim = make_system(dataclasses.replace(spec, engine=engine), cost)
+    port = sim.handoff_port()
+    total = b * layout.num_groups
+    for i in range(total):
+        r = Request(f"h{i}", range(context), SamplingParams(max_tokens=gen, ignore_eos=True), 0.0, output_token_ids=[0])
+        gid = port.room(r)
+        if gid is None:
+            raise RuntimeError(f"system {spec.name!r}: no group has room for handed-over request {i} of {total}")
+        port.reserve(gid, r)
+        sim.track[r.request_id] = _Track(0.0, 0.0, 0.0, 0.0, gen)
+        port.arrive(r)
+    sim._pending = total
+    sim.poke()
+    sim.loop.run(None)
+    if len(sim.records) != total:
+        raise RuntimeError(f"system {spec.name!r}: {len(sim.records)} of {total} handed-over requests decoded")
+    tpot = sum(r.tpot_s for r in sim.records) / total
+    return {"system": spec.name, "mode": layout.mode, "context": context, "batch_per_group": b,
+            "groups": layout.num_groups, "devices": layout.num_processes, "tpot_s": tpot,
+            "tok_s_per_device": total / tpot / layout.num_processes, "capacity_per_group": capacity,
+            "decode_tokens_per_request": gen, "memory": plan.to_dict()}
 
 
 def factors(afd: dict, base: dict, layout) -> dict:
