@@ -167,9 +167,14 @@ class EngineConfig:
     # each KV-holding process's cache in memory the others map (/dev/shm, or CUDA IPC): set by a
     # deployment whose instances hand KV over on one host (pd), so a handoff copies once
     share_kv_cache: bool = False
+    # decode replayed from CUDA graphs (model/decode_graphs.py): None, on where the engine runs on
+    # CUDA (vLLM's default); True, required (refused elsewhere); False, eager (vLLM's enforce_eager)
+    cuda_graph: bool | None = None
 
     def __post_init__(self) -> None:
         check_engine(self)
+        require(self.cuda_graph is None or isinstance(self.cuda_graph, bool),
+                f"EngineConfig.cuda_graph must be true, false or None (auto), got {self.cuda_graph!r}")
         require(isinstance(self.share_kv_cache, bool),
                 f"EngineConfig.share_kv_cache must be true or false, got {self.share_kv_cache!r}")
         require(isinstance(self.router_skew, (int, float)) and not isinstance(self.router_skew, bool)

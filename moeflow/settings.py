@@ -43,6 +43,16 @@ def paged_attention_mode() -> str:
     return os.environ.get("MOEFLOW_PAGED_ATTENTION", "auto").strip().lower() or "auto"
 
 
+def decode_graphs_mode() -> str:
+    """$MOEFLOW_DECODE_GRAPHS: ``eager`` runs decode through the CUDA graphs' static buffers and padded
+    buckets without capturing (``model/decode_graphs.py``: the CPU rehearsal of that path, for tests
+    and benchmarks); unset: graphs as ``EngineConfig.cuda_graph`` says."""
+    mode = os.environ.get("MOEFLOW_DECODE_GRAPHS", "").strip().lower()
+    if mode not in ("", "eager"):
+        raise ValueError(f"MOEFLOW_DECODE_GRAPHS must be eager or unset, got {mode!r}")
+    return mode
+
+
 def kv_copy_mode() -> str:
     """$MOEFLOW_KV_COPY: how the KV handoff's in-place copy runs on the CPU (``model/kv_copy.py``):
     auto (default: the C++ op where it builds) or torch (a torch copy per run; raises on any other)."""

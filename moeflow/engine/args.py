@@ -75,6 +75,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--pin-cpus", action="store_true", help="pin each worker process to one CPU")
     run.add_argument("--transport", default="shm", choices=list(TRANSPORTS), help="dispatch/combine transport")
     run.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    graphs = run.add_mutually_exclusive_group()
+    graphs.add_argument("--cuda-graph", dest="cuda_graph", action="store_const", const=True, default=None,
+                        help="decode from CUDA graphs (the default on CUDA; refused elsewhere)")
+    graphs.add_argument("--enforce-eager", dest="cuda_graph", action="store_const", const=False,
+                        help="no CUDA graphs: every decode step launched op by op")
     run.add_argument("--stall-timeout-s", type=float, default=None,
                      help="a work item its workers leave unanswered this long fails the deployment as a dead "
                           "worker would (default 60)")
@@ -153,7 +158,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               eplb_config=getattr(args, "eplb_config", None),
               init_expert_location=getattr(args, "init_expert_location", "trivial"))
     for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib",
-                 "stall_timeout_s", "kv_admission", "router_skew"):
+                 "stall_timeout_s", "kv_admission", "router_skew", "cuda_graph"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     given = layout_kwargs(args)

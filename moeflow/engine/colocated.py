@@ -14,6 +14,7 @@ from moeflow.engine.memory import apply_budget
 from moeflow.hardware.device import worker_device
 from moeflow.layout import ColocatedLayout
 from moeflow.messages import BatchTiming
+from moeflow.model import decode_graphs
 from moeflow.model.kv_cache import KVCache
 from moeflow.model.transformer import MoETransformer
 from moeflow.model.weights import TORCH_DTYPES, load_weights
@@ -44,6 +45,8 @@ class ColocatedEngine(Engine):
         else:
             kv = KVCache.for_model(mc, config.num_kv_blocks, config.kv_block_size, dtype, device)
         self.runner = ModelRunner(MoETransformer(mc, weights), kv, seed=config.seed)
+        self.runner.graphs = decode_graphs.for_engine(config.cuda_graph, self.runner.model, kv, config.max_num_seqs,
+                                                      self.max_model_len)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
         self._kv = KvTransfers(kv, 0)
 

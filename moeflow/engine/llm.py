@@ -69,6 +69,7 @@ class LLM:
                  max_restarts: int = 0, restart_backoff_s: float = 1.0, stall_timeout_s: float = 60.0,
                  kv_admission: str = "on-demand", enable_eplb: bool = False, eplb_config=None, router_skew: float = 0.0,
                  init_expert_location: str = "trivial", share_kv_cache: bool = False,
+                 cuda_graph: bool | None = None, enforce_eager: bool = False,
                  cluster: ClusterConfig | None = None, kv_transfer_config: KvTransferConfig | dict | None = None,
                  layout: Layout | None = None, **layout_kwargs):
         """``max_restarts``: when a worker dies, its requests end with errors and, before the next
@@ -79,11 +80,19 @@ class LLM:
         the hosts the deployment spans (this is node 0; the others run ``moeflow worker-node``).
         ``kv_transfer_config``: this deployment's side of a prefill/decode split across servers
         (``KvTransferConfig``: role prefill or decode; ``docs/pd.md``)."""
+        if enforce_eager and cuda_graph:
+            raise ConfigError("cuda_graph=True asks for CUDA graphs and enforce_eager=True for none: give one, not both")
+        if enforce_eager:
+            cuda_graph = False
         if layout is None:
             layout = make_layout(mode, **layout_kwargs)
         elif layout_kwargs or mode not in ("colocated", layout.mode):
             raise ConfigError(f"give the deployment either as layout=... or as mode= and its options, not both "
                               f"(mode={mode!r}, options {sorted(layout_kwargs)})")
+        if cuda_graph and layout.mode != "colocated":
+            raise ConfigError(f"cuda_graph: decode is captured in mode colocated only; mode {layout.mode!r} crosses "
+                              f"processes between a step's layers through host-driven transfers, which a graph "
+                              f"cannot hold (leave it unset: such modes run eagerly)")
         config = EngineConfig(model=model, dtype=dtype, device=device, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, kv_block_size=kv_block_size,
                               num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
@@ -92,7 +101,8 @@ class LLM:
                               stall_timeout_s=stall_timeout_s, kv_admission=kv_admission,
                               cluster=cluster or ClusterConfig(), kv_transfer_config=kv_transfer_config,
                               enable_eplb=enable_eplb, eplb_config=eplb_config, router_skew=router_skew,
-                              init_expert_location=init_expert_location, share_kv_cache=share_kv_cache)
+                              init_expert_location=init_expert_location, share_kv_cache=share_kv_cache,
+                              cuda_graph=cuda_graph)
         self.restart_policy = RestartPolicy(max_restarts, restart_backoff_s)
         self.model_path = resolve_model(model, revision)
         self.layout, self.mode = layout, layout.mode

@@ -120,6 +120,12 @@ def experts_merged(parts: list[tuple[torch.Tensor, torch.Tensor]], x_sorted: tor
     return grouped(w13, w2, x_sorted, counts)
 
 
+def grouped_on_device(w: ExpertWeights) -> bool:
+    """Whether ``w``'s experts run as grouped GEMMs (their row counts stay on the device) rather
+    than one matmul per expert, whose sizes are read back to the host (``_loop``)."""
+    return w.w13.shape[0] == 0 or _grouped_mm_aligned(w.w13[0], w.w2[0])
+
+
 def _grouped_mm_aligned(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether ``F.grouped_mm`` runs these weights: on the CPU any float dtype, on CUDA bfloat16 on
     compute capability 9.0 or newer (elsewhere the loop runs); and every row stride a multiple of

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.core import Batch, SamplingParams
+from moeflow.logs import get_logger
 from moeflow.messages import SeqOutput
+from moeflow.model.decode_graphs import DecodeGraphs, GraphUnavailable
 from moeflow.model.kv_cache import AttentionMetadata, KVCache
 from moeflow.model.sampler import RowSampling, logprobs_of, logprobs_packed, logprobs_unpacked, sample_tokens
 from moeflow.model.transformer import MoETransformer
@@ -45,6 +47,7 @@ class ModelRunner:
         self.requests: dict[str, _ReqState] = {}
         self.device = kv_cache.device  # the model's and the cache's: every tensor here is made there
         self._default_gen = self._generator(seed)
+        self.graphs: DecodeGraphs | None = None  # decode from CUDA graphs (set by the engine: for_engine)
 
     def _generator(self, seed: int) -> torch.Generator:
         # NOTE: multinomial wants its generator on the probabilities' device; meta has no generator
@@ -77,9 +80,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, SeqOutput]:
-        tokens, meta = self.prepare(batch)
-        hidden = self.model.forward(tokens, meta, self.kv_cache)  # [T, H]
+        hidden = self._graphed(batch)
+        if hidden is None:
+            tokens, meta = self.prepare(batch)
+            hidden = self.model.forward(tokens, meta, self.kv_cache)  # [T, H]
         return self.sample(batch, hidden)
+
+    def _graphed(self, batch: Batch) -> torch.Tensor | None:
+        """The hidden states of a pure decode batch from the graphs (None: not theirs to run)."""
+        g, seqs = self.graphs, batch.seqs
+        if g is None or not g.takes([s.num_tokens for s in seqs], [s.start for s in seqs]) \
+                or not g.fits(len(seqs), max(len(s.block_ids) for s in seqs)):
+            return None
+        try:
+            return g.run([self.requests[s.request_id].token_ids[s.start] for s in seqs], [s.start for s in seqs],
+                         [s.block_ids for s in seqs])
+        except GraphUnavailable as e:  # a capture failed: this step and the rest run eagerly, said once
+            get_logger("moeflow.workers.runner").warning("decode runs eagerly from now on: %s", e)
+            self.graphs = None
+            return None
 
     def sample(self, batch: Batch, hidden: torch.Tensor) -> dict[str, SeqOutput]:
         """Sampling and logprobs from the final hidden states [T, H] of a batch."""
