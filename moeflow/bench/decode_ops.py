@@ -3,15 +3,19 @@
 A colocated deployment (in this process) prefills ``batch`` requests, decodes one step, then the
 next step is counted (``model/op_count.py``): its aten ops, the host syncs among them and where
 each sync comes from. The paths are ``MOEFLOW_PAGED_ATTENTION``'s: ``kernel`` (the CPU's C++ op),
-``batched`` (what a GPU runs) and ``gather`` (the per-request oracle). Worker-process modes (dep,
-asap, afd, dwdp) step in other processes and are not counted here.
+``batched`` (what a GPU runs) and ``gather`` (the per-request oracle), and ``graphs``: the batched
+path through the CUDA graphs' static buffers and padded buckets, run eagerly
+(``MOEFLOW_DECODE_GRAPHS=eager``). The worker-process modes step in other processes; what their
+steps add to a layer is counted on the pieces, in this process, on the same model's shapes: the
+attention side's dispatch (asap attention workers, dep ranks, afd attention instances), an FFN
+daemon's experts over rows whose counts came in the headers, and a daemon that routes its own rows.
 """
 from __future__ import annotations
 
 import argparse
 import os
 
-_PATHS = ("kernel", "batched", "gather")
+_PATHS = ("kernel", "batched", "gather", "graphs")
 
 
 def add_parser(sub) -> None:
@@ -35,7 +39,11 @@ def count(model: str, dtype: str, path: str, batches: list[int], prompt_len: int
     from moeflow.core import Request
     from moeflow.model.op_count import OpCount
 
-    os.environ["MOEFLOW_PAGED_ATTENTION"] = path
+    os.environ["MOEFLOW_PAGED_ATTENTION"] = "batched" if path == "graphs" else path
+    if path == "graphs":
+        os.environ["MOEFLOW_DECODE_GRAPHS"] = "eager"
+    else:
+        os.environ.pop("MOEFLOW_DECODE_GRAPHS", None)
     torch.set_num_threads(1)
     rows = []
     blocks = sum(batches) * (-(-(prompt_len + 8) // 16) + 1)
@@ -61,6 +69,43 @@ def count(model: str, dtype: str, path: str, batches: list[int], prompt_len: int
     return rows
 
 
+def pieces(model: str, batches: list[int], workers: int = 2) -> list[dict]:
+    """The split modes' per-layer pieces on ``model``'s expert shapes, experts spread over ``workers``
+    (``tests/unit/test_dispatch_syncs.py`` asserts what these count)."""
+    import torch
+
+    from moeflow.model.moe import ExpertWeights
+    from moeflow.model.op_count import OpCount
+    from moeflow.model.weights import load_weights
+    from moeflow.engine.llm import resolve_model
+    from moeflow.workers.afd_connector import AfdControl, FfnInput
+    from moeflow.workers.dispatch import ExpertRoutes
+    from moeflow.workers.ffn import ffn_pairs
+
+    cfg, w = load_weights(resolve_model(model, None), torch.float32)
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    placement = tuple(tuple(range(i * e // workers, (i + 1) * e // workers)) for i in range(workers))
+    routes = ExpertRoutes(placement, e)
+    el = len(placement[0])
+    layer = w.experts.layer_ids[0]
+    mine = ExpertWeights(w.experts.w13[:1, :el], w.experts.w2[:1, :el], (layer,), tuple(range(el)))
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for b in batches:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(b)])  # [b, K]
+        worker, local = routes.assign(ids)
+        per = [[int(((worker == 0) & (local == s)).sum()) for s in range(el)]]
+        inp = FfnInput(AfdControl(layer, {0: 0}, {0: sum(per[0])}, {0: per[0]}),
+                       {0: torch.randn(sum(per[0]), cfg.hidden_size, generator=g)})
+        for name, fn in (("dispatch (attention side)", lambda: routes.route(ids, (0, b), list(range(workers)))),
+                         ("FFN daemon, rows routed by attention", lambda: ffn_pairs(mine, layer, inp, (0,))),
+                         ("FFN daemon routing its own rows", lambda: routes.local_plan(ids, 0))):
+            with OpCount() as c:
+                fn()
+            rows.append({"piece": name, "batch": b, "ops": c.ops, "syncs": c.syncs, "sync_sites": dict(c.sync_sites)})
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from moeflow.measure.provenance import provenance, write_result
 
@@ -75,8 +120,11 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['path']:8} batch {r['batch']:4}: {r['ops']:6} ops ({r['ops_per_layer']:.0f}/layer), "
               f"{r['syncs']} syncs {r['sync_sites']}")
+    parts = pieces(args.model, batches)
+    for r in parts:
+        print(f"{r['piece']:38} batch {r['batch']:4}: {r['ops']:4} ops, {r['syncs']} syncs {r['sync_sites']}")
     result = {"provenance": provenance(), "model": args.model, "dtype": args.dtype, "sampling": args.sampling,
-              "rows": rows}
+              "rows": rows, "pieces": parts}
     write_result(result, args.json, args.md, markdown)
     return 0
 
@@ -93,4 +141,12 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         where = "; ".join(f"{k} ×{v}" for k, v in r["sync_sites"].items())
         lines.append(f"| {r['path']} | {r['batch']} | {r['ops']} | {r['ops_per_layer']:.0f} | {r['syncs']} | {where} |")
+    lines += ["", "What the worker-process modes add per MoE layer, counted on the pieces in one process (the "
+              "same model's expert shapes, its experts over 2 workers). The dispatch's read-back is the sizes a "
+              "host-driven transport writes each worker's rows with: one per MoE layer, where a device-initiated "
+              "transport (DeepEP's, NVSHMEM's) would write them from the device.", "",
+              "| piece | batch | aten ops | host syncs | where |", "|---|---|---|---|---|"]
+    for r in result.get("pieces", []):
+        where = "; ".join(f"{k} ×{v}" for k, v in r["sync_sites"].items())
+        lines.append(f"| {r['piece']} | {r['batch']} | {r['ops']} | {r['syncs']} | {where} |")
     return "\n".join(lines) + "\n"

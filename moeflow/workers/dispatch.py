@@ -58,25 +58,38 @@ class ExpertRoutes:
 
     def workers_for(self, topk_ids: torch.Tensor) -> list[int]:
         """The workers a whole batch activates (sorted). topk_ids: [n, K] of the whole batch."""
-        return torch.unique(self.assign(topk_ids)[0]).tolist()
+        return self.route(topk_ids)[0]
 
     def split(self, topk_ids: torch.Tensor, workers: list[int],
               rows: tuple[int, int] | None = None) -> list[WorkerShare]:
         """One share per listed worker (possibly empty) of the batch's rows [lo, hi) (default all),
         pairs ordered by (worker, local slot); pair indices count from row lo. topk_ids: [n, K]."""
-        worker, local = self.assign(topk_ids)
+        return self.route(topk_ids, rows, workers)[1]
+
+    def route(self, topk_ids: torch.Tensor, rows: tuple[int, int] | None = None,
+              workers: list[int] | None = None) -> tuple[list[int], list[WorkerShare]]:
+        """``workers`` (None: those the whole batch activates, sorted) and ``split``'s shares for them,
+        with one read-back: a transport that writes each worker's rows and their per-expert counts
+        needs those sizes on the host, and they come back together (not two per worker)."""
+        worker, local = self.assign(topk_ids)  # [n, K] each
+        nw, ml = len(self.num_local), self.max_local
+        flat = worker.reshape(-1)
+        active = torch.zeros(nw, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         if rows is not None:
             worker, local = worker[rows[0]:rows[1]], local[rows[0]:rows[1]]
-        key = (worker * self.max_local + local).reshape(-1)  # [P]
+        key = (worker * ml + local).reshape(-1)  # [P]
         order = torch.argsort(key, stable=True)  # [P]
-        per_key = torch.bincount(key, minlength=len(self.num_local) * self.max_local).view(-1, self.max_local)
-        starts = torch.cumsum(per_key.sum(1), 0) - per_key.sum(1)
-        out = []
-        for w in workers:
-            counts = per_key[w, :self.num_local[w]].tolist()
-            s = int(starts[w])
-            out.append(WorkerShare(w, order[s:s + sum(counts)], counts))
-        return out
+        # NOTE: not bincount: its size depends on the largest key, read back on a GPU
+        per_key = torch.zeros(nw * ml, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+        per_worker = per_key.view(nw, ml).sum(1)
+        host = torch.cat([active, torch.cumsum(per_worker, 0) - per_worker, per_key]).tolist()  # the one read-back
+        starts, per = host[nw:2 * nw], host[2 * nw:]
+        ws = [w for w in range(nw) if host[w]] if workers is None else list(workers)
+        shares = []
+        for w in ws:
+            counts = per[w * ml:w * ml + self.num_local[w]]
+            shares.append(WorkerShare(w, order[starts[w]:starts[w] + sum(counts)], counts))
+        return ws, shares
 
     def local_plan(self, topk_ids: torch.Tensor, worker: int) -> ExpertPlan:
         """The pairs ``worker`` computes, grouped by its local slot (an expert-side router: an FFN

@@ -35,11 +35,14 @@ def ffn_pairs(experts: ExpertWeights, layer: int, inp: FfnInput, order: tuple[in
     x = torch.cat(xs)  # [N, H]
     el = experts.num_local
     dev = x.device
-    expert_of_row = torch.cat([torch.repeat_interleave(torch.arange(el, device=dev),
-                                                       torch.tensor(inp.control.tokens_per_expert[i][:el], device=dev))
-                               for i in order])  # [N]
+    # NOTE: the counts came in the headers: known on the host, nothing of the rows is read back
+    per = [list(inp.control.tokens_per_expert[i][:el]) for i in order]  # [I][El]
+    expert_of_row = torch.repeat_interleave(torch.arange(el, device=dev).repeat(len(order)),
+                                            torch.tensor(per, dtype=torch.int64, device=dev).reshape(-1),
+                                            output_size=x.shape[0])  # [N]
     perm = torch.argsort(expert_of_row, stable=True)
-    y = experts_grouped(experts, layer, x[perm], torch.bincount(expert_of_row, minlength=el))
+    counts = torch.tensor([sum(p[e] for p in per) for e in range(el)], dtype=torch.int64, device=dev)  # [El]
+    y = experts_grouped(experts, layer, x[perm], counts)
     out = torch.empty_like(y)
     out[perm] = y
     return dict(zip(order, out.split([t.shape[0] for t in xs])))

@@ -218,9 +218,8 @@ class AttentionStages:
         """Route the batch and send this member's pairs; returns when routing ended (the rest is sending)."""
         ids, wts = self.route(layer, f, f.attn.moe_input)  # [n, K] each, identical on every TP member
         # the whole batch's set: every member sends to it
-        routes = self.routes_for(layer)
-        f.workers = self.send_to if self.send_to is not None else routes.workers_for(ids)
-        f.shares = routes.split(ids, f.workers, (f.lo, f.hi))  # replicas chosen over the whole batch
+        # replicas chosen over the whole batch, and the workers it activates: every member sends to them
+        f.workers, f.shares = self.routes_for(layer).route(ids, (f.lo, f.hi), self.send_to)
         ids, f.topk_w = ids[f.lo:f.hi], wts[f.lo:f.hi]
         x = f.attn.moe_input[f.lo:f.hi]  # [s, H]
         c2 = time.monotonic()
