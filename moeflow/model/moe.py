@@ -102,13 +102,18 @@ def experts_list(parts: list[tuple[torch.Tensor, torch.Tensor]], x_sorted: torch
     stack by stack on their own rows, never copied into one buffer. parts: [(w13 [El_i, 2F, H],
     w2 [El_i, H, F])] in local order; counts: [sum El_i] rows per local expert."""
     out = torch.empty_like(x_sorted)  # [N, H]
+    sizes = [w13.shape[0] for w13, _ in parts]
+    lasts = [sum(sizes[:i + 1]) - 1 for i, n in enumerate(sizes) if n]  # each non-empty stack's last expert
+    # NOTE: the layer's one read-back (not one per stack): where each stack's rows end
+    ends = iter(torch.cumsum(counts, 0)[lasts].tolist() if lasts else [])
     row = first = 0
-    for w13, w2 in parts:
-        c = counts[first:first + w13.shape[0]]
-        n = int(c.sum())
-        if n:
-            out[row:row + n] = grouped(w13, w2, x_sorted[row:row + n], c)
-        row, first = row + n, first + w13.shape[0]
+    for (w13, w2), size in zip(parts, sizes):
+        if not size:
+            continue
+        end = next(ends)
+        if end > row:
+            out[row:end] = grouped(w13, w2, x_sorted[row:end], counts[first:first + size])
+        row, first = end, first + size
     return out
 
 

@@ -99,8 +99,18 @@ def test_the_list_experts_op_matches_its_oracle_without_merging():
     counts = torch.tensor([3, 0, 5, 2, 4, 6, 0])
     ref = experts_loop(ExpertWeights(w13, w2, (0,), tuple(range(7))), 0, x, counts)
     parts = [(w13[0, :3], w2[0, :3]), (w13[0, 3:], w2[0, 3:])]  # resident 3, pulled 4
-    torch.testing.assert_close(experts_list(parts, x, counts), ref)
+    from moeflow.model.op_count import OpCount
+
+    with OpCount() as c:
+        got = experts_list(parts, x, counts)
+    torch.testing.assert_close(got, ref)
+    assert c.syncs == 1, dict(c.sync_sites)  # where each stack's rows end, read once per layer
     torch.testing.assert_close(experts_merged(parts, x, counts), ref)
+    # a stack without experts, and one whose experts got no rows
+    parts = [(w13[0, :0], w2[0, :0]), (w13[0, :2], w2[0, :2]), (w13[0, 2:], w2[0, 2:])]
+    counts = torch.tensor([0, 0, 5, 2, 4, 6, 3])
+    ref = experts_loop(ExpertWeights(w13, w2, (0,), tuple(range(7))), 0, x, counts)
+    torch.testing.assert_close(experts_list(parts, x, counts), ref)
 
 
 def test_the_prefetcher_pulls_each_layer_into_the_free_slot():
