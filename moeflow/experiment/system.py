@@ -57,11 +57,24 @@ class SimOptions:
     # more worker processes than the profiled machine's cores: a compute stage waits for a free core
     # (sim/cores.py); False: every process computes as if it had a core of its own
     core_sharing: bool = True
+    # choice -> the paper's text (or the engine's fact) that says this system differs from the others
+    # of its run in that choice (sim/symmetry.py): a mapping in a config, kept as sorted pairs
+    differs: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ConfigError(f"sim: {msg}")
+
+        given = self.differs
+        pairs = given.items() if isinstance(given, dict) else given
+        need(all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs),
+             f"differs must map a choice to its reason, got {given!r}")
+        object.__setattr__(self, "differs", tuple(sorted((str(k), v) for k, v in pairs)))
+        options = {f.name for f in dataclasses.fields(self)} - {"differs", "seed", "expert_seed"}
+        for k, v in self.differs:
+            need(k in options, f"differs: {k!r} is not a modelling choice (those: {sorted(options)})")
+            need(isinstance(v, str) and v.strip() != "", f"differs.{k}: give the text that says why, got {v!r}")
 
         for f in ("super_kernel", "comm_overlap", "tp_replicates", "dedup_dispatch", "core_sharing"):
             need(isinstance(getattr(self, f), bool), f"{f} must be true or false, got {getattr(self, f)!r}")

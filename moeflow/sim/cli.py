@@ -92,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if find_slo and not cfg.slo_ttft_s:
         raise ValueError("--find-slo-rps needs slo_ttft_s in the config")
     trace_rate = (args.trace_rps or rates[0]) if args.trace else None
+    from moeflow.sim import symmetry
+
+    print(symmetry.report(symmetry.differences({n: cfg.systems[n] for n in names})))
     cost = build_cost(cfg)
     out: dict[str, dict] = {}
     spans = []

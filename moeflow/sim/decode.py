@@ -198,6 +198,8 @@ def run_decode(path: str, names: list[str] | None = None, measured: dict | None 
     from moeflow.experiment.decode import load_decode_experiment
     from moeflow.sim.run import build_cost
 
+    from moeflow.sim import symmetry
+
     exp = load_decode_experiment(path)
     cost = build_cost(exp)
     hbm = getattr(getattr(cost, "hw", None), "hbm_bytes", 0.0)
@@ -210,6 +212,7 @@ def run_decode(path: str, names: list[str] | None = None, measured: dict | None 
                              f"{'/'.join(STEP_MODES)} system of {path}")
     def batch(n: str, c: int) -> int | None:  # against a measurement: at the B it ran
         return measured["results"][n][str(c)]["batch"] if measured is not None else exp.batch
+    print(symmetry.report(symmetry.differences({n: exp.systems[n] for n in names})))
     results = {n: {c: simulate_decode(exp.systems[n], cost, c, exp.steps, exp.warmup_steps, hbm, batch(n, c))
                    for c in exp.contexts} for n in names}
     print(f"{'system':>16} {'context':>8} {'B/group':>8} {'TPOT ms':>8} {'tok/s/device':>13}  busy")
