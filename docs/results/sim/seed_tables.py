@@ -171,6 +171,17 @@ def afd_rows() -> list[str]:
     return out
 
 
+# earlier tallies of these tables, each from the file as committed then: (what changed, commit, within, compared)
+EARLIER = (("before the symmetry rule (ASAP's baselines split attention by heads, ASAP by sequence)", "07dc589",
+            19, 46),)
+
+
+def tally(rows: list[str]) -> tuple[int, int, int]:
+    """(within, compared, without a number) over a table's rows."""
+    verdicts = [r.rstrip(" |").rsplit("|", 1)[-1].strip() for r in rows]
+    return verdicts.count("within"), sum(v in ("within", "MISS") for v in verdicts), verdicts.count("-")
+
+
 def main(out: str) -> None:
     head = ["| result | paper | simulated | ±15% (TTFTs, Fig. 5, TPOT ±20%; ablations ±50%) |", "|---|---|---|---|"]
     commits = sorted({(_load(n).get("provenance") or {}).get("commit", "?")[:7]
@@ -179,9 +190,19 @@ def main(out: str) -> None:
             "Written by `docs/results/sim/seed_tables.py` from the simulator's results (`make seed-tables`; "
             f"simulated on commit {', '.join(commits)}; DWDP Fig. 1 and Table 3b and ASAP Fig. 5 are computed by "
             "the script itself). Analytic costs: no machine enters these numbers.", ""]
-    for title, rows in (("ASAP on CloudMatrix384 (configs/asap-cm384.yaml)", asap_rows()),
-                        ("DWDP on GB200 (configs/dwdp-gb200.yaml)", dwdp_rows()),
-                        ("FastAFD on GB200 (configs/afd-gb200.yaml)", afd_rows())):
+    sections = (("ASAP on CloudMatrix384 (configs/asap-cm384.yaml)", asap_rows()),
+                ("DWDP on GB200 (configs/dwdp-gb200.yaml)", dwdp_rows()),
+                ("FastAFD on GB200 (configs/afd-gb200.yaml)", afd_rows()))
+    counts = [tally(rows) for _, rows in sections]
+    text += ["## Tally", "", "| tables | within ±tolerance | compared | without a number |", "|---|---|---|---|"]
+    for (title, _), (w, c, n) in zip(sections, counts):
+        text.append(f"| {title.split(' (')[0]} | {w} | {c} | {n} |")
+    w, c, n = (sum(x) for x in zip(*counts))
+    text.append(f"| **all, {', '.join(commits)}** | **{w}** | **{c}** | {n} |")
+    for what, commit, ew, ec in EARLIER:
+        text.append(f"| all, {commit}: {what} | {ew} | {ec} | |")
+    text.append("")
+    for title, rows in sections:
         text += [f"## {title}", "", *head, *rows, ""]
     with open(out, "w") as f:
         f.write("\n".join(text))
