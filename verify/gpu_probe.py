@@ -32,15 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def commit() -> str:
-    """The commit the copy was made at: ``.gpu-commit`` (written where git is), else git, else unknown."""
-    path = os.path.join(ROOT, ".gpu-commit")
-    if os.path.exists(path):
-        return open(path).read().strip()
+    """The commit the copy was made at: git where the tree has it (a ``.gpu-commit`` left from an
+    earlier copy must not name this one), else ``.gpu-commit`` (written where git is and carried
+    to the GPU machine, which has no .git), else unknown."""
     try:
         out = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
+        pass
+    path = os.path.join(ROOT, ".gpu-commit")
+    return open(path).read().strip() if os.path.exists(path) else "unknown"
 
 
 def cmd_facts(path: str) -> int:

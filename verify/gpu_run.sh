@@ -10,8 +10,9 @@
 #   bash verify/gpu_run.sh a --rehearse  # any machine, no GPU: the same steps on the CPU, smaller
 #
 # Each call writes at most 8 files to OUT (default ./gpu-out), as it goes (unbuffered, tee'd into
-# OUT/<call>.log), and OUT/<call>-summary.md last. The commit: .gpu-commit at the tree's root
-# (`git rev-parse HEAD > .gpu-commit` where git is, carried with the copy), else git, else unknown.
+# OUT/<call>.log), and OUT/<call>-summary.md last. The commit: git where the tree has it, else
+# .gpu-commit at the tree's root (`git rev-parse HEAD > .gpu-commit` where git is, carried with the
+# copy: the GPU machine's copy has no .git), else unknown.
 # Exit status: non-zero when a step failed; the summary is written either way.
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
