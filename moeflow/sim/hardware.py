@@ -111,6 +111,20 @@ PRESETS: dict[str, Hardware] = {
         gemm_eff=0.7,  # msmodeling's compute efficiency
         attn_eff=0.667,  # CM384 paper's comparison: FlashMLA on H800 at 66.7% of peak
         mem_eff=_MEM_EFF, link_eff=_LINK_EFF),
+    # NVIDIA H100 SXM5 (H100 datasheet, sparse figures halved): 989.5 TFLOPS dense bf16, 1,979 dense
+    # fp8, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s both ways. Across nodes an all-to-all rides one
+    # 400 Gb/s InfiniBand NIC per GPU, 50 GB/s (DeepSeek-V3 technical report §3.2.2, its cluster's).
+    "h100": Hardware(
+        "h100", flops=989.5e12, flops_int8=1979e12, mem_bw_Bps=3.35e12, link_bw_Bps=450e9, hbm_bytes=80e9,
+        link_latency_s=2e-6, launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S, gemm_eff=0.7, attn_eff=0.667,
+        mem_eff=_MEM_EFF, link_eff=_LINK_EFF, a2a_bw_Bps=50e9, compute_jitter_cv=_JITTER_CV),
+    # NVIDIA H800 SXM5: the H100's compute and memory with NVLink cut to 400 GB/s both ways (200 one
+    # way); DeepSeek-V3 §3.2.2 measures 160 GB/s of NVLink against 50 GB/s of IB per GPU on its H800
+    # nodes, and cross-node all-to-alls ride the IB.
+    "h800": Hardware(
+        "h800", flops=989.5e12, flops_int8=1979e12, mem_bw_Bps=3.35e12, link_bw_Bps=200e9, hbm_bytes=80e9,
+        link_latency_s=2e-6, launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S, gemm_eff=0.7, attn_eff=0.667,
+        mem_eff=_MEM_EFF, link_eff=_LINK_EFF, a2a_bw_Bps=50e9, compute_jitter_cv=_JITTER_CV),
     # One B200 of a GB200 NVL72 (NVIDIA's GB200 NVL72 page, per rack, sparse figures halved, / 72):
     # 360 PFLOPS bf16 -> 2.5 PFLOPS dense, 720 fp8 -> 5, 1,440 fp4 -> 10; 576 TB/s -> 8 TB/s HBM3e;
     # 13.4 TB HBM3e -> 186 GB (372 GB per GB200 superchip of two GPUs); NVLink 5 1.8 TB/s both ways.
