@@ -275,6 +275,11 @@ def _derived() -> dict[str, ModelSpec]:
             "deepseek-r1": ModelSpec.from_hf_config("deepseek-r1", DEEPSEEK_R1_HF, weight_bytes=1.0, act_bytes=1.0,
                                                     expert_weight_bytes=NVFP4_BYTES, kv_bytes=1.0,
                                                     gate_load_cv=DEEPSEEK_GATE_CV),
+            # DeepSeek-V3/R1 as DeepSeek serves it on H800s (its open-infra-index day-6 note; the V3
+            # report §3.3: FP8 weights, FP8 dispatch): every weight FP8 as released, KV in bf16 (the
+            # note states no KV dtype; FlashMLA as released reads a bf16 cache)
+            "deepseek-r1-fp8": ModelSpec.from_hf_config("deepseek-r1-fp8", DEEPSEEK_R1_HF, weight_bytes=1.0,
+                                                        act_bytes=1.0, gate_load_cv=DEEPSEEK_GATE_CV),
             # moeflow's embedded models (moeflow/model/tiny_config.py)
             "tiny": ModelSpec.from_hf_config("tiny", TINY_HF_CONFIG, gate_load_cv=TINY_GATE_CV),
             "tiny-mla": ModelSpec.from_hf_config("tiny-mla", TINY_MLA_HF_CONFIG, gate_load_cv=TINY_GATE_CV)}

@@ -12,8 +12,9 @@ read from it:
 
 What it does not state, bracketed instead: the prompt and context lengths (2K, 4K and 8K tokens),
 and the decode batch (the largest whose mean TPOT is within 1/20 s, the note's slower users).
-Every system uses the simulator's defaults for R1 on the ``h800`` preset (sim/hardware.py: the
-H100's compute and HBM, 50 GB/s of InfiniBand per GPU for the all-to-all).
+Every system uses the simulator's defaults for ``deepseek-r1-fp8`` (sim/model_spec.py: FP8 weights
+and dispatch as DeepSeek serves them, bf16 KV) on the ``h800`` preset (sim/hardware.py: the H100's
+compute and HBM, 50 GB/s of InfiniBand per GPU for the all-to-all).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ EPLB = {"num_redundant_experts": 32, "sim": {"expert_placement": "eplb"}}
 
 
 def _spec(name: str, system: dict, isl: int):
-    base = {"model": "deepseek-r1", "hardware": "h800", "slo_ttft_s": 5,
+    base = {"model": "deepseek-r1-fp8", "hardware": "h800", "slo_ttft_s": 5,
             "workload": {"kind": "fixed", "fixed_len": isl, "output_len": 1, "num_requests": 2000, "seed": 0}}
     cfg = parse_experiment({**base, "rps": [1.0], "systems": {name: system}})
     return cfg, cfg.systems[name], build_cost(cfg)
