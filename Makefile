@@ -51,8 +51,8 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(VENV)/bin/moeflow bench soak --duration-s 600 --out docs/results/soak
 
-# every seed result, paper against the simulator (~15 minutes): the three configs' simulations, then
-# the tables in docs/results/sim/seed_tables.md
+# every seed result, paper against the simulator (~3 minutes here): the three configs' simulations, then
+# the tables in docs/results/sim/seed_tables.md, and the production anchor (docs/results/sim/anchors.md)
 SIMULATE := $(VENV)/bin/moeflow simulate
 seed-tables: $(STAMP)
 	$(SIMULATE) --config configs/asap-cm384.yaml --find-slo-rps --slo-metric all --json docs/results/sim/asap_cm384.json \
@@ -61,6 +61,7 @@ seed-tables: $(STAMP)
 	$(SIMULATE) --config configs/dwdp-gb200.yaml --json docs/results/sim/dwdp_gb200.json > docs/results/sim/dwdp_gb200.txt
 	$(SIMULATE) --config configs/afd-gb200.yaml --json docs/results/sim/afd_gb200.json > docs/results/sim/afd_gb200.txt
 	$(PY) docs/results/sim/seed_tables.py docs/results/sim/seed_tables.md
+	$(PY) docs/results/sim/anchors.py docs/results/sim/anchors.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info
