@@ -244,15 +244,8 @@ class AsyncEngine:
         self.metrics.observe_handoffs(result.kv_transfers, result.prealloc_waits_s)
         outs = {rid: out for rid, out in result.outputs.items() if rid in self._tracked}
         for rid, out in outs.items():
-            if out.token_id is None:  # a prefill chunk (it may carry prompt logprobs)
-                continue
-            t = self._tracked[rid]
-            if t.last_token_s is None:
-                self.metrics.ttft.observe(now - t.stream.request.arrival_s)
-            else:
-                self.metrics.itl.observe(now - t.last_token_s)
-            t.last_token_s = now
-        self.metrics.generation_tokens.inc(sum(out.token_id is not None for out in outs.values()))
+            if out.token_id is not None:  # a prefill chunk has none (it may carry prompt logprobs)
+                self.metrics.observe_token(*self._tracked[rid].token_at(now))
         finished = {r.request_id: r for r in result.finished if r.request_id in self._tracked}
         for rid, out in outs.items():
             if rid not in finished and (d := step_delta(self._tracked[rid].stream.request, out, False)) is not None:
@@ -260,9 +253,7 @@ class AsyncEngine:
         for rid, r in finished.items():
             t = self._tracked.pop(rid)
             t.stream.push(step_delta(r, outs.get(rid), True))
-            self.metrics.finished.labels(r.finish_reason).inc()
-            if r.finish_reason in ("stop", "length"):
-                self.metrics.e2e.observe(now - r.arrival_s)
+            self.metrics.observe_finished(r.finish_reason, now - r.arrival_s)
             self._release()
 
     def _fail(self, reason: str) -> None:

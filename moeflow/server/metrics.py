@@ -59,6 +59,18 @@ class ServerMetrics:
         self._snapshot: Callable[[], object] | None = None
         self._work_age: Callable[[], float] = lambda: 0.0
 
+    def observe_token(self, first: bool, gap_s: float) -> None:
+        """Engine thread: a token reached a client: its TTFT (the first) or its gap since the token
+        before (ITL), and one more generation token."""
+        (self.ttft if first else self.itl).observe(gap_s)
+        self.generation_tokens.inc()
+
+    def observe_finished(self, reason: str, e2e_s: float) -> None:
+        """Engine thread: a request finished (its end-to-end latency counts when it completed)."""
+        self.finished.labels(reason).inc()
+        if reason in ("stop", "length"):
+            self.e2e.observe(e2e_s)
+
     def observe_busy(self, busy_s: dict[str, float]) -> None:
         """Engine thread: the compute each worker reported in one step."""
         now = self._clock()

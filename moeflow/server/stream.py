@@ -132,3 +132,11 @@ class Tracked:
 
     stream: RequestStream
     last_token_s: float | None = None  # None until the first token
+
+    def token_at(self, now: float) -> tuple[bool, float]:
+        """A token reached the client at ``now``: (whether it is the first, seconds since the
+        request arrived for the first, else since the token before)."""
+        first = self.last_token_s is None
+        gap = now - (self.stream.request.arrival_s if first else self.last_token_s)
+        self.last_token_s = now
+        return first, gap
