@@ -12,9 +12,8 @@
 A pd pair (prefill layout, decode layout) gets the split of instances that serves the most requests
 per second per device by rate matching (``sim/rate_match.py``). An aggregated deployment serves
 prefill and decode on the same devices, so its estimate is C·R / (C + R) (the time each request
-takes of each, added). Neither estimate includes
-what the sides do to each other (the handoff and the queue between them; prefill stalling decode
-steps): ``search`` simulates the best candidates whole.
+takes of each, added). Neither estimate includes what the sides do to each other (the handoff and
+the queue between them; prefill stalling decode steps): ``search`` simulates the best candidates whole.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ class BlockAllocator:
     def grow(self, request_id: str, num_tokens: int) -> list[int]:
         """``allocate`` without the copy: the request's own table (not to be kept or changed)."""
         table = self._tables.setdefault(request_id, [])
-        need = -(-num_tokens // self.block_size) - len(table)
+        need = -(-num_tokens // self.block_size) - len(table)  # NOTE: blocks_for, inlined: every request, every step
         if need <= 0:  # most calls: a decode step within the last block
             return table
         if need > len(self._free):

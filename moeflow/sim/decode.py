@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from moeflow.layout.memory import batch_tokens
 from moeflow.measure.workload import WorkloadRequest
 from moeflow.scheduler.pool import resident_capacity
-from moeflow.layout.memory import batch_tokens
 from moeflow.sim.memory import GIB, plan_kv
 
 STEP_MODES = ("dep", "afd")
@@ -196,9 +196,8 @@ def run_decode(path: str, names: list[str] | None = None, measured: dict | None 
     """``moeflow simulate --config DECODE.yaml``: every system at every context, the pairs compared;
     with ``measured`` (``--compare-with``, a ``bench decode`` result), the error against it."""
     from moeflow.experiment.decode import load_decode_experiment
-    from moeflow.sim.run import build_cost
-
     from moeflow.sim import symmetry
+    from moeflow.sim.run import build_cost
 
     exp = load_decode_experiment(path)
     cost = build_cost(exp)

@@ -21,7 +21,7 @@ def test_buckets_cover_every_batch_up_to_the_limit_with_the_limit_last():
     assert [bucket_of(n, buckets(48)) for n in (1, 3, 5, 33, 48)] == [1, 4, 8, 48, 48]
 
 
-def _generate(monkeypatch, graphs: bool, model: str = "tiny", **kw) -> list:
+def _generate(monkeypatch, graphs: bool, model: str = "tiny", **kw) -> tuple[list, int]:
     if graphs:
         monkeypatch.setenv("MOEFLOW_DECODE_GRAPHS", "eager")
     else:
