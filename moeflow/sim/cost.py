@@ -126,7 +126,8 @@ class Roofline:
         hw = self.hw
         peak = hw.flops_fp4 if fp4 and hw.flops_fp4 else hw.flops_int8 if low_precision or fp4 else hw.flops
         eff = hw.attn_eff if attention else hw.gemm_eff
-        return hw.launch_s + max(flops / (peak * eff), nbytes / (hw.mem_bw_Bps * hw.mem_eff))
+        mem_eff = (hw.attn_mem_eff or hw.mem_eff) if attention else hw.mem_eff
+        return hw.launch_s + max(flops / (peak * eff), nbytes / (hw.mem_bw_Bps * mem_eff))
 
 
 @dataclass(frozen=True)

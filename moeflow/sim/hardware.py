@@ -37,6 +37,9 @@ class Hardware:
     host_step_s: float = 0.0  # host work between steps that overlap scheduling hides (0: not modelled)
     # per device and layer, the coefficient of variation of compute time at equal work (sim/jitter.py)
     compute_jitter_cv: float = 0.0
+    # fraction of peak bandwidth the attention kernel reaches where it streams the KV cache (decode);
+    # 0: mem_eff, as any streaming kernel
+    attn_mem_eff: float = 0.0
 
     def __post_init__(self) -> None:
         for f in self.__dataclass_fields__:
@@ -53,6 +56,8 @@ class Hardware:
         for f in ("gemm_eff", "attn_eff", "mem_eff", "link_eff"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be in (0, 1], got {getattr(self, f)}")
+        if not 0 <= self.attn_mem_eff <= 1:
+            raise ValueError(f"Hardware {self.name!r}: attn_mem_eff must be in [0, 1] (0: mem_eff), got {self.attn_mem_eff}")
         for f in ("link_latency_s", "launch_s", "host_dispatch_s", "a2a_bw_Bps", "a2a_latency_s", "vector_flops",
                   "flops_fp4", "hbm_bytes", "host_step_s"):
             if getattr(self, f) < 0:
@@ -72,6 +77,12 @@ _LAUNCH_S = 5e-6  # msmodeling STATIC_COST.mma_op_cost_s
 _HOST_DISPATCH_S = 220e-6  # ASAP §5.5.3, measured on CloudMatrix384 per MoE layer
 _LINK_EFF = 0.7  # msmodeling comm_efficiency
 _MEM_EFF = 0.6  # msmodeling memory efficiency
+# NVIDIA parts have published streaming rates of their own, used instead: an FP8 grouped GEMM (the
+# MoE experts' op) at 3,705 GB/s on H200 (FBGEMM's Triton kernel at batch 256, SGLang's
+# benchmark/fbgemm/README.md: 4.8 TB/s peak), and decode attention streaming the KV cache at "up to
+# 3000 GB/s in memory-bound configuration" on H800 SXM5 (deepseek-ai/FlashMLA README; 3.35 TB/s peak)
+_NV_MEM_EFF = 3705e9 / 4.8e12
+_NV_ATTN_MEM_EFF = 3000e9 / 3.35e12
 # Compute jitter at equal work, per device and layer (sim/jitter.py). The one equal-work measurement
 # found for accelerators: vLLM issue #52911 (TP8 decode step, MI350-class GPUs, every rank the same
 # sharded work): per-rank fused-GEMM times 106.6, 108.2, 92.4, 86.3, 112.3, 104.4, 104.6, 105.0 us,
@@ -110,21 +121,21 @@ PRESETS: dict[str, Hardware] = {
         launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S,
         gemm_eff=0.7,  # msmodeling's compute efficiency
         attn_eff=0.667,  # CM384 paper's comparison: FlashMLA on H800 at 66.7% of peak
-        mem_eff=_MEM_EFF, link_eff=_LINK_EFF),
+        mem_eff=_NV_MEM_EFF, attn_mem_eff=_NV_ATTN_MEM_EFF, link_eff=_LINK_EFF),
     # NVIDIA H100 SXM5 (H100 datasheet, sparse figures halved): 989.5 TFLOPS dense bf16, 1,979 dense
     # fp8, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s both ways. Across nodes an all-to-all rides one
     # 400 Gb/s InfiniBand NIC per GPU, 50 GB/s (DeepSeek-V3 technical report §3.2.2, its cluster's).
     "h100": Hardware(
         "h100", flops=989.5e12, flops_int8=1979e12, mem_bw_Bps=3.35e12, link_bw_Bps=450e9, hbm_bytes=80e9,
         link_latency_s=2e-6, launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S, gemm_eff=0.7, attn_eff=0.667,
-        mem_eff=_MEM_EFF, link_eff=_LINK_EFF, a2a_bw_Bps=50e9, compute_jitter_cv=_JITTER_CV),
+        mem_eff=_NV_MEM_EFF, attn_mem_eff=_NV_ATTN_MEM_EFF, link_eff=_LINK_EFF, a2a_bw_Bps=50e9, compute_jitter_cv=_JITTER_CV),
     # NVIDIA H800 SXM5: the H100's compute and memory with NVLink cut to 400 GB/s both ways (200 one
     # way); DeepSeek-V3 §3.2.2 measures 160 GB/s of NVLink against 50 GB/s of IB per GPU on its H800
     # nodes, and cross-node all-to-alls ride the IB.
     "h800": Hardware(
         "h800", flops=989.5e12, flops_int8=1979e12, mem_bw_Bps=3.35e12, link_bw_Bps=200e9, hbm_bytes=80e9,
         link_latency_s=2e-6, launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S, gemm_eff=0.7, attn_eff=0.667,
-        mem_eff=_MEM_EFF, link_eff=_LINK_EFF, a2a_bw_Bps=50e9, compute_jitter_cv=_JITTER_CV),
+        mem_eff=_NV_MEM_EFF, attn_mem_eff=_NV_ATTN_MEM_EFF, link_eff=_LINK_EFF, a2a_bw_Bps=50e9, compute_jitter_cv=_JITTER_CV),
     # One B200 of a GB200 NVL72 (NVIDIA's GB200 NVL72 page, per rack, sparse figures halved, / 72):
     # 360 PFLOPS bf16 -> 2.5 PFLOPS dense, 720 fp8 -> 5, 1,440 fp4 -> 10; 576 TB/s -> 8 TB/s HBM3e;
     # 13.4 TB HBM3e -> 186 GB (372 GB per GB200 superchip of two GPUs); NVLink 5 1.8 TB/s both ways.
@@ -138,7 +149,7 @@ PRESETS: dict[str, Hardware] = {
         host_step_s=9.8e-3,
         compute_jitter_cv=_JITTER_CV,
         launch_s=_LAUNCH_S, host_dispatch_s=_HOST_DISPATCH_S, gemm_eff=0.7, attn_eff=0.667,
-        mem_eff=_MEM_EFF, link_eff=_LINK_EFF),
+        mem_eff=_NV_MEM_EFF, attn_mem_eff=_NV_ATTN_MEM_EFF, link_eff=_LINK_EFF),
 }
 
 # "cpu-here" is not a constant: one core of the machine a ``moeflow env --json`` report measured,

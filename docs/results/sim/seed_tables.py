@@ -230,7 +230,9 @@ def afd_rows() -> list[str]:
 
 # earlier tallies of these tables, each from the file as committed then: (what changed, commit, within, compared)
 EARLIER = (("before the symmetry rule (ASAP's baselines split attention by heads, ASAP by sequence)", "07dc589",
-            18, 45),)  # its table's 19 of 46, less the super kernel's row (within), an echo
+            18, 45),  # its table's 19 of 46, less the super kernel's row (within), an echo
+           ("before the NVIDIA streaming rates (msmodeling's 0.6 of HBM for every memory-bound op)", "f309302",
+            18, 50))
 
 
 def tally(rows: list[str]) -> tuple[int, int, int, int]:
