@@ -14,6 +14,11 @@ ENGINE_KEYS_ELSEWHERE = ("model", "dtype")  # set once for the whole experiment
 EXPERT_PLACEMENTS = ("contiguous", "eplb")
 DSA_ATTENTION = ("mqa", "mha_short_batch", "mha_short_seqs")
 ATTENTION_PARALLEL = ("tensor", "sequence")
+# the roles a deployment may put on hardware of their own (the simulator's presets): the sides of
+# a disaggregation, where no process does both (FastAFD §2: memory-rich devices for attention,
+# compute-dense ones for the FFN; prefill and decode likewise); "all" in every mode moves the whole
+# deployment (a baseline on other hardware in the same run)
+HARDWARE_ROLES = {"afd": ("attention", "ffn"), "pd": ("prefill", "decode")}
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,28 @@ class SystemSpec:
     layout: Layout
     engine: EngineConfig  # the engine uses all of it; the simulator its KV-cache and sequence limits
     sim: SimOptions = field(default_factory=SimOptions)
+    # role -> hardware preset, for the roles that differ from the experiment's hardware (sorted pairs)
+    hardware: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        given = self.hardware
+        pairs = given.items() if isinstance(given, dict) else given
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                   for p in pairs):
+            raise ConfigError(f"systems.{self.name}.hardware must map a role to a hardware preset, got {given!r}")
+        object.__setattr__(self, "hardware", tuple(sorted((k, v) for k, v in pairs)))
+        roles = ("all", *HARDWARE_ROLES.get(self.layout.mode, ()))  # all: every process of the deployment
+        for role, _ in self.hardware:
+            if role not in roles:
+                raise ConfigError(
+                    f"systems.{self.name}.hardware: {role!r} is not a role of mode {self.layout.mode!r} "
+                    + (f"(its roles: {list(roles)})" if len(roles) > 1 else
+                       f"(only 'all' here: roles of their own in modes {sorted(HARDWARE_ROLES)})"))
+
+    def hardware_of(self, role: str) -> str | None:
+        """The preset ``role`` runs on (None: the experiment's)."""
+        d = dict(self.hardware)
+        return d.get(role, d.get("all"))
 
     @property
     def kv_tokens_per_group(self) -> int:
@@ -135,8 +162,11 @@ def system_from_dict(name: str, d: dict, model: str = "tiny", dtype: str = "auto
     engine = pick_keys(dict(d.pop("engine", None) or {}), field_names(EngineConfig) - set(ENGINE_KEYS_ELSEWHERE),
                        f"systems.{name}.engine")
     sim = pick_keys(dict(d.pop("sim", None) or {}), field_names(SimOptions), f"systems.{name}.sim")
+    hardware = d.pop("hardware", None) or {}
+    if not isinstance(hardware, dict):
+        raise ConfigError(f"systems.{name}.hardware must map a role to a hardware preset, got {hardware!r}")
     return SystemSpec(name, layout_from_dict(d, f"systems.{name}"), EngineConfig(model=model, dtype=dtype, **engine),
-                      SimOptions(**sim))
+                      SimOptions(**sim), tuple(hardware.items()))
 
 
 def check_systems(where: str, dtype: str, systems: dict[str, SystemSpec], compare: tuple[tuple[str, str], ...]) -> None:

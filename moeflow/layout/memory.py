@@ -77,6 +77,7 @@ class Process:
     weights: float
     buffers: float = 0.0  # communication buffers it owns (the receive sides)
     kv_per_token: float = 0.0
+    role: str = ""  # afd's "attention" or "ffn": a role may run on hardware of its own (a budget of its own)
 
 
 def comm_spec(layout, num_experts: int, top_k: int, hidden_size: int, dtype: str) -> CommSpec | None:
@@ -136,9 +137,9 @@ def processes(layout, m: ModelSizes, eplb: bool = False, buffers: bool = True) -
                 *(Process(*experts(f"moe{i}", len(held[i])), dispatch) for i in range(layout.moe_workers))]
     if mode == "afd":
         gates = m.routers if layout.router == "ffn" else 0
-        return [*(Process(f"attention{i}", m.attention_side(), combine, m.kv_per_token)
+        return [*(Process(f"attention{i}", m.attention_side(), combine, m.kv_per_token, "attention")
                   for i in range(layout.attn_workers)),
-                *(Process(name, nbytes + gates, dispatch) for j in range(layout.ffn_workers)
+                *(Process(name, nbytes + gates, dispatch, role="ffn") for j in range(layout.ffn_workers)
                   for name, nbytes in [experts(f"ffn{j}", len(held[j]))])]
     if mode == "dwdp":  # resident experts, and two layers' worth of pulled ones (the ping-pong slots)
         return [Process(f"rank{r}", m.attention_side() + m.experts(len(ids)),
@@ -153,24 +154,28 @@ def reserve(m: ModelSizes, max_batch_tokens: int, max_num_seqs: int) -> float:
 
 
 def kv_capacity(procs: list[Process], budget: float, reserve_bytes: float, tokens_per_unit: int = 1,
-                per: str = "process") -> int:
+                per: str = "process", role_budgets: dict[str, float] | None = None) -> int:
     """KV capacity per attention group in units of ``tokens_per_unit`` tokens (a block, or 1) under
-    ``budget`` bytes per process; refuses a process whose fixed part exceeds it, with the numbers."""
+    ``budget`` bytes per process (``role_budgets``: a role's own, where it runs on other hardware);
+    refuses a process whose fixed part exceeds its budget, with the numbers."""
+    def budget_of(p: Process) -> float:
+        return (role_budgets or {}).get(p.role, budget)
+
     for p in procs:
         fixed = p.weights + p.buffers + reserve_bytes
-        if fixed > budget:
+        if fixed > budget_of(p):
             raise ConfigError(
-                f"memory budget {budget / GIB:g} GiB per {per} is too small for {p.name}: weights "
+                f"memory budget {budget_of(p) / GIB:g} GiB per {per} is too small for {p.name}: weights "
                 f"{p.weights / GIB:.3f} GiB + communication buffers {p.buffers / GIB:.3f} GiB + activation reserve "
                 f"{reserve_bytes / GIB:.3f} GiB = {fixed / GIB:.3f} GiB")
     kv = [p for p in procs if p.kv_per_token]
     if not kv:
         raise ConfigError("memory plan: no process holds a KV cache")
-    units = min(int((budget - p.weights - p.buffers - reserve_bytes) // (p.kv_per_token * tokens_per_unit))
+    units = min(int((budget_of(p) - p.weights - p.buffers - reserve_bytes) // (p.kv_per_token * tokens_per_unit))
                 for p in kv)
     if units < 1:
-        tight = min(kv, key=lambda p: budget - p.weights - p.buffers)
-        raise ConfigError(f"memory budget {budget / GIB:g} GiB per {per} leaves {tight.name} no room for one KV "
+        tight = min(kv, key=lambda p: budget_of(p) - p.weights - p.buffers)
+        raise ConfigError(f"memory budget {budget_of(tight) / GIB:g} GiB per {per} leaves {tight.name} no room for one KV "
                           f"{'block' if tokens_per_unit > 1 else 'token'} ({tight.kv_per_token * tokens_per_unit:g} "
                           f"bytes)")
     return units

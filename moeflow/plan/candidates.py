@@ -83,7 +83,7 @@ def _disaggregated(n: int) -> list[tuple[str, dict]]:
 
 
 def side_devices(layout: dict) -> int:
-    return make_layout(layout["mode"], **{k: v for k, v in layout.items() if k != "mode"}).num_processes
+    return make_layout(layout["mode"], **{k: v for k, v in layout.items() if k not in ("mode", "hardware")}).num_processes
 
 
 def enumerate_candidates(n: int, kinds: tuple[str, ...] = ("aggregated", "pd")) -> list[Candidate]:
@@ -116,19 +116,38 @@ def with_batch_tokens(c: Candidate, n: int | None) -> Candidate:
     return Candidate(c.name, system, c.devices, c.kind, c.feasible, c.reason, c.kv_tokens)
 
 
+def with_hardware(cands: list[Candidate], roles_for) -> list[Candidate]:
+    """Every candidate, and beside each whose mode has roles that ``roles_for(mode)`` puts on other
+    hardware, the same layout with them there (``name@attention=h200``): the search prices both."""
+    out = []
+    for c in cands:
+        out.append(c)
+        roles = roles_for(c.system["mode"])
+        if roles:
+            tag = ",".join(f"{r}={p}" for r, p in sorted(roles.items()))
+            out.append(Candidate(f"{c.name}@{tag}", {**c.system, "hardware": dict(roles)}, c.devices, c.kind,
+                                 c.feasible, c.reason, c.kv_tokens))
+    return out
+
+
 def check_memory(c: Candidate, m: ModelSpec, device_bytes: float, mem_fraction: float, request_tokens: int,
-                 max_batch_tokens: int, max_num_seqs: int, block_size: int) -> Candidate:
-    """``c`` with its KV blocks sized from the memory plan, or marked infeasible with the reason."""
+                 max_batch_tokens: int, max_num_seqs: int, block_size: int, hbm_of=None) -> Candidate:
+    """``c`` with its KV blocks sized from the memory plan, or marked infeasible with the reason.
+    ``hbm_of(preset)``: a preset's memory, for a candidate whose roles run on hardware of their own
+    (each role's budget ``mem_fraction`` of its own device)."""
     if not device_bytes:
         return c  # the hardware preset gives no memory: nothing to check, the engine's default blocks
-    budget = device_bytes * mem_fraction
+    roles = c.system.get("hardware") or {}
     sides = {"prefill": c.system["prefill"], "decode": c.system["decode"]} if c.kind == "pd" else {"": c.system}
     kv, engine = {}, {}
     for side, sys in sides.items():
-        lay = make_layout(sys["mode"], **{k: v for k, v in sys.items() if k != "mode"})
+        lay = make_layout(sys["mode"], **{k: v for k, v in sys.items() if k not in ("mode", "hardware")})
         where = f"{side} instance: " if side else ""
+        own = device_bytes if side not in roles else hbm_of(roles[side])
+        budget = own * mem_fraction
+        by_role = {r: hbm_of(p) * mem_fraction for r, p in roles.items()} if c.kind != "pd" and roles else None
         try:
-            plan = plan_kv(m, lay, budget, max_batch_tokens, max_num_seqs, hbm_bytes=device_bytes)
+            plan = plan_kv(m, lay, budget, max_batch_tokens, max_num_seqs, hbm_bytes=own, role_budgets=by_role)
         except ValueError as e:
             return _infeasible(c, where + str(e))
         if plan.kv_tokens < request_tokens:

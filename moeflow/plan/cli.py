@@ -16,7 +16,13 @@ Q = PlanQuestion  # the flags' defaults are the question's
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="search the deployments of N devices for the best goodput per device (simulated)")
     p.add_argument("--model", required=True, help="a model preset of the simulator (or a checkpoint directory)")
-    p.add_argument("--hardware", default=None, help="a hardware preset (sim/hardware.py), for the analytic cost")
+    p.add_argument("--hardware", default=None,
+                   help="a hardware preset (sim/hardware.py), for the analytic cost; roles of disaggregated layouts "
+                        "on others: gb200,attention=h200 (roles: attention, ffn, prefill, decode)")
+    p.add_argument("--price", default=None, metavar="PRESET=USD,...",
+                   help="price per device-hour of each preset (defaults: sim/prices.py, one provider's list)")
+    p.add_argument("--rank-by", default=Q.rank_by, choices=("device", "cost"),
+                   help="rank by goodput per device or per USD (default %(default)s)")
     p.add_argument("--profile", default=None, metavar="P.json",
                    help="this machine's `moeflow profile`: the profiled cost instead (hardware cpu-here)")
     p.add_argument("--devices", type=int, required=True, help="devices (processes) the deployment may use")
@@ -52,16 +58,19 @@ def run(args: argparse.Namespace) -> int:
 def answer(q: PlanQuestion, json_path: str | None = None) -> int:
     """Print the ranking and the best deployment's command; write the whole answer to ``json_path``."""
     from moeflow.measure.provenance import write_json
-    from moeflow.plan.candidates import check_memory, enumerate_candidates, with_batch_tokens
+    from moeflow.plan import pareto
+    from moeflow.plan.candidates import check_memory, enumerate_candidates, with_batch_tokens, with_hardware
     from moeflow.plan.command import engine_runs, serve_command
+    from moeflow.plan.hardware import HardwareChoice
     from moeflow.plan.search import Slo, search, shared_cores
     from moeflow.sim.hardware import hardware_preset
     from moeflow.sim.model_spec import model_preset
 
     m = model_preset(q.model)
+    choice = HardwareChoice.parse(q.hardware, q.price) if q.hardware else None
     target = ({"hardware": "cpu-here", "cost": "profiled", "profile": q.profile} if q.profile
-              else {"hardware": q.hardware})
-    hw = hardware_preset(q.hardware) if q.hardware else None
+              else {"hardware": choice.default})
+    hw = hardware_preset(choice.default) if choice else None
     workload = {"kind": "fixed", "fixed_len": q.isl} if q.isl_ratio == 1 else \
         {"kind": "uniform", "isl": q.isl, "isl_ratio": q.isl_ratio}
     base = {"model": q.model, **target, "slo_ttft_s": q.ttft_s, "slo_metric": q.percentile,
@@ -71,14 +80,16 @@ def answer(q: PlanQuestion, json_path: str | None = None) -> int:
     slo = Slo(q.ttft_s, None if q.tpot_ms is None else q.tpot_ms / 1e3, q.percentile)
     cands = [check_memory(with_batch_tokens(c, q.max_batch_tokens), m, hw.hbm_bytes if hw else 0.0,
                           q.mem_fraction, q.isl + q.osl, max_batch_tokens=q.max_batch_tokens or max(8192, q.isl),
-                          max_num_seqs=256, block_size=16)
-             for c in enumerate_candidates(q.devices, q.kinds)]
+                          max_num_seqs=256, block_size=16, hbm_of=choice.hbm_bytes if choice else None)
+             for c in with_hardware(enumerate_candidates(q.devices, q.kinds),
+                                    choice.roles_for if choice else lambda mode: {})]
     unknown = sorted(set(q.include) - {c.name for c in cands})
     if unknown:
         raise ConfigError(f"--include {unknown}: not among the candidates (e.g. {', '.join(c.name for c in cands[:4])})")
     feasible = sum(c.feasible for c in cands)
+    on = choice.default + "".join(f", {r} on {p}" for r, p in choice.roles) if choice else "this machine (profiled)"
     print(f"moeflow plan: {len(cands)} deployments of {q.devices} devices ({feasible} fit in memory), "
-          f"{q.model} on {q.hardware or 'this machine (profiled)'}, ISL {q.isl} OSL {q.osl}, "
+          f"{q.model} on {on}, ISL {q.isl} OSL {q.osl}, "
           f"SLO {q.percentile} TTFT <= {q.ttft_s:g} s" + (f", TPOT <= {q.tpot_ms:g} ms" if q.tpot_ms else ""))
     t0 = time.monotonic()
     from moeflow.plan.estimate import memory_gib
@@ -94,11 +105,20 @@ def answer(q: PlanQuestion, json_path: str | None = None) -> int:
         r["layout"] = system
         r["command"] = serve_command(q.model, system) if r["feasible"] else None
         r["engine_note"] = engine_runs(system)
-    _print(ranked, wall, cpu_host=shared_cores(base) is not None)
-    best = next((r for r in ranked if r["feasible"] and r["goodput_per_device"] > 0), None)
+    pareto.price(ranked, choice, q.osl)
+    ranked = pareto.rank(ranked, q.rank_by)
+    _print(ranked, wall, shared_cores(base) is not None, q.rank_by)
+    if choice is not None:
+        if choice.unpriced():
+            print(f"no price per device-hour for {choice.unpriced()}: --price {choice.unpriced()[0]}=USD prices them")
+        print("\n".join(pareto.show([r for r in ranked if r["feasible"]], _name)))
+    key = "requests_per_usd" if q.rank_by == "cost" else "goodput_per_device"
+    best = next((r for r in ranked if r["feasible"] and (r.get(key) or 0) > 0), None)
     if best is not None:
         how = f" ({_why_estimated(best, q.confirm)})" if best.get("estimated") else ""
         print(f"\nbest: {_name(best)}{how}\n  {best['command'] or best['engine_note']}")
+        if best["layout"].get("hardware"):
+            print("  with " + ", ".join(f"its {r} processes on {p} devices" for r, p in best["layout"]["hardware"].items()))
         runnable = next((r for r in ranked if r["command"] and r["goodput_per_device"] > 0), None)
         if runnable is not None and runnable is not best:
             print(f"best that moeflow's engine runs: {_name(runnable)}\n  {runnable['command']}")
@@ -113,8 +133,9 @@ def _name(r: dict) -> str:
     lay = r.get("layout") or {}
     if lay.get("mode") != "pd" or "prefill_instances" not in lay:
         return r["name"]
-    p, d = _sides_of(r["name"])
-    return f"pd {lay['prefill_instances']}x{p} -> {lay['decode_instances']}x{d}"
+    name, at, roles = r["name"].partition("@")
+    p, d = _sides_of(name)
+    return f"pd {lay['prefill_instances']}x{p} -> {lay['decode_instances']}x{d}" + (f" @{roles}" if at else "")
 
 
 def _sides_of(name: str) -> tuple[str, str]:
@@ -133,11 +154,11 @@ def _why_estimated(best: dict, confirm: int) -> str:
     return f"estimated from its sides, not simulated whole: {spent}; --include {best['name']} simulates it"
 
 
-def _print(ranked: list[dict], wall: float, cpu_host: bool) -> None:
+def _print(ranked: list[dict], wall: float, cpu_host: bool, rank_by: str = "device") -> None:
     """The top ``TOP``; ``cpu_host``: the profiled cost of a machine whose cores the processes share."""
-    print(f"searched {len(ranked)} candidates in {wall:.1f} s; the top {TOP} by goodput per device "
-          f"(~: estimated from its sides, not simulated whole):")
-    print(f"  {'deployment':<40} {'SLO rps':>9} {'rps/device':>10} {'TTFT p90':>9} {'TPOT p90':>9}  bottleneck"
+    print(f"searched {len(ranked)} candidates in {wall:.1f} s; the top {TOP} by goodput per "
+          f"{'USD' if rank_by == 'cost' else 'device'} (~: estimated from its sides, not simulated whole):")
+    print(f"  {'deployment':<40} {'SLO rps':>9} {'rps/device':>10} {'req/USD':>8} {'TTFT p90':>9} {'TPOT p90':>9}  bottleneck"
           + ("  (rps/device: per core used, the processes sharing this host's cores)" if cpu_host else ""))
     for r in [r for r in ranked if r["feasible"]][:TOP]:
         rps = f"{r['slo_rps']:.3g}" if r["slo_rps"] is not None else (
@@ -146,8 +167,9 @@ def _print(ranked: list[dict], wall: float, cpu_host: bool) -> None:
         ttft = f"{at['ttft_p90_s']:.3g}s" if at.get("ttft_p90_s") is not None else "-"
         tpot = f"{at['tpot_p90_s'] * 1e3:.3g}ms" if at.get("tpot_p90_s") is not None else "-"
         name = _name(r)
+        usd = format(r["requests_per_usd"], ".4g") if r.get("requests_per_usd") else "-"
         print(f"  {name:<40} {rps:>9} {('~' if r.get('estimated') else '') + format(r['goodput_per_device'], '.3g'):>10} "
-              f"{ttft:>9} {tpot:>9}  {r['bottleneck'] or '-'}")
+              f"{usd:>8} {ttft:>9} {tpot:>9}  {r['bottleneck'] or '-'}")
     bad = [r for r in ranked if not r["feasible"]]
     if bad:
         print(f"  not ranked: {len(bad)} (memory, or a cost model that cannot price them), e.g. "

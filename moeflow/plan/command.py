@@ -25,7 +25,7 @@ def serve_command(model: str, system: dict) -> str | None:
         return None
     args = ["moeflow", "serve", "--model", model, "--mode", system["mode"]]
     for key, value in system.items():
-        if key in ("mode", "engine"):
+        if key in ("mode", "engine", "hardware"):  # which devices each role's processes get is the launcher's choice
             continue
         if isinstance(value, dict):  # a pd side: its layout as 'mode=M,key=value,...'
             args += [_flag(key), ",".join(f"{k}={v}" for k, v in value.items())]

@@ -108,8 +108,10 @@ def _interp(tpot: dict[int, float], b: float) -> float | None:
 
 def sides_of(c: Candidate) -> list[tuple[str, dict]]:
     """(side, layout) of what ``compose`` needs for ``c``."""
-    if c.kind == "pd":
-        return [("prefill", c.system["prefill"]), ("decode", c.system["decode"])]
+    if c.kind == "pd":  # a side on hardware of its own is a whole deployment there
+        roles = c.system.get("hardware") or {}
+        return [(side, {**c.system[side], **({"hardware": {"all": roles[side]}} if side in roles else {})})
+                for side in ("prefill", "decode")]
     lay = {k: v for k, v in c.system.items() if k != "engine"}
     return [("prefill", lay), ("decode", lay)]
 

@@ -10,6 +10,7 @@ from moeflow.config import ConfigError
 
 KINDS = ("aggregated", "pd")
 PERCENTILES = ("mean", "p50", "p90")
+RANK_BY = ("device", "cost")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class PlanQuestion:
     confirm: int = 8  # at most this many candidates simulated whole after their estimates
     top: int = 3  # the best this many are all simulated whole
     include: tuple[str, ...] = ()  # candidates simulated whole whatever their estimate
+    price: str | None = None  # PRESET=USD per device-hour, comma-separated (sim/prices.py's defaults otherwise)
+    rank_by: str = "device"  # goodput per device, or per USD ("cost")
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -44,6 +47,10 @@ class PlanQuestion:
             raise ConfigError(f"--kinds: aggregated and/or pd, got {','.join(self.kinds)!r}")
         if self.percentile not in PERCENTILES:
             raise ConfigError(f"--percentile must be one of {PERCENTILES}, got {self.percentile!r}")
+        if self.rank_by not in RANK_BY:
+            raise ConfigError(f"--rank-by must be one of {RANK_BY}, got {self.rank_by!r}")
+        if self.profile is not None and (self.price or self.rank_by == "cost"):
+            raise ConfigError("--price and --rank-by cost price hardware presets: give --hardware, not --profile")
         if self.max_batch_tokens is not None and self.max_batch_tokens < self.isl:
             raise ConfigError(f"--max-batch-tokens {self.max_batch_tokens} is below --isl {self.isl}: a prompt would not fit")
 

@@ -48,7 +48,8 @@ class AfdSystem(StepSystem):
         self.slow_ffn = self.jitter.expected_max(lay.ffn_workers)
 
     def run_step(self, works, now: float) -> None:
-        m, c = self.model, self.cost
+        m = self.model
+        c, cf, cl = self.cost_of("attention"), self.cost_of("ffn"), self.link_cost("attention", "ffn")
         ubs = [w.batches for w in works]  # [instance][micro-batch]
         shapes = [[AttnShape.of_batch(b, m.index_topk) for b in bs] for bs in ubs]
         attn = [[c.attention_s(s, 1, False) for s in ss] for ss in shapes]
@@ -56,10 +57,10 @@ class AfdSystem(StepSystem):
         tokens = [[s.num_tokens for s in ss] for ss in shapes]
         nub = len(ubs[0])
         share = [1 / len(f) for f in self.ffns]  # "all": a daemon gets its 1/N of each token's experts
-        ffn = [[c.experts_s(round(sum(tokens[i][u] * m.top_k * share[i] for i in srv)), self.local[j])
+        ffn = [[cf.experts_s(round(sum(tokens[i][u] * m.top_k * share[i] for i in srv)), self.local[j])
                 for u in range(nub)] for j, srv in enumerate(self.served)]
-        move = [[c.transfer_s(self._sent_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]  # per micro-batch
-        back = [[c.transfer_s(self._back_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]
+        move = [[cl.transfer_s(self._sent_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]  # per micro-batch
+        back = [[cl.transfer_s(self._back_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]
         sa, sf = self.slow_attn, self.slow_ffn  # (layer, u) waits for the slowest instance / daemon
         inst = [now] * len(ubs)  # when each instance is free
         ready = [[now] * nub for _ in ubs]  # when (layer, u)'s input is back on the instance

@@ -54,6 +54,11 @@ class CostModel(abc.ABC):
                                  f"(it prices what the engine runs)")
         return self
 
+    def on(self, hw) -> "CostModel":
+        """The same model priced on hardware ``hw`` (a role of a heterogeneous deployment)."""
+        raise ValueError(f"hardware per role needs the analytic cost (presets), not {type(self).__name__}: "
+                         f"a profile prices the one machine it was taken on")
+
     @abc.abstractmethod
     def head_s(self, shape: AttnShape, tp: int) -> float:
         """Embedding before the first layer and final norm + logits + sampling after the last."""
@@ -160,6 +165,9 @@ class AnalyticCost(CostModel):
         hw = self.hw if sim.a2a_bw_GBps is None else self.hw.with_overrides(a2a_bw_Bps=sim.a2a_bw_GBps * 1e9)
         options = AttentionOptions(sim.dsa_attention, sim.tp_replicates, sim.attention_parallel)
         return self if (hw, options) == (self.hw, self.options) else AnalyticCost(self.model, hw, options)
+
+    def on(self, hw):
+        return self if hw == self.hw else AnalyticCost(self.model, hw, self.options)
 
     def _gemm_s(self, tokens: float, params: float, tp: int) -> float:
         m = self.model

@@ -20,7 +20,9 @@ import dataclasses
 from moeflow.layout.memory import batch_tokens
 from moeflow.measure.workload import WorkloadRequest
 from moeflow.scheduler.pool import resident_capacity
-from moeflow.sim.memory import GIB, plan_kv
+from moeflow.sim.hardware import hardware_preset
+from moeflow.sim.memory import GIB, plan_kv, role_budgets
+from moeflow.sim.prices import DEFAULT_PRICES, cost_per_hour, role_devices
 
 STEP_MODES = ("dep", "afd")
 
@@ -63,7 +65,21 @@ def simulate_decode(spec, cost, context: int, steps: int, warmup: int, hbm_bytes
     return {"system": spec.name, "mode": layout.mode, "context": context, "batch_per_group": b,
             "groups": layout.num_groups, "devices": devices, "tpot_s": tpot, "tok_s_per_device": total / tpot / devices,
             "capacity_per_group": capacity, "busy": busy, "split": split, "decode_tokens_per_request": gen,
-            "memory": plan.to_dict()}
+            "memory": plan.to_dict(), **_priced(spec, cost, total / tpot)}
+
+
+def _priced(spec, cost, tok_s: float) -> dict:
+    """The devices per hardware preset, and where every preset has a default price, USD per hour and
+    output tokens per USD (sim/prices.py)."""
+    hw = getattr(cost, "hw", None)
+    if hw is None:
+        return {}
+    by_preset = role_devices(spec.layout, dict(spec.hardware), hw.name)
+    out = {"devices_by_hardware": by_preset}
+    if all(p in DEFAULT_PRICES for p in by_preset):
+        usd = cost_per_hour(by_preset, {})
+        out.update(usd_per_hour=usd, tokens_per_usd=tok_s * 3600 / usd)
+    return out
 
 
 def _batch(spec, cost, tokens: int, hbm_bytes: float, batch: int | None):
@@ -72,8 +88,10 @@ def _batch(spec, cost, tokens: int, hbm_bytes: float, batch: int | None):
     if e.memory_budget_gib is None:
         raise ValueError(f"system {spec.name!r}: decode needs engine.memory_budget_gib (B comes from the budget)")
     reserve = None if e.activation_reserve_gib is None else e.activation_reserve_gib * GIB
-    plan = plan_kv(cost.model, layout, e.memory_budget_gib * GIB, batch_tokens(layout, 16384), e.max_num_seqs, reserve,
-                   hbm_bytes, cost.engine_buffers)
+    budget = e.memory_budget_gib * GIB
+    roles = role_budgets(spec, budget, lambda name: hbm_bytes if name is None else hardware_preset(name).hbm_bytes)
+    plan = plan_kv(cost.model, layout, budget, batch_tokens(layout, 16384), e.max_num_seqs, reserve,
+                   hbm_bytes, cost.engine_buffers, roles)
     blocks = plan.kv_tokens // e.kv_block_size
     b = capacity = resident_capacity(blocks, e.kv_block_size, tokens, e.max_num_seqs)
     if b < 1:
@@ -214,11 +232,15 @@ def run_decode(path: str, names: list[str] | None = None, measured: dict | None 
     print(symmetry.report(symmetry.differences({n: exp.systems[n] for n in names})))
     results = {n: {c: simulate_decode(exp.systems[n], cost, c, exp.steps, exp.warmup_steps, hbm, batch(n, c))
                    for c in exp.contexts} for n in names}
-    print(f"{'system':>16} {'context':>8} {'B/group':>8} {'TPOT ms':>8} {'tok/s/device':>13}  busy")
+    priced = any("tokens_per_usd" in r for rs in results.values() for r in rs.values())
+    print(f"{'system':>16} {'context':>8} {'B/group':>8} {'TPOT ms':>8} {'tok/s/device':>13}"
+          + (f" {'Mtok/USD':>9}" if priced else "") + "  busy")
     for n in names:
         for c, r in results[n].items():
             busy = ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())
-            print(f"{n:>16} {c:>8} {r['batch_per_group']:>8} {r['tpot_s'] * 1e3:>8.2f} {r['tok_s_per_device']:>13.1f}  {busy}")
+            usd = f" {r['tokens_per_usd'] / 1e6:>9.3f}" if "tokens_per_usd" in r else f" {'-':>9}" if priced else ""
+            print(f"{n:>16} {c:>8} {r['batch_per_group']:>8} {r['tpot_s'] * 1e3:>8.2f} {r['tok_s_per_device']:>13.1f}"
+                  f"{usd}  {busy}")
     compared = {}
     for a, b in exp.compare:
         if a not in results or b not in results:

@@ -152,6 +152,21 @@ PRESETS: dict[str, Hardware] = {
         mem_eff=_NV_MEM_EFF, attn_mem_eff=_NV_ATTN_MEM_EFF, link_eff=_LINK_EFF),
 }
 
+# Devices of two different presets sit in different racks: what crosses between them rides the
+# scale-out network, one 400 Gb/s NIC per GPU (50 GB/s; DeepSeek-V3 technical report §3.2.2, its
+# cluster's), at the slower side's latency and efficiency
+SCALE_OUT_BW_Bps = 50e9
+
+
+def between(a: Hardware, b: Hardware) -> Hardware:
+    """``a`` with the links a transfer between a device of ``a`` and one of ``b`` has (``a`` itself
+    when they are the same preset: its scale-up link)."""
+    if a == b:
+        return a
+    return a.with_overrides(name=f"{a.name}<->{b.name}", link_bw_Bps=min(a.link_bw_Bps, b.link_bw_Bps, SCALE_OUT_BW_Bps),
+                            link_latency_s=max(a.link_latency_s, b.link_latency_s), link_eff=min(a.link_eff, b.link_eff))
+
+
 # "cpu-here" is not a constant: one core of the machine a ``moeflow env --json`` report measured,
 # at the dtype the engine runs there (processors differ between machines by 100x in bf16).
 MEASURED = "cpu-here"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from moeflow.experiment.system import HARDWARE_ROLES
 from moeflow.layout import memory
 from moeflow.layout.memory import GIB, ModelSizes, Process
 from moeflow.sim.model_spec import ModelSpec
@@ -56,17 +57,36 @@ def model_sizes(m: ModelSpec) -> ModelSizes:
 
 
 def plan_kv(m: ModelSpec, layout, budget_bytes: float, max_batch_tokens: int, max_num_seqs: int,
-            reserve_bytes: float | None = None, hbm_bytes: float = 0.0, engine_buffers: bool = False) -> KvPlan:
-    """KV capacity per attention group under ``budget_bytes`` per device; clear errors when it does not fit.
-    ``engine_buffers``: count moeflow's communication buffers with each device's fixed part."""
+            reserve_bytes: float | None = None, hbm_bytes: float = 0.0, engine_buffers: bool = False,
+            role_budgets: dict[str, float] | None = None) -> KvPlan:
+    """KV capacity per attention group under ``budget_bytes`` per device (``role_budgets``: a role's
+    own, on hardware of its own); clear errors when it does not fit. ``engine_buffers``: count
+    moeflow's communication buffers with each device's fixed part."""
     if hbm_bytes and budget_bytes > hbm_bytes:
         raise ValueError(f"memory budget {budget_bytes / GIB:.1f} GiB per device exceeds the device's "
                          f"{hbm_bytes / GIB:.1f} GiB")
     sizes = model_sizes(m)
     reserve = memory.reserve(sizes, max_batch_tokens, max_num_seqs) if reserve_bytes is None else reserve_bytes
     devs = memory.processes(layout, sizes, buffers=engine_buffers)
-    tokens = memory.kv_capacity(devs, budget_bytes, reserve, per="device")
+    tokens = memory.kv_capacity(devs, budget_bytes, reserve, per="device", role_budgets=role_budgets)
     return KvPlan(budget_bytes, reserve, tokens, tuple(devs))
+
+
+def role_budgets(spec, budget_bytes: float, hbm_of) -> dict[str, float] | None:
+    """Each role of ``spec`` (a process's ``role``; "" for one without) on hardware of its own gets the
+    share of its device's memory that ``budget_bytes`` is of the experiment's (``hbm_of(None)``)
+    device: the budget read as vLLM's gpu_memory_utilization. None: no role differs."""
+    if not spec.hardware:
+        return None
+    base, out = hbm_of(None), {}
+    for role in ("", *HARDWARE_ROLES.get(spec.layout.mode, ())):
+        name = spec.hardware_of(role or "all")
+        if name is not None:
+            if not base or not hbm_of(name):
+                raise ValueError(f"system {spec.name!r}: hardware per role needs the memory (hbm_bytes) of the "
+                                 f"experiment's preset and of {name!r} to size each role's budget")
+            out[role] = budget_bytes * hbm_of(name) / base
+    return out
 
 
 def most_resident_experts(m: ModelSpec, layout, budget_bytes: float, kv_tokens: int, max_num_seqs: int,

@@ -62,7 +62,7 @@ class _Copier:
         return stage, True
 
     def copy_in(self, group: int, stage: _Stage, blocks) -> None:
-        self._after(sum(self.system.cost.kv_handoff_s(stage.nbytes)), stage)
+        self._after(sum(self.system.link_cost("prefill", "decode").kv_handoff_s(stage.nbytes)), stage)
 
     def abandon(self, stage: _Stage, side: int, group: int) -> None:
         pass
@@ -72,9 +72,9 @@ class PdSystem(System):
     def __init__(self, spec, cost, trace_until_s=0.0, make_system=None):
         super().__init__(spec, cost, trace_until_s)
         lay = spec.layout
-        self.prefill = [self._instance(make_system, lay.prefill, f"prefill{i}", partial(self._prefilled, i))
+        self.prefill = [self._instance(make_system, lay.prefill, f"prefill{i}", partial(self._prefilled, i), "prefill")
                         for i in range(lay.prefill_instances)]
-        self.decode = [self._instance(make_system, lay.decode, f"decode{j}", self._decoded)
+        self.decode = [self._instance(make_system, lay.decode, f"decode{j}", self._decoded, "decode")
                        for j in range(lay.decode_instances)]
         m = self.model
         self.machine = PdHandoffs(
@@ -94,9 +94,9 @@ class PdSystem(System):
         """Prefilled handoffs without decode room yet, oldest first."""
         return {rid: h for rid, h in self.machine.handoffs.items() if h.state == "pending"}
 
-    def _instance(self, make_system, layout, name: str, sink) -> System:
-        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}.{name}", layout=layout)
-        s = make_system(spec, self.cost)
+    def _instance(self, make_system, layout, name: str, sink, role: str) -> System:
+        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}.{name}", layout=layout, hardware=())
+        s = make_system(spec, self.cost_of(role))  # on its side's hardware
         # one clock for the deployment, one pool of cores for all its processes; finished requests come here
         s.loop, s.cores, s.sink = self.loop, self.cores, sink
         return s

@@ -21,6 +21,7 @@ from moeflow.sim.cores import CorePool
 from moeflow.sim.cost import CostModel
 from moeflow.sim.events import EventLoop
 from moeflow.sim.expert_load import ExpertLoads
+from moeflow.sim.hardware import between, hardware_preset
 from moeflow.sim.jitter import Jitter
 
 
@@ -60,6 +61,11 @@ class System(abc.ABC):
     the simulator's modelling options."""
 
     def __init__(self, spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0):
+        # a role on hardware of its own (spec.hardware) is priced on its preset, the same options applied
+        if spec.hardware_of("all"):
+            cost = cost.on(hardware_preset(spec.hardware_of("all")))
+        self.role_costs = {role: cost.on(hardware_preset(name)).for_system(spec.sim)
+                           for role, name in spec.hardware if role != "all"}
         cost = cost.for_system(spec.sim)
         self.spec, self.layout, self.cost, self.model = spec, spec.layout, cost, cost.model
         self.loads: ExpertLoads | None = None  # set by systems with expert devices
@@ -76,6 +82,16 @@ class System(abc.ABC):
         cores = cost.shared_cores
         self.cores = (CorePool(cores) if spec.sim.core_sharing and cores and self.layout.num_processes > cores
                       else None)  # None: every process computes on a core of its own
+
+    def cost_of(self, role: str) -> CostModel:
+        """The cost model of ``role``'s devices (the deployment's unless the spec gives the role its own)."""
+        return self.role_costs.get(role, self.cost)
+
+    def link_cost(self, a: str, b: str) -> CostModel:
+        """The cost model of what crosses from role ``a`` to role ``b``: over the scale-out network
+        when their hardware differs (sim/hardware.between), else ``a``'s own links."""
+        ca, cb = self.cost_of(a), self.cost_of(b)
+        return ca if ca is cb else ca.on(between(ca.hw, cb.hw))
 
     def finish_at(self, ready_s: float, dur_s: float, processes: int = 1) -> float:
         """When ``processes`` (a TP group: each computes ``dur_s``) ready at ``ready_s`` have all
