@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 def answer(q: PlanQuestion, json_path: str | None = None) -> int:
     """Print the ranking and the best deployment's command; write the whole answer to ``json_path``."""
     from moeflow.measure.provenance import write_json
-    from moeflow.plan import pareto
+    from moeflow.plan import accuracy, pareto
     from moeflow.plan.candidates import check_memory, enumerate_candidates, with_batch_tokens, with_hardware
     from moeflow.plan.command import engine_runs, serve_command
     from moeflow.plan.hardware import HardwareChoice
@@ -119,6 +119,10 @@ def answer(q: PlanQuestion, json_path: str | None = None) -> int:
         print(f"\nbest: {_name(best)}{how}\n  {best['command'] or best['engine_note']}")
         if best["layout"].get("hardware"):
             print("  with " + ", ".join(f"its {r} processes on {p} devices" for r, p in best["layout"]["hardware"].items()))
+        best["accuracy"] = accuracy.closest(best["layout"], profiled=q.profile is not None)
+        print("  the simulator's measured error on the closest validated cases:")
+        for line in best["accuracy"]:
+            print(f"    {line}")
         runnable = next((r for r in ranked if r["command"] and r["goodput_per_device"] > 0), None)
         if runnable is not None and runnable is not best:
             print(f"best that moeflow's engine runs: {_name(runnable)}\n  {runnable['command']}")
