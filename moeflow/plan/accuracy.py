@@ -35,7 +35,8 @@ def closest(layout: dict, profiled: bool) -> list[str]:
         if mode == "dep":
             r = a["anchor"]["ratio"]
             out.append("dep: simulated / published throughput " + ", ".join(
-                f"{phase} {lo:.2f}-{hi:.2f}x" for phase, (lo, hi) in sorted(r.items())) + f" ({a['anchor']['source']})")
+                f"{phase} {lo:.2f}x" if lo == hi else f"{phase} {lo:.2f}-{hi:.2f}x" for phase, (lo, hi) in sorted(r.items()))
+                + f" ({a['anchor']['source']})")
         elif mode in a["seeds"]:
             s = a["seeds"][mode]
             out.append(f"{mode}: {s['within']} of {s['compared']} of the paper's results within tolerance ({s['source']})")

@@ -43,10 +43,10 @@ def anchor_case(text: str) -> dict:
     """The production anchor's simulated / published ratios, per phase."""
     ratios: dict[str, list[float]] = {}
     for line in text.splitlines():
-        c = _cells(line) if line.startswith("| prefill") or line.startswith("| decode") else None
+        c = _cells(line) if re.match(r"\| (SGLang )?(prefill|decode),", line) else None
         if c:
-            ratios.setdefault(c[0].split(",")[0], []).append(float(c[3].rstrip("x")))
-    return {"source": "DeepSeek-V3/R1's H800 service (dep), docs/results/sim/anchors.md",
+            ratios.setdefault(c[0].split(",")[0].replace("SGLang ", "SGLang's "), []).append(float(c[3].rstrip("x")))
+    return {"source": "DeepSeek-V3/R1's H800 service and SGLang's 96 x H100 (dep), docs/results/sim/anchors.md",
             "ratio": {k: [min(v), max(v)] for k, v in ratios.items()}}
 
 
