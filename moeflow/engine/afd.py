@@ -36,6 +36,7 @@ class AfdEngine(ProcessEngine):
             ("afd_attention", layout.attn_workers), ("ffn", layout.ffn_workers),
             computes=layout.topology == "all"))
         self._steps: deque[list[Work]] = deque()  # steps sent, oldest first
+        self._done: dict[int, WorkDone] = {}  # the oldest step's answers so far, by instance
 
     def step(self) -> StepResult:
         self._check_alive()
@@ -59,15 +60,21 @@ class AfdEngine(ProcessEngine):
         return True
 
     def _collect(self) -> StepResult:
-        """Wait for every instance's results of the oldest step in flight, and apply them."""
-        works = self._steps[0]
-        done: dict[int, WorkDone] = {}
+        """Every instance's results of the oldest step in flight, applied once the last is in;
+        waits at most ``max_wait_s`` for them (nothing returned before), so a loop driving this
+        engine beside others (pd's instances and handoffs) turns meanwhile."""
+        works, done = self._steps[0], self._done
+        deadline = clock() + self.max_wait_s
         while len(done) < len(works):
+            left = deadline - clock()
+            if left <= 0:
+                return StepResult({}, [])
             waiting = [self.attention[w.group] for w in works if w.group not in done]
-            for _, msg in self._recv_any(waiting, 0.5):
+            for _, msg in self._recv_any(waiting, left):
                 if isinstance(msg, WorkDone):
                     done[msg.group] = msg
         self._steps.popleft()
+        self._done = {}
         result = StepResult({}, [])
         for w in works:  # a request that stopped in the previous step has its result here dropped
             self._complete(done[w.group], w, result, f"attention{w.group}")
@@ -89,6 +96,7 @@ class AfdEngine(ProcessEngine):
 
     def _on_fail(self) -> None:
         self._steps.clear()
+        self._done = {}
 
     def _busy(self) -> bool:
         return bool(self._steps)

@@ -1,7 +1,8 @@
 """Mode ``dep``: the synchronous baselines — N ranks of DP attention + expert parallelism.
 
-``step`` is one global step: schedule a batch for every rank (empty ones run dummy steps), send
-them, wait until *every* rank is done (the straggler effect of ASAP §2), update. With
+A global step schedules a batch for every rank (empty ones run dummy steps), sends them, waits
+until *every* rank is done (the straggler effect of ASAP §2), updates; ``step`` returns nothing
+while it is out, so a loop driving other engines too keeps turning. With
 ``chunked_prefill_size`` it is the ChunkedPrefill baseline.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ class DepEngine(ProcessEngine):
         super().__init__(config, layout)
         # rank r holds the r-th 1/N of every layer, or what --init-expert-location places there
         self.ranks = self._build(model_path, Blueprint(("dep", layout.dp)))
+        self._out = None  # the global step in flight: (its works, the ranks' answers so far)
 
     def _refuse(self) -> None:
         layout, config = self.layout, self.config
@@ -37,21 +39,36 @@ class DepEngine(ProcessEngine):
                               f"{config.transport!r}")
 
     def step(self) -> StepResult:
+        """Schedules a global step when none is out; collects its ranks' answers for at most
+        ``max_wait_s`` and returns nothing until the last one is in (the barrier holds: no rank gets
+        its next batch before then). Not blocking for the whole step lets a loop that drives this
+        engine beside others (pd's instances, their KV handoffs) turn meanwhile."""
         self._check_alive()
-        works = self.scheduler.schedule(clock())
-        if not works:
-            time.sleep(_IDLE_S)
-            return StepResult({}, [])
+        if self._out is None:
+            works = self.scheduler.schedule(clock())
+            if not works:
+                time.sleep(_IDLE_S)
+                return StepResult({}, [])
+            try:
+                for w in works:
+                    self._run_work(w.group, w.batches, [self.ranks[w.group]])
+            except WorkerDied as e:
+                return self._fail(str(e))
+            self._out = (works, {})
+        works, done = self._out
+        deadline = clock() + self.max_wait_s
         try:
-            for w in works:
-                self._run_work(w.group, w.batches, [self.ranks[w.group]])
-            done: dict[int, WorkDone] = {}
             while len(done) < len(self.ranks):  # the global step boundary: every rank, slowest included
-                for _, msg in self._recv_any([w for i, w in enumerate(self.ranks) if i not in done], 0.5):
+                left = deadline - clock()
+                if left <= 0:
+                    return StepResult({}, [])
+                for _, msg in self._recv_any([w for i, w in enumerate(self.ranks) if i not in done], left):
                     if isinstance(msg, WorkDone):
                         done[msg.group] = msg
         except WorkerDied as e:
+            self._out = None
             return self._fail(str(e))
+        self._out = None
         result = StepResult({}, [])
         for w in works:
             self._complete(done[w.group], w, result, f"rank{w.group}")
