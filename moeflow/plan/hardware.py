@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from moeflow.config import ConfigError
 from moeflow.experiment.system import HARDWARE_ROLES
 from moeflow.sim.hardware import PRESETS, hardware_preset
-from moeflow.sim.prices import DEFAULT_PRICES, cost_per_hour, parse_prices, role_devices
+from moeflow.sim.prices import cost_per_hour, parse_prices, role_devices, unpriced
 
 ROLES = tuple(r for roles in HARDWARE_ROLES.values() for r in roles)
 
@@ -56,10 +56,7 @@ class HardwareChoice:
     def usd_per_hour(self, layout, hardware: dict[str, str]) -> float | None:
         """What ``layout`` with ``hardware`` (role -> preset) costs an hour; None without a price."""
         devices = role_devices(layout, hardware, self.default)
-        if any(p not in DEFAULT_PRICES and p not in dict(self.prices) for p in devices):
-            return None
-        return cost_per_hour(devices, dict(self.prices))
+        return None if unpriced(devices, dict(self.prices)) else cost_per_hour(devices, dict(self.prices))
 
     def unpriced(self) -> list[str]:
-        presets = {self.default, *(p for _, p in self.roles)}
-        return sorted(p for p in presets if p not in DEFAULT_PRICES and p not in dict(self.prices))
+        return unpriced({self.default, *(p for _, p in self.roles)}, dict(self.prices))

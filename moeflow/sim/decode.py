@@ -22,7 +22,7 @@ from moeflow.measure.workload import WorkloadRequest
 from moeflow.scheduler.pool import resident_capacity
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.memory import GIB, plan_kv, role_budgets
-from moeflow.sim.prices import DEFAULT_PRICES, cost_per_hour, role_devices
+from moeflow.sim.prices import cost_per_hour, role_devices, unpriced
 
 STEP_MODES = ("dep", "afd")
 
@@ -76,7 +76,7 @@ def _priced(spec, cost, tok_s: float) -> dict:
         return {}
     by_preset = role_devices(spec.layout, dict(spec.hardware), hw.name)
     out = {"devices_by_hardware": by_preset}
-    if all(p in DEFAULT_PRICES for p in by_preset):
+    if not unpriced(by_preset, {}):
         usd = cost_per_hour(by_preset, {})
         out.update(usd_per_hour=usd, tokens_per_usd=tok_s * 3600 / usd)
     return out

@@ -49,11 +49,16 @@ def role_devices(layout, hardware: dict[str, str], default: str) -> dict[str, in
     return out
 
 
+def unpriced(presets, prices: dict[str, float]) -> list[str]:
+    """The presets of ``presets`` with no price in ``prices`` nor a default."""
+    return sorted(p for p in set(presets) if p not in prices and p not in DEFAULT_PRICES)
+
+
 def cost_per_hour(devices: dict[str, int], prices: dict[str, float]) -> float:
     """USD per hour of ``devices`` ({preset: count}) at ``prices`` (the defaults where not given)."""
-    table = {**DEFAULT_PRICES, **prices}
-    missing = sorted(p for p in devices if p not in table)
+    missing = unpriced(devices, prices)
     if missing:
         raise ConfigError(f"no price per device-hour for {missing}: give --price {missing[0]}=USD "
                           f"(defaults exist for {sorted(DEFAULT_PRICES)})")
+    table = {**DEFAULT_PRICES, **prices}
     return sum(n * table[p] for p, n in devices.items())

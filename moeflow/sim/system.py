@@ -66,6 +66,7 @@ class System(abc.ABC):
             cost = cost.on(hardware_preset(spec.hardware_of("all")))
         self.role_costs = {role: cost.on(hardware_preset(name)).for_system(spec.sim)
                            for role, name in spec.hardware if role != "all"}
+        self._links: dict[tuple[str, str], CostModel] = {}  # link_cost's, per pair of roles
         cost = cost.for_system(spec.sim)
         self.spec, self.layout, self.cost, self.model = spec, spec.layout, cost, cost.model
         self.loads: ExpertLoads | None = None  # set by systems with expert devices
@@ -90,8 +91,10 @@ class System(abc.ABC):
     def link_cost(self, a: str, b: str) -> CostModel:
         """The cost model of what crosses from role ``a`` to role ``b``: over the scale-out network
         when their hardware differs (sim/hardware.between), else ``a``'s own links."""
-        ca, cb = self.cost_of(a), self.cost_of(b)
-        return ca if ca is cb else ca.on(between(ca.hw, cb.hw))
+        if (a, b) not in self._links:  # NOTE: asked every step (afd) and handoff (pd): built once
+            ca, cb = self.cost_of(a), self.cost_of(b)
+            self._links[a, b] = ca if ca is cb else ca.on(between(ca.hw, cb.hw))
+        return self._links[a, b]
 
     def finish_at(self, ready_s: float, dur_s: float, processes: int = 1) -> float:
         """When ``processes`` (a TP group: each computes ``dur_s``) ready at ``ready_s`` have all
