@@ -82,8 +82,13 @@ def _disaggregated(n: int) -> list[tuple[str, dict]]:
             for dname, dlay, d in _sides(n - p, ("dep", "afd"))]
 
 
+def _layout(system: dict):
+    """The layout of a candidate's (or a pd side's) system entry: its fields, not its hardware."""
+    return make_layout(system["mode"], **{k: v for k, v in system.items() if k not in ("mode", "hardware")})
+
+
 def side_devices(layout: dict) -> int:
-    return make_layout(layout["mode"], **{k: v for k, v in layout.items() if k not in ("mode", "hardware")}).num_processes
+    return _layout(layout).num_processes
 
 
 def enumerate_candidates(n: int, kinds: tuple[str, ...] = ("aggregated", "pd")) -> list[Candidate]:
@@ -141,7 +146,7 @@ def check_memory(c: Candidate, m: ModelSpec, device_bytes: float, mem_fraction: 
     sides = {"prefill": c.system["prefill"], "decode": c.system["decode"]} if c.kind == "pd" else {"": c.system}
     kv, engine = {}, {}
     for side, sys in sides.items():
-        lay = make_layout(sys["mode"], **{k: v for k, v in sys.items() if k not in ("mode", "hardware")})
+        lay = _layout(sys)
         where = f"{side} instance: " if side else ""
         own = device_bytes if side not in roles else hbm_of(roles[side])
         budget = own * mem_fraction

@@ -112,8 +112,7 @@ def answer(q: PlanQuestion, json_path: str | None = None) -> int:
         if choice.unpriced():
             print(f"no price per device-hour for {choice.unpriced()}: --price {choice.unpriced()[0]}=USD prices them")
         print("\n".join(pareto.show([r for r in ranked if r["feasible"]], _name)))
-    key = "requests_per_usd" if q.rank_by == "cost" else "goodput_per_device"
-    best = next((r for r in ranked if r["feasible"] and (r.get(key) or 0) > 0), None)
+    best = next((r for r in ranked if r["feasible"] and (r.get(pareto.RANK_KEY[q.rank_by]) or 0) > 0), None)
     if best is not None:
         how = f" ({_why_estimated(best, q.confirm)})" if best.get("estimated") else ""
         print(f"\nbest: {_name(best)}{how}\n  {best['command'] or best['engine_note']}")

@@ -25,9 +25,12 @@ def price(ranked: list[dict], choice, osl: int) -> None:
             r.update(usd_per_hour=usd, requests_per_usd=r["slo_rps"] * 3600 / usd, tps_per_usd_hour=r["slo_rps"] * osl / usd)
 
 
+RANK_KEY = {"device": "goodput_per_device", "cost": "requests_per_usd"}  # --rank-by -> an answer's field
+
+
 def rank(ranked: list[dict], by: str) -> list[dict]:
     """Feasible answers first, best goodput per device (``by="device"``) or per USD (``"cost"``) first."""
-    key = "requests_per_usd" if by == "cost" else "goodput_per_device"
+    key = RANK_KEY[by]
     return sorted(ranked, key=lambda r: (not r["feasible"], -(r.get(key) or 0.0), r["name"]))
 
 
