@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     missing = [n for n in names if n not in exp.systems]
     if missing:
         raise ValueError(f"--system {missing}: the config has {list(exp.systems)}")
-    rates = rates_of(args.request_rate) if args.request_rate else list(exp.rps)
+    # per system: the file may give each its own rates (as many each); the flag sets every system's
+    rates = {n: rates_of(args.request_rate) if args.request_rate else list(exp.rates(n)) for n in names}
     repeats = args.repeats or exp.repeats
     metric = SloMetric.parse(args.slo_metric or exp.slo_metric)
     find_slo = args.find_slo_rps or exp.find_slo_rps
@@ -115,10 +116,12 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
         for n in names:
             probers[n][0].warm_up()
         _drop_spans(llms)
+        num_rates = len(rates[names[0]])
         for k in range(repeats):
-            for i, rate in enumerate(rates):
-                shift = (k * len(rates) + i) % len(names)
+            for i in range(num_rates):
+                shift = (k * num_rates + i) % len(names)
                 for n in names[shift:] + names[:shift]:
+                    rate = rates[n][i]
                     p = probers[n][k].measure(rate, label=f"{n} r{k} {rate:g}rps")
                     runs[n]["repeats"][k]["sweep"].append(p)
                     print(f"[repeat {k}] {n}\n{format_point(p)}", flush=True)
@@ -130,7 +133,7 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
                     rep["search"] = dataclasses.asdict(res)
                     print(f"[repeat {k}] {n}: SLO throughput ({metric.name}) {res.describe()}", flush=True)
                     _drop_spans({n: llms[n]})
-                rep["probes"] = [p for r, p in sorted(pr.points.items()) if r not in rates]
+                rep["probes"] = [p for r, p in sorted(pr.points.items()) if r not in rates[n]]
                 if sat_rps:
                     sat = _saturation(exp, llms[n], seed0 + k, sat_rps, args, label=f"{n} r{k} saturation")
                     rep["saturation"] = sat.to_point()

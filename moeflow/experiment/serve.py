@@ -3,7 +3,8 @@
     model: tiny                       # the engine's model (a directory or "tiny"); the simulator's preset
     dtype: auto                       # what the deployments compute in (the simulator's cpu-here rates too)
     workload: {kind: production, length_scale: 0.25, duration_s: 40, seed: 0}
-    request_rate: [0.3, 0.45]         # req/s, one point each (``rps:``, its older name, is read too)
+    request_rate: [0.3, 0.45]         # req/s, one point each (``rps:``, its older name, is read too);
+                                      # or per system, as many each: {dep2: [1, 2], asap: [0.5, 1]}
     slo_ttft_s: 8
     systems:
       dep2: {mode: dep, dp: 2}
@@ -37,6 +38,9 @@ class Experiment:
     workload: WorkloadConfig  # rate_rps is set per probe
     dtype: str = "auto"
     rps: tuple[float, ...] = (1.0,)
+    # each system's own rates where the file gives them per system (name, rates): every system named,
+    # the same count each, so that bench compare still interleaves them rate by rate
+    rps_by_system: tuple[tuple[str, tuple[float, ...]], ...] = ()
     slo_ttft_s: float | None = None
     # with slo_ttft_s: each point's goodput, the requests per second within both SLOs (DistServe's)
     slo_tpot_s: float | None = None
@@ -64,6 +68,10 @@ class Experiment:
         """(TTFT s, TPOT s) when the experiment sets both: each point's goodput is measured against it."""
         return (self.slo_ttft_s, self.slo_tpot_s) if self.slo_tpot_s is not None else None
 
+    def rates(self, name: str) -> tuple[float, ...]:
+        """The rates system ``name`` is measured and simulated at."""
+        return dict(self.rps_by_system).get(name, self.rps)
+
     def point_workload(self, rate: float, seed: int, num_requests: int | None = None) -> WorkloadConfig:
         """The workload of one point at ``rate`` with ``seed``, for the engine and the simulator alike:
         the configured window, grown to hold ``min_requests`` where the rate is too low for it."""
@@ -80,6 +88,14 @@ class Experiment:
 
         check_systems("experiment", self.dtype, self.systems, self.compare)
         need(all(r > 0 for r in self.rps), f"rps must all be > 0, got {list(self.rps)}")
+        if self.rps_by_system:
+            given = dict(self.rps_by_system)
+            need(set(given) == set(self.systems), f"request_rate per system must name every system "
+                 f"{sorted(self.systems)}, got {sorted(given)}")
+            need(len({len(v) for v in given.values()}) == 1 and all(given.values()),
+                 f"request_rate per system: every system needs the same number of rates (interleaved "
+                 f"rate by rate), got { {n: len(v) for n, v in given.items()}}")
+            need(all(r > 0 for v in given.values() for r in v), f"request_rate per system: rates must be > 0, got {given}")
         need(not self.find_slo_rps or (self.slo_ttft_s or 0) > 0, "find_slo_rps needs slo_ttft_s > 0")
         need(self.slo_tpot_s is None or (self.slo_tpot_s > 0 and (self.slo_ttft_s or 0) > 0),
              f"slo_tpot_s must be > 0 and comes with slo_ttft_s, got {self.slo_tpot_s!r}")
@@ -119,11 +135,26 @@ def parse_experiment(d: dict) -> Experiment:
     w.setdefault("rate_rps", 1.0)
     d["workload"] = WorkloadConfig(**w)
     d["target"] = pop_target(d)
-    d["rps"] = tuple(float(r) for r in d["rps"]) if d.get("rps") is not None else (1.0,)  # []: saturation only
+    if isinstance(d.get("rps"), dict):  # per system: the first system's rates stand for the run's
+        d["rps_by_system"] = tuple((str(n), _floats(f"request_rate.{n}", v)) for n, v in d["rps"].items())
+        d["rps"] = d["rps_by_system"][0][1] if d["rps_by_system"] else (1.0,)
+    else:
+        d["rps"] = _floats("request_rate", d["rps"]) if d.get("rps") is not None else (1.0,)  # []: saturation only
     d["compare"] = tuple(tuple(pair) for pair in (d.get("compare") or ()))
     d["sweeps"] = tuple(_sweep(k, v) for k, v in (d.get("sweeps") or {}).items())
     d["roofline_isl"] = tuple(d.get("roofline_isl") or ())
     return Experiment(**d)
+
+
+def _floats(where: str, v) -> tuple[float, ...]:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return (float(v),)
+    if not isinstance(v, (list, tuple)):
+        raise ConfigError(f"experiment: {where} must be a list of rates (req/s), got {v!r}")
+    try:
+        return tuple(float(r) for r in v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"experiment: {where} must be a list of numbers, got {v!r}") from None
 
 
 def _sweep(name: str, v) -> tuple:

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in cfg.systems]
     if unknown:
         raise ValueError(f"--system {unknown}: the config has {list(cfg.systems)}")
-    rates = tuple(rates_of(args.request_rate)) if args.request_rate else cfg.rps
+    rates = {n: tuple(rates_of(args.request_rate)) if args.request_rate else cfg.rates(n) for n in names}
     measured = None
     if args.compare_with:
         with open(args.compare_with) as f:
@@ -86,21 +86,21 @@ def run(args: argparse.Namespace) -> int:
         if not names:
             raise ValueError(f"--compare-with {args.compare_with}: none of its systems "
                              f"{sorted(measured['systems'])} is in the config")
-        rates = tuple(sorted({p["rps"] for n in names for p in measured["systems"][n]["points"]}))
+        rates = {n: tuple(sorted({p["rps"] for p in measured["systems"][n]["points"]})) for n in names}
         args.repeats = measured.get("repeats", args.repeats)
     find_slo = args.find_slo_rps or cfg.find_slo_rps
     if find_slo and not cfg.slo_ttft_s:
         raise ValueError("--find-slo-rps needs slo_ttft_s in the config")
-    trace_rate = (args.trace_rps or rates[0]) if args.trace else None
+    trace_rate = (args.trace_rps or rates[names[0]][0]) if args.trace else None
     from moeflow.sim import symmetry
 
     print(symmetry.report(symmetry.differences({n: cfg.systems[n] for n in names})))
     cost = build_cost(cfg)
     out: dict[str, dict] = {}
     spans = []
-    for name in names if rates or find_slo else ():
+    for name in names if any(rates.values()) or find_slo else ():
         t0 = time.perf_counter()
-        res = run_system(name, cfg, cost, rates, find_slo, trace_rate, args.trace_window_s, args.repeats, metrics)
+        res = run_system(name, cfg, cost, rates[name], find_slo, trace_rate, args.trace_window_s, args.repeats, metrics)
         wall = time.perf_counter() - t0
         res.result["sim_speed"] = {"events": res.num_events, "wall_s": wall, "events_per_s": res.num_events / wall}
         out[name] = res.result

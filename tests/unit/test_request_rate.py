@@ -91,3 +91,23 @@ def test_an_experiment_file_takes_request_rate_or_rps_not_both():
     # an override replaces the rates whichever spelling the file used
     assert parse_experiment(apply_overrides({**base, "rps": [1]}, ("request_rate=[3]",))).rps == (3.0,)
     assert parse_experiment(apply_overrides({**base, "request_rate": [1]}, ("rps=[4]",))).rps == (4.0,)
+
+
+def test_rates_per_system_name_every_system_with_as_many_each(tmp_path):
+    base = {**yaml.safe_load(EXPERIMENT), "systems": {"dep1": {"mode": "dep", "dp": 1}, "dep2": {"mode": "dep", "dp": 2}}}
+    exp = parse_experiment({**base, "request_rate": {"dep1": [1, 2], "dep2": [3, 6]}})
+    assert exp.rates("dep1") == (1.0, 2.0) and exp.rates("dep2") == (3.0, 6.0)
+    assert parse_experiment({**base, "request_rate": [1, 2]}).rates("dep2") == (1.0, 2.0)
+    with pytest.raises(ConfigError, match=r"must name every system \['dep1', 'dep2'\], got \['dep1'\]"):
+        parse_experiment({**base, "request_rate": {"dep1": [1]}})
+    with pytest.raises(ConfigError, match="the same number of rates"):
+        parse_experiment({**base, "request_rate": {"dep1": [1], "dep2": [1, 2]}})
+    with pytest.raises(ConfigError, match=r"request_rate.dep2 must be a list of numbers"):
+        parse_experiment({**base, "request_rate": {"dep1": [1], "dep2": ["fast"]}})
+    # the simulator runs each system at its own rates
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text(yaml.safe_dump({**base, "request_rate": {"dep1": [1], "dep2": [3]}}))
+    out = tmp_path / "x.json"
+    assert main(["simulate", "--config", str(cfg), "--json", str(out)]) == 0
+    systems = json.loads(out.read_text())["systems"]
+    assert [p["rps"] for p in systems["dep1"]["points"]] == [1.0] and [p["rps"] for p in systems["dep2"]["points"]] == [3.0]
