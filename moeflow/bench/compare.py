@@ -83,7 +83,15 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     # NOTE: read at launch: the code that runs is the tree as it is now, whatever is edited meanwhile
     prov = provenance()
-    runs = _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args)
+    runs = {n: {"repeats": [{"seed": exp.workload.seed + k, "sweep": [], "probes": []} for k in range(repeats)]}
+            for n in names}
+    try:
+        _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args, runs)
+    except BaseException:  # what was measured outlives the failure (an hour's run of points)
+        if args.json:
+            write_json(args.json + ".partial.json", {"runs": runs, "provenance": prov})
+            print(f"bench compare: stopped; the points measured so far are in {args.json}.partial.json", flush=True)
+        raise
     try:
         result = _assemble(exp, names, runs, repeats, metric, profile, args.config, prov)
     except Exception:  # the measurements outlive a bug in the summary: kept next to the result
@@ -96,14 +104,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dict[str, dict]:
+def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args, runs: dict) -> None:
+    """Fills ``runs`` (per system, its repeats' points) as it measures."""
     from moeflow import LLM
     from moeflow.bench.probe import Prober
     from moeflow.engine.eplb import summary as eplb_summary
 
     seed0 = exp.workload.seed
     llms = {}
-    runs = {n: {"repeats": [{"seed": seed0 + k, "sweep": [], "probes": []} for k in range(repeats)]} for n in names}
     try:
         for n in names:  # every deployment up front; idle ones wait on pipes and doorbells
             spec = exp.systems[n]
@@ -147,7 +155,6 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args) -> dic
             points = rep["sweep"] + rep["probes"]
             rep["slo"] = {m.name: dataclasses.asdict(slo_rps_from_points(points, m, exp.slo_ttft_s))
                           for m in ALL_METRICS} if exp.slo_ttft_s else {}
-    return runs
 
 
 def _saturation(exp, llm, seed: int, start_rps: float, args, label: str):

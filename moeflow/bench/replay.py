@@ -116,6 +116,9 @@ def replay(llm, requests: list[WorkloadRequest], prompts: list[list[int]], label
                 out = t.tracker.output()
                 m = out.metrics
                 if out.error is not None or m.first_token_s is None:
+                    if not num_failed:  # why, once per replay: a failed deployment fails every request alike
+                        print(f"{label}: request {r.request_id} failed: {out.error or 'no first token'}",
+                              file=sys.stderr, flush=True)
                     num_failed += 1
                 else:
                     records.append(RequestRecord(len(r.prompt_token_ids), m.arrival_s, m.first_scheduled_s,

@@ -261,6 +261,8 @@ class PdEngine(Engine):
         out = []
         for side, engines in (("prefill", self.prefill), ("decode", self.decode)):
             for i, e in enumerate(engines):
+                if getattr(e, "failed", None) is not None:  # its workers are gone, and their spans with them
+                    continue
                 try:
                     spans = e.collect_spans()
                 except ConfigError:  # an in-process instance (colocated) records none
