@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from moeflow.server.backends import Backend, Backends
 from moeflow.server.errors import ApiError
 from moeflow.server.middleware import ApiKeyAuth
+from moeflow.server.router_admin import add_admin_routes
 
 logger = logging.getLogger("moeflow.router")
 
@@ -55,6 +56,13 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
         lines.append("# TYPE moeflow_router_in_flight gauge")
         lines += [f'moeflow_router_in_flight{{role="{b.role}",server="{b.url}"}} {b.in_flight}'
                   for b in backends.prefill + backends.decode]
+        lines.append("# TYPE moeflow_router_servers gauge")
+        lines += [f'moeflow_router_servers{{role="{role}",state="{state}"}} '
+                  f'{sum(b.draining == (state == "draining") for b in side)}'
+                  for role, side in (("prefill", backends.prefill), ("decode", backends.decode))
+                  for state in ("serving", "draining")]
+        lines.append("# TYPE moeflow_router_membership_events_total counter")
+        lines += [f'moeflow_router_membership_events_total{{event="{k}"}} {v}' for k, v in backends.events.items()]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -85,17 +93,30 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
         if handoff is None:  # its first token ended the request: the prefill answer is the answer
             counts["finished_on_prefill"] += 1
             return _as_stream(first) if body.get("stream") else JSONResponse(first)
-        answer = await _unless_gone(raw, _decode(path, {**body, "kv_transfer_params": handoff}, headers,
-                                                 int(handoff.get("remote_num_tokens") or 0)))
-        if answer is _GONE:  # the decode call (if any) was closed: its server aborts and frees; else free it here
-            counts["client_gone"] += 1
-            await _release(p, handoff, headers)
-            return Response(status_code=499)
-        if answer is None:
-            counts["no_decode"] += 1
-            await _release(p, handoff, headers)
-            raise ApiError(503, "no decode server took the request (all refused or were unreachable); retry later",
-                           type="server_error", code="no_decode_server", headers={"Retry-After": "1"})
+        # a draining p stays while a decode server may still read its KV: until the decode answer ends
+        # (a decode server pulls the KV after it accepts the request, not before its answer starts)
+        p.handing_off += 1
+
+        def handed_off() -> None:
+            p.handing_off -= 1
+            backends.settle()
+        relayed = False
+        try:
+            answer = await _unless_gone(raw, _decode(path, {**body, "kv_transfer_params": handoff}, headers,
+                                                     int(handoff.get("remote_num_tokens") or 0), handed_off))
+            if answer is _GONE:  # the decode call (if any) was closed: its server aborts and frees; else free it here
+                counts["client_gone"] += 1
+                await _release(p, handoff, headers)
+                return Response(status_code=499)
+            if answer is None:
+                counts["no_decode"] += 1
+                await _release(p, handoff, headers)
+                raise ApiError(503, "no decode server took the request (all refused or were unreachable); retry "
+                               "later", type="server_error", code="no_decode_server", headers={"Retry-After": "1"})
+            relayed = True  # the relay calls handed_off when the answer ends
+        finally:
+            if not relayed:
+                handed_off()
         counts["ok"] += 1
         return answer
 
@@ -119,7 +140,7 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
         answer = r.json()
         return answer.get("kv_transfer_params"), answer
 
-    async def _decode(path: str, body: dict, headers: dict, prompt_tokens: int) -> Response | None:
+    async def _decode(path: str, body: dict, headers: dict, prompt_tokens: int, on_end) -> Response | None:
         for d in backends.decode_order(prompt_tokens):
             d.in_flight += 1
             try:
@@ -136,10 +157,10 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
                 await r.aclose()
                 d.in_flight -= 1
                 continue
-            return _relay(r, d)
+            return _relay(r, d, on_end)
         return None
 
-    def _relay(r: httpx.Response, d: Backend) -> Response:
+    def _relay(r: httpx.Response, d: Backend, on_end) -> Response:
         sse = (r.headers.get("content-type") or "").startswith("text/event-stream")
 
         async def chunks():
@@ -163,6 +184,7 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
             finally:  # the client left, or the answer ended: the decode server sees the stream close
                 await r.aclose()
                 d.in_flight -= 1
+                on_end()  # settles the membership too
 
         return StreamingResponse(chunks(), status_code=r.status_code, media_type=r.headers.get("content-type"))
 
@@ -180,6 +202,7 @@ def build_router(backends: Backends, timeout_s: float, api_key: str | None) -> F
     async def chat_completions(raw: Request):
         return await route("/v1/chat/completions", raw)
 
+    add_admin_routes(app, backends)
     app.add_middleware(ApiKeyAuth, api_key=api_key)
     return app
 
