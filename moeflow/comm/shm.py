@@ -7,7 +7,7 @@ rank). See ``mailbox.py`` for the layout, the slot protocol and the memory-order
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,11 +45,16 @@ def combine_path(deployment_id: str, lane_id: int) -> str:
 
 
 class LaneWriter:
-    """The writing half of the slot protocol, for one lane in each of several mailboxes."""
+    """The writing half of the slot protocol, for one lane in each of several mailboxes. With
+    ``attach``, a mailbox given as None is attached at its first write (an elastic deployment's
+    expert ranks that join later), and ``detach`` lets one go (it left: a rank that joins at its
+    index later owns a new mailbox, written from seq 1 again)."""
 
-    def __init__(self, mailboxes: list[Mailbox], lane: int, config, stats: SendStats):
+    def __init__(self, mailboxes: list[Mailbox | None], lane: int, config, stats: SendStats,
+                 attach: Callable[[int], Mailbox] | None = None):
         self.mailboxes, self.lane, self.policy, self.stats = mailboxes, lane, config.wait, stats
-        self.num_slots = mailboxes[0].layout.num_slots if mailboxes else 0
+        self._attach = attach
+        self.num_slots = config.spec.num_slots
         row_bytes = config.spec.hidden_size * config.spec.dtype_bytes
         self.chunk_rows = max(1, config.stream_chunk_bytes // row_bytes) if config.stream_chunk_bytes else 0
         self.seq = [0] * len(mailboxes)  # last seq written to each mailbox's lane
@@ -58,6 +63,8 @@ class LaneWriter:
     def write(self, dst: int, words: list[int], payload: torch.Tensor) -> tuple[Mailbox, int]:
         """Write one message to mailbox ``dst``; returns (mailbox, slot) for a caller that waits."""
         t0 = time.perf_counter()
+        if self.mailboxes[dst] is None:
+            self.mailboxes[dst] = self._attach(dst)
         mb, lane, seq = self.mailboxes[dst], self.lane, self.seq[dst] + 1
         slot = seq % self.num_slots
         held = mb.flag(lane, slot)
@@ -91,9 +98,15 @@ class LaneWriter:
         self.stats.blocked_s += time.perf_counter() - t0
         return mb, slot
 
+    def detach(self, dst: int) -> None:
+        if self.mailboxes[dst] is not None:
+            self.mailboxes[dst].close()
+        self.mailboxes[dst], self.seq[dst] = None, 0
+
     def close(self) -> None:
         for mb in self.mailboxes:
-            mb.close()
+            if mb is not None:
+                mb.close()
         self.mailboxes = []
 
 
@@ -131,13 +144,17 @@ class ShmDispatchSender(DispatchSender):
     def __init__(self, config, region: int, lane: int):
         super().__init__(config, region, lane)
         layout = dispatch_layout(self.spec, config.arena)
-        boxes = [Mailbox.attach(dispatch_path(config.deployment_id, e), layout, config.attach_timeout_s,
-                                config.compute_device)
-                 for e in range(self.spec.num_expert_ranks)]
-        self.writer = LaneWriter(boxes, self.lane_id, config, self.stats)
+        # NOTE: attached at the first send to each: an elastic deployment's buffers are sized for
+        # expert ranks that may join later (the ranks present were all up before anyone sends)
+        self.writer = LaneWriter([None] * self.spec.num_expert_ranks, self.lane_id, config, self.stats,
+                                 lambda e: Mailbox.attach(dispatch_path(config.deployment_id, e), layout,
+                                                          config.attach_timeout_s, config.compute_device))
 
     def send(self, rank, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
         self.writer.write(rank, self.header(payload, layer_id, batch_id, tokens_per_expert), payload)
+
+    def detach(self, rank: int) -> None:
+        self.writer.detach(rank)
 
     def close(self) -> None:
         self.writer.close()
@@ -232,6 +249,9 @@ class ShmCombineReceiver(CombineReceiver):
             self._expect[e] = seq + 1
             segments[e] = CombineSegment(e, seq, layer_id, batch_id, payload)
         return CombineMessage(segments)
+
+    def forget(self, rank: int) -> None:
+        self._expect[rank], self.reader.streamed[rank] = 1, 0
 
     def close(self) -> None:
         self.mailbox.close()

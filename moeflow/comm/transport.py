@@ -63,6 +63,11 @@ class DispatchSender(ABC):
         when Epr == 1). All W lanes of a region send to the same ranks in the same order,
         n = 0 included: the receiver waits for all W lanes of a region."""
 
+    def detach(self, rank: int) -> None:
+        """Let expert rank ``rank``'s buffer go: it left an elastic deployment (one that joins at
+        its index later is written from the start of a new buffer)."""
+        raise NotImplementedError(f"transport {self.config.transport!r}: expert ranks cannot leave while serving")
+
     def close(self) -> None:
         pass
 
@@ -153,6 +158,11 @@ class CombineReceiver(ABC):
         self.region, self.lane = region, lane
         self.lane_id = config.spec.lane_id(region, lane)
         self.policy = config.wait
+
+    def forget(self, rank: int) -> None:
+        """Expert rank ``rank`` left an elastic deployment: one that joins at its index later writes
+        its segment from seq 1 again."""
+        raise NotImplementedError(f"transport {self.config.transport!r}: expert ranks cannot leave while serving")
 
     @abstractmethod
     def poll(self, ranks: Sequence[int]) -> CombineMessage | None:

@@ -181,8 +181,10 @@ def test_stale_segment_is_refused_then_replaced(dep):
     stale.mailbox.segment.is_owner = False  # ... and so never unlinked anything
     stale.close()
     assert dispatch_path(dep, 0) in list_segments(dep)
-    with pytest.raises(TimeoutError):
-        tr.dispatch_sender(0, 0)  # expert rank 0's buffer is there, but its owner is dead
+    refused = tr.dispatch_sender(0, 0)
+    with pytest.raises(TimeoutError):  # expert rank 0's buffer is there, but its owner is dead
+        refused.send(0, torch.ones(1, 16).bfloat16(), 0, 0, [1, 0])
+    refused.close()
     rx0 = tr.dispatch_receiver(0)  # a restart with the same id replaces it
     tx0, tx1 = tr.dispatch_sender(0, 0), tr.dispatch_sender(0, 1)
     try:
@@ -199,11 +201,47 @@ def test_stale_segment_is_refused_then_replaced(dep):
 def test_sender_refuses_a_buffer_of_another_layout(dep):
     rx = make_transport(CommConfig(SPEC, deployment_id=dep)).dispatch_receiver(0)
     other = CommSpec(**{**SPEC.__dict__, "hidden_size": 32, "num_expert_ranks": 1, "num_experts": 2})
-    try:
+    tx = make_transport(CommConfig(other, deployment_id=dep, attach_timeout_s=0.2)).dispatch_sender(0, 0)
+    try:  # attached at the first send (expert ranks of an elastic deployment may join later)
         with pytest.raises(TimeoutError):
-            make_transport(CommConfig(other, deployment_id=dep, attach_timeout_s=0.2)).dispatch_sender(0, 0)
+            tx.send(0, torch.zeros(1, 32).bfloat16(), 0, 0, [1, 0])
     finally:
+        tx.close()
         rx.close()
+
+
+def test_an_expert_rank_leaves_and_another_joins_at_its_index(dep):
+    """Elastic FFN daemons: a sender attaches to a rank's buffer at its first send, lets it go when
+    the rank leaves, and writes a new rank's new buffer at that index from seq 1; the combine
+    receiver forgets the old rank's sequence."""
+    spec = CommSpec(num_regions=1, lanes_per_region=1, num_expert_ranks=2, num_experts=2, top_k=1, hidden_size=8,
+                    max_batch_tokens=4)
+    tr = make_transport(CommConfig(spec, deployment_id=dep))
+    c_rx = tr.combine_receiver(0, 0)
+    d_rx0 = tr.dispatch_receiver(0)
+    d_tx = tr.dispatch_sender(0, 0)  # rank 1 has not joined: nothing to attach yet
+    c_tx0 = tr.combine_sender(0)
+    x = torch.ones(2, 8).bfloat16()
+    try:
+        for k in range(3):
+            d_tx.send(0, x * k, 0, k)
+            assert d_rx0.recv(timeout_s=1).rows[0].batch_id == k
+            c_tx0.send(0, 0, x * k, 0, k)
+            assert c_rx.recv([0], timeout_s=1).segments[0].seq == k + 1
+        for generation in range(2):  # rank 1 joins, serves, leaves; then joins again at index 1
+            d_rx1, c_tx1 = tr.dispatch_receiver(1), tr.combine_sender(1)
+            for k in range(2):
+                d_tx.send(1, x * (k + 10 * generation), 0, k)
+                msg = d_rx1.recv(timeout_s=1)
+                assert msg.seq == k + 1 and torch.equal(msg.rows[0].payload, x * (k + 10 * generation))
+                c_tx1.send(0, 0, x * k, 0, k)
+                assert c_rx.recv([1], timeout_s=1).segments[1].seq == k + 1
+            d_tx.detach(1)
+            c_rx.forget(1)
+            c_tx1.close()
+            d_rx1.close()
+    finally:
+        _close([d_tx, d_rx0, c_tx0, c_rx])
 
 
 def test_corrupt_flag_is_a_protocol_error(dep):
