@@ -153,3 +153,47 @@ def _keep_slots(new: tuple[int, ...], old: tuple[int, ...]) -> tuple[int, ...]:
         else:
             slots.append(None)
     return tuple(rest.pop(0) if x is None else x for x in slots)
+
+
+
+def resize(current: ExpertMap, num_devices: int, load: list[list[float]] | None = None) -> ExpertMap:
+    """The placement after the expert devices change from ``current.num_devices`` to ``num_devices``
+    (an elastic deployment's daemons or expert ranks joining or leaving), moving as few weights as
+    the change needs: devices keep their index and their slot count (buffers are sized once);
+    devices that join take the last device's count and fill it with replicas, the expert with the
+    most ``load`` per copy first (uniform without a load); the last devices leave, and each expert
+    only they held takes, on a survivor, the slot of the expert with the least load per copy that
+    has copies to spare. Surviving slots otherwise keep their experts; a rebalance may refine later."""
+    old = current.slots_per_device
+    if num_devices < 1:
+        raise ConfigError(f"resize: at least one expert device, got {num_devices}")
+    counts = old[:num_devices] + (old[-1],) * max(0, num_devices - len(old))
+    e = current.num_experts
+    if sum(counts) < e:
+        raise ConfigError(f"resize: {num_devices} expert devices of {list(counts)} slots hold {sum(counts)} experts, "
+                          f"fewer than the model's {e}")
+    if slot_counts(sum(counts), num_devices) != counts:
+        raise ConfigError(f"resize: devices of {list(old)} slots cannot become {num_devices} devices of equal shares")
+    load = load if load and any(any(row) for row in load) else [[1.0] * e for _ in range(current.num_layers)]
+    return ExpertMap(tuple(_resized(list(map(list, layer[:num_devices])), counts, [float(x) for x in w])
+                           for layer, w in zip(current.layers, load)), e)
+
+
+def _resized(devices: list[list[int]], counts: tuple[int, ...], load: list[float]) -> tuple:
+    copies = [0] * len(load)
+    for ids in devices:
+        for x in ids:
+            copies[x] += 1
+    for x in sorted((x for x in range(len(load)) if not copies[x]), key=lambda x: -load[x]):  # held by leavers only
+        d, slot = min(((d, k) for d, ids in enumerate(devices) for k, y in enumerate(ids) if copies[y] > 1),
+                      key=lambda dk: load[devices[dk[0]][dk[1]]] / copies[devices[dk[0]][dk[1]]])
+        copies[devices[d][slot]] -= 1
+        devices[d][slot], copies[x] = x, 1
+    for c in counts[len(devices):]:  # joiners: replicas, hottest per copy first, one copy per device where it can
+        ids: list[int] = []
+        for _ in range(c):
+            x = max(range(len(load)), key=lambda x: (x not in ids, load[x] / (copies[x] + 1), -x))
+            ids.append(x)
+            copies[x] += 1
+        devices.append(ids)
+    return tuple(tuple(ids) for ids in devices)

@@ -96,3 +96,27 @@ def test_bad_inputs_are_refused_naming_the_numbers():
     with pytest.raises(ConfigError, match="hierarchical placement needs"):
         rebalance(WEIGHT, 8, 4, num_groups=3, num_nodes=2, policy="hierarchical")
     assert balancedness([0.0, 0.0]) == 1.0 and balancedness([1.0, 3.0]) == pytest.approx(2 / 3)
+
+
+def test_resize_keeps_every_survivor_its_slots_and_most_of_its_experts():
+    from moeflow.scheduler.eplb import resize
+
+    now = ExpertMap.contiguous(8, 2, 3)  # 2 devices of 4 slots, 3 layers
+    load = [[5, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 9], [1] * 8]
+    grown = resize(now, 3, load)
+    assert grown.slots_per_device == (4, 4, 4) and grown.num_experts == 8
+    # survivors move nothing; the joiner holds replicas, the hottest per copy first, one copy each
+    assert all(grown.layers[lid][:2] == now.layers[lid] for lid in range(3))
+    assert grown.layers[0][2] == (0, 1, 2, 3) and grown.layers[1][2] == (7, 0, 1, 2)
+    assert now.moves(resize(grown, 2)) == []  # and leaving it again moves nothing back
+    # the last device leaves: what only it held takes the coldest spare copies' slots on survivors
+    shrunk = resize(ExpertMap(((((0, 1, 2), (3, 0, 1), (4, 5, 0)),)), 6), 2, [[9, 1, 4, 2, 1, 1]])
+    # 4 takes the coldest spare copy's slot (1's first), then 5 the only spare left (0's first)
+    assert shrunk.layers[0] == ((5, 4, 2), (3, 0, 1))
+    with pytest.raises(ConfigError, match=r"1 expert devices of \[4\] slots hold 4 experts, fewer than the model's 8"):
+        resize(now, 1)
+    assert resize(shrunk, 3).slots_per_device == (3, 3, 3)
+    uneven = ExpertMap.contiguous(4, 3, 1, num_redundant=3)  # 2, 2, 3 slots: a fourth of 3 is no even share
+    assert resize(uneven, 2).slots_per_device == (2, 2)
+    with pytest.raises(ConfigError, match=r"devices of \[2, 2, 3\] slots cannot become 4 devices of equal shares"):
+        resize(uneven, 4)
