@@ -55,8 +55,12 @@ class DepEngine(ProcessEngine):
             except WorkerDied as e:
                 return self._fail(str(e))
             self._out = (works, {})
+        return self._collect(self.max_wait_s)
+
+    def _collect(self, wait_s: float) -> StepResult:
+        """The global step's answers that arrive within ``wait_s``; its result once the last is in."""
         works, done = self._out
-        deadline = clock() + self.max_wait_s
+        deadline = clock() + wait_s
         try:
             while len(done) < len(self.ranks):  # the global step boundary: every rank, slowest included
                 left = deadline - clock()
@@ -74,3 +78,19 @@ class DepEngine(ProcessEngine):
             self._complete(done[w.group], w, result, f"rank{w.group}")
         result.finished += self._failed_batches()
         return result
+
+    def drain(self, timeout_s: float = 120.0) -> None:
+        """Collect the global step still out (after its requests were aborted): a step that returned
+        before its ranks answered leaves one, and its answers must not reach anyone else."""
+        deadline = clock() + timeout_s
+        while self._out is not None and self.failed is None:
+            if clock() > deadline:
+                raise RuntimeError(f"the global step still in flight after {timeout_s:g} s")
+            self._collect(max(0.0, deadline - clock()))
+
+    def _busy(self) -> bool:
+        return self._out is not None
+
+    def _on_fail(self) -> None:
+        super()._on_fail()
+        self._out = None

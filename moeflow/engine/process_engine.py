@@ -252,6 +252,9 @@ class ProcessEngine(Startup):
                 if isinstance(msg, Spans):
                     spans += msg.spans
                     pending.remove(w)
+                elif isinstance(msg, WorkDone):  # dropping it here would leave its step waiting for ever
+                    raise RuntimeError(f"collect_spans: {w.name} answered work item {msg.work_id}: the "
+                                       f"{self.mode_name} deployment was not idle")
         return spans
 
     def shutdown(self) -> None:

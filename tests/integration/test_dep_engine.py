@@ -56,3 +56,23 @@ def test_dead_rank_fails_requests_and_cleans_up(checkpoints):
     assert all(o.outputs[0].finish_reason == "error" and "dep worker 1" in o.error for o in outs)
     llm.shutdown()
     assert list_segments(llm.engine.deployment_id) == []
+
+
+def test_a_step_left_out_by_an_abort_is_drained_before_anything_else_reads_the_ranks(checkpoints, reference):
+    """A dep step returns before its ranks answer (``max_wait_s``, so that pd's loop turns); aborting
+    its requests then must not leave that step out: ``drain`` collects it, and ``collect_spans`` (a
+    benchmark's, between probes) finds the deployment idle. Before, drain did nothing for dep and
+    collect_spans dropped the step's answers, so the next request waited for them until the stall
+    watchdog failed the deployment (a plan validation's probes, an SLO search stopped early)."""
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="dep", dp=2, trace=True) as llm:
+        e = llm.engine
+        e.max_wait_s = 0.0  # the step is issued and left out, as in pd's loop
+        r = llm.make_request(PROMPTS[4], SamplingParams(max_tokens=8, ignore_eos=True))
+        e.add_request(r)
+        e.step()
+        assert e._busy()
+        e.abort(r.request_id)
+        e.drain()
+        assert not e._busy() and e.collect_spans()
+        e.max_wait_s = 0.05
+        assert_same(llm.generate(PROMPTS, PARAMS), reference["qwen3"])
