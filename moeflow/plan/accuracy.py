@@ -28,8 +28,11 @@ def closest(layout: dict, profiled: bool) -> list[str]:
     a = _load()
     if profiled:
         h = a["here"]
-        return [f"{h['pairs_in_order']} of {h['pairs']} pairs of deployments measured in the predicted order "
-                f"({h['source']})"]
+        lo, hi = h["tau_interval"]
+        r0, r1 = h["measured_over_predicted"]
+        return [f"ranking: Kendall's tau {h['tau']:+.2f} [{lo:+.2f}, {hi:+.2f}] over {h['deployments']} deployments "
+                f"measured, the top pick {'measured best' if h['top_pick_best'] else 'not the measured best'}; "
+                f"SLO rate measured {r0:.2f}-{r1:.2f}x of the predicted ({h['source']})"]
     out = []
     for mode in dict.fromkeys(modes_of(layout)):
         if mode == "dep":

@@ -31,4 +31,4 @@ def test_the_closest_cases_follow_the_picks_modes():
     dep = accuracy.closest({"mode": "dep", "dp": 8}, profiled=False)
     assert len(dep) == 1 and "DeepSeek" in dep[0] and "decode" in dep[0] and "prefill" in dep[0]
     here = accuracy.closest({"mode": "dep", "dp": 4}, profiled=True)
-    assert "predicted order" in here[0] and "validate.md" in here[0]
+    assert "Kendall's tau" in here[0] and "x of the predicted" in here[0] and "decide/README.md" in here[0]

@@ -51,9 +51,16 @@ def anchor_case(text: str) -> dict:
 
 
 def validation_case(text: str) -> dict:
-    m = re.search(r"Pairs in the predicted order: (\d+) of (\d+)", text)
-    return {"source": "this machine's plan validation, docs/results/plan/validate.md",
-            "pairs_in_order": int(m.group(1)), "pairs": int(m.group(2))}
+    """The validation that decides (decide/README.md): Kendall's tau with its interval, whether the
+    top pick measured best, and the measured / predicted SLO rates."""
+    m = re.search(r"Kendall's tau-b, predicted against measured medians: ([-+.\d]+), 95% bootstrap interval "
+                  r"\[([-+.\d]+), ([-+.\d]+)\]", text)
+    rows = [_cells(line) for line in text.splitlines() if re.match(r"\| (pd_|dep\d|afd_|asap_|dwdp\d)", line)]
+    ratios = [float(r[4]) for r in rows if len(r) == 5]
+    return {"source": "this machine's plan validation, docs/results/plan/decide/README.md",
+            "tau": float(m.group(1)), "tau_interval": [float(m.group(2)), float(m.group(3))],
+            "deployments": len(ratios), "top_pick_best": "is the measured best" in text,
+            "measured_over_predicted": [min(ratios), max(ratios)]}
 
 
 def build() -> dict:
@@ -62,7 +69,7 @@ def build() -> dict:
             return f.read()
     return {"seeds": seed_cases(read("docs", "results", "sim", "seed_tables.md")),
             "anchor": anchor_case(read("docs", "results", "sim", "anchors.md")),
-            "here": validation_case(read("docs", "results", "plan", "validate.md"))}
+            "here": validation_case(read("docs", "results", "plan", "decide", "README.md"))}
 
 
 def text(d: dict) -> str:
