@@ -22,7 +22,7 @@ def _workers(router) -> dict[str, dict]:
 
 
 def _admin(router, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moeflow", "router-admin", "--router", router.url, *args],
+    return subprocess.run([sys.executable, "-m", "moeflow", "router-admin", *args, "--router", router.url],
                           capture_output=True, text=True, timeout=120)
 
 
