@@ -156,6 +156,18 @@ class MoveExperts:
 
 
 @dataclass
+class JoinExperts:
+    """What an expert-holding worker that joins an elastic deployment while it serves starts from
+    (``WorkerSetup.join``): placement ``epoch`` (``layers``, its own row included) is the one it
+    fills, from the peers' live buffers of placement ``epoch - 1`` (``live_layers``, without it), and
+    reports ``ExpertsMoved`` for once it is done."""
+
+    epoch: int
+    layers: tuple  # [moe layer][expert device] -> logical expert of each slot, after it joins
+    live_layers: tuple  # the same, serving now
+
+
+@dataclass
 class ExpertsMoved:
     """Expert-holding worker -> engine: the slots of placement ``epoch`` hold their experts."""
 
@@ -253,6 +265,7 @@ class WorkerSetup:
     # the starting placement where it differs by layer (``ExpertMap.layers``: [moe layer][device] ->
     # experts; --init-expert-location); None: ``experts_held`` in every MoE layer
     expert_layers: tuple | None = None
+    join: JoinExperts | None = None  # it joins while the deployment serves (an elastic FFN daemon)
 
     def held_by(self, device: int) -> tuple:
         """What expert device ``device`` loads: its experts, per MoE layer where they differ by layer."""

@@ -108,7 +108,7 @@ def _measure(exp, names, rates, repeats, metric, find_slo, sat_rps, args, runs: 
     """Fills ``runs`` (per system, its repeats' points) as it measures."""
     from moeflow import LLM
     from moeflow.bench.probe import Prober
-    from moeflow.engine.eplb import summary as eplb_summary
+    from moeflow.engine.eplb_report import summary as eplb_summary
 
     seed0 = exp.workload.seed
     llms = {}

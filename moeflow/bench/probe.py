@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moeflow.bench.replay import random_prompts, replay
-from moeflow.engine.eplb import point_report
+from moeflow.engine.eplb_report import point_report
 from moeflow.measure.metrics import summarize
 from moeflow.measure.slo import (ALL_METRICS, SloMetric, SloResult, SloSearch, StopRule, find_slo_rps,
                                  slo_rps_from_points)

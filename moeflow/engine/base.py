@@ -59,6 +59,9 @@ class EngineLoad:
     # why the deployment serves with less than it was built with (dwdp: a rank died and the others go
     # on; pd: an instance failed), None when whole. A degraded deployment is still serving, not failed.
     degraded: str | None = None
+    # an elastic deployment: its members by role now, and its scale events so far, (kind, outcome, count)
+    members: tuple[tuple[str, int], ...] = ()
+    scale_events: tuple[tuple[str, str, int], ...] = ()
 
 
 class Engine(abc.ABC):

@@ -20,8 +20,9 @@ from moeflow.config import ONE_HOST_SHARED, ConfigError
 from moeflow.engine.expert_load import ExpertLoadWindow, window_for
 from moeflow.layout.expert_map import ExpertMap
 from moeflow.logs import get_logger
-from moeflow.messages import ExpertsMoved, MoveExperts, UseExperts, WorkDone
-from moeflow.scheduler.eplb import rebalance
+from moeflow.engine.elastic import ScaleEvent
+from moeflow.messages import ExpertsMoved, JoinExperts, MoveExperts, UseExperts, WorkDone, WorkerFailed
+from moeflow.scheduler.eplb import rebalance, resize
 from moeflow.scheduler.expert_location import TRIVIAL, initial_map
 from moeflow.workers.launch import WorkerDied
 
@@ -60,6 +61,8 @@ class Eplb:
         self._waiting: set[tuple[str, int]] = set()
         self._old: set[int] = set()  # work items issued before the switch, not yet back
         self.history: list[Rebalance] = []
+        self.rebalances = live  # periodic rebalances (--enable-eplb); an elastic deployment moves without them
+        self.membership = None  # an elastic deployment's (engine/elastic.py): members that join and leave
 
     # -- the engine's hooks ----------------------------------------------------------------------
 
@@ -78,6 +81,8 @@ class Eplb:
         if not self.live:
             return got
         rest = [(w, m) for w, m in got if not isinstance(m, ExpertsMoved) or self._moved(m)]
+        if self.membership is not None and self.phase == "moving":
+            self._poll_joiners()
         if self.polls and self.phase == "moving":
             for _, m in self.engine.deployment.recv_any(self.expert_workers, 0.0):
                 if not isinstance(m, ExpertsMoved) or self._moved(m):
@@ -91,7 +96,7 @@ class Eplb:
         dep rank's pipe carries nothing else then; measured: 1.0 s -> 0.07 s with a request a
         second). Returns why a worker died, if one did meanwhile."""
         try:
-            if self.live and self.phase != "serving":
+            if self.live and (self.phase != "serving" or (self.membership is not None and self.membership.pending)):
                 got = [] if self.polls else self.engine.deployment.recv_any(self.expert_workers, 0.0)
                 for _, m in self.take(got):
                     log.warning("unexpected message from an expert worker: %r", m)
@@ -105,7 +110,11 @@ class Eplb:
         if self.phase == "retiring" and not self._old:
             self.history[-1].retired_s = time.monotonic()
             self.phase = "serving"
-        if self.phase == "serving" and self.since >= self.config.step_interval:
+            if self.membership is not None:
+                self._retire_leavers()
+        if self.phase == "serving" and self.membership is not None and self.membership.pending is not None:
+            self._resize()
+        elif self.phase == "serving" and self.rebalances and self.since >= self.config.step_interval:
             self.since = 0
             self._start()
 
@@ -139,17 +148,102 @@ class Eplb:
         r.move_s = max(r.move_s, m.seconds)
         r.moved_bytes, r.peer_bytes = r.moved_bytes + m.nbytes, r.peer_bytes + m.peer_bytes
         if not self._waiting:
-            self._switch()
+            self._moves_done()
         return False
+
+    def _moves_done(self) -> None:
+        m = self.membership
+        if m is not None and m.failed is not None:  # a joiner failed: nothing switches, the rest serve on
+            m.events[-1].outcome = f"failed: {m.failed}"
+            self.history[-1].retired_s = time.monotonic()
+            for w in m.joiners:  # asked to shut down: each unlinks its own buffers
+                self.engine.deployment.leave(w)
+            m.joiners, m.ready, m.leavers, m.failed, self.phase = [], [], [], None, "serving"
+            log.warning("scale %s: %s", m.kind, m.events[-1].outcome)
+            return
+        self._switch()
 
     def _switch(self) -> None:
         self.epoch += 1
         self.window.map = self._next
+        m = self.membership
+        if m is not None:
+            for w in m.joiners:
+                self.engine.deployment.admit(w)
+                self.expert_workers.append(w)
+            m.joiners, m.ready = [], []
+            m.on_switch(self._next.num_devices)
         for w in self.attention_workers:
             self.engine.deployment.send(w, UseExperts(self.epoch, self._next.layers))
         self._old = set(self.in_flight)
         self.history[-1].switched_s = time.monotonic()
+        if m is not None and m.events and m.events[-1].outcome == "running":
+            e = m.events[-1]
+            e.switched_s, e.moved_bytes, e.move_s = self.history[-1].switched_s, self.history[-1].moved_bytes, \
+                self.history[-1].move_s
         self.phase = "retiring"
+
+    # -- membership (elastic.py) ------------------------------------------------------------------
+
+    def _resize(self) -> None:
+        """Begin the change to ``membership.pending`` devices: joiners forked, survivors moving."""
+        m, now = self.membership, self.window.map
+        n, cur = m.pending, now.num_devices
+        m.pending = None
+        load = self.window.window.tolist()
+        new = resize(now, n, load)
+        started = time.monotonic()
+        m.events.append(ScaleEvent(m.kind, cur, n, started))
+        moved = sum(a != b for l in range(now.num_layers) for d in range(min(n, cur))
+                    for a, b in zip(now.layers[l][d], new.layers[l][d])) + sum(new.slots_per_device[cur:]) * now.num_layers
+        before, after = now.balancedness(load), new.balancedness(load)
+        self.history.append(Rebalance(self.epoch + 1, started, moved, sum(before) / len(before), sum(after) / len(after)))
+        survivors = self.expert_workers[:min(n, cur)]
+        m.leavers = list(self.expert_workers[n:])
+        m.joiners = [m.spawn(j, JoinExperts(self.epoch + 1, new.layers, now.layers)) for j in range(cur, n)]
+        self._next, self.phase = new, "moving"
+        self._waiting = {(w.role, w.index) for w in survivors + m.joiners}
+        log.info("scale %s %d -> %d: %d slots move", m.kind, cur, n, moved)
+        for w in survivors:
+            self.engine.deployment.send(w, MoveExperts(self.epoch + 1, new.layers))
+
+    def _poll_joiners(self) -> None:
+        """The joiners' start and reports (their pipes are not the deployment's yet); one that failed
+        or died ends the change once the survivors' moves are in."""
+        m = self.membership
+        for w in list(m.joiners):
+            try:
+                if not any(x is w for x in m.ready):
+                    if not self.engine.deployment.is_ready(w):
+                        continue
+                    m.ready.append(w)
+                while w.conn.poll(0):
+                    msg = w.conn.recv()
+                    if isinstance(msg, ExpertsMoved):
+                        self._moved(msg)
+                    elif isinstance(msg, WorkerFailed):
+                        raise WorkerDied(f"{w.name} failed:\n{msg.error}", w)
+                if not w.process.is_alive():
+                    raise WorkerDied(f"{w.name} exited (exit code {w.process.exitcode})", w)
+            except (WorkerDied, EOFError, OSError) as e:
+                m.fail(str(e).splitlines()[0])
+                m.joiners = [x for x in m.joiners if x is not w]
+                self.engine.deployment.leave(w, 0.0)
+                self._waiting.discard((w.role, w.index))
+                if not self._waiting:
+                    self._moves_done()
+                    return
+
+    def _retire_leavers(self) -> None:
+        m = self.membership
+        for w in m.leavers:
+            self.expert_workers.remove(w)
+            self.engine.deployment.leave(w)
+        if m.events and m.events[-1].outcome == "running":
+            m.events[-1].left_s, m.events[-1].outcome = time.monotonic(), "done"
+            log.info("scale %s %d -> %d done in %.2f s", m.kind, m.events[-1].before, m.events[-1].after,
+                     m.events[-1].left_s - m.events[-1].requested_s)
+        m.leavers = []
 
 
 def check_live(config, mode: str, computes: bool = True) -> None:
@@ -187,38 +281,3 @@ def attach(engine, mc, held, expert_workers: list, attention_workers: list, poll
     engine.expert_load = window_for(mc, held, computes, c.eplb_config.window_size)
     engine.eplb = Eplb(engine, engine.expert_load, expert_workers, attention_workers, polls, c.enable_eplb,
                        c.eplb_config, c.cluster.nnodes, mc.n_group)
-
-
-def point_report(eplb: Eplb, since: int, records: list) -> dict:
-    """What a measured point says of the placement: the window's balancedness at its end (mean over
-    layers), the rebalances that began during it, and its requests' latency split by whether their
-    life overlapped a rebalance (move to retire) or not: a rebalance's latency cost."""
-    bal = eplb.window.balancedness()
-    out = {"eplb_balancedness": sum(bal) / len(bal) if bal else None,
-           "eplb_rebalances": [dataclasses.asdict(r) for r in eplb.history[since:]]}
-    spans = [(r.started_s, r.retired_s or float("inf")) for r in eplb.history[since:]]
-    if not spans:
-        return out
-    during = [r for r in records if any(a < r.finished_s and r.arrival_s < b for a, b in spans)]
-    outside = [r for r in records if r not in during]
-
-    def mean(xs):
-        xs = [x for x in xs if x is not None]
-        return sum(xs) / len(xs) if xs else None
-    out["eplb_latency"] = {"requests_during": len(during), "requests_outside": len(outside),
-                           "ttft_mean_s_during": mean(r.ttft_s for r in during),
-                           "ttft_mean_s_outside": mean(r.ttft_s for r in outside),
-                           "tpot_mean_s_during": mean(r.tpot_s for r in during),
-                           "tpot_mean_s_outside": mean(r.tpot_s for r in outside)}
-    return out
-
-
-def summary(eplb: Eplb | None) -> dict | None:
-    """A deployment's placement over a whole run (for result files)."""
-    if eplb is None:
-        return None
-    bal = eplb.window.balancedness()
-    return {"live": eplb.live, "physical_experts": eplb.window.map.num_slots, "epoch": eplb.epoch,
-            "balancedness_per_layer": bal, "rebalances": [dataclasses.asdict(r) for r in eplb.history]}
-
-

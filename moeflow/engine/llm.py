@@ -253,6 +253,24 @@ class LLM:
             raise ConfigError(f"mode {self.mode!r} records no expert load (dep, asap, afd and dwdp do)")
         return window.distribution()
 
+    def scale(self, ffn: int | None = None, attention: int | None = None, wait: bool = True,
+              timeout_s: float = 300.0) -> dict:
+        """Change the deployment's membership while it serves (afd: ``ffn`` FFN daemons, in a
+        deployment started with ``max_ffn_workers``); with ``wait``, return once the new membership
+        serves and the old members have left. The status, as ``GET /scale`` gives it; a target the
+        deployment cannot take raises ``ConfigError`` saying why."""
+        scale = getattr(self.engine, "scale", None)
+        if scale is None:
+            raise ConfigError(f"mode {self.mode!r}: its membership is fixed while serving (afd's FFN daemons scale)")
+        status = scale(ffn=ffn, attention=attention)
+        deadline = time.monotonic() + timeout_s
+        while wait and status["in_progress"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"scale: still in progress after {timeout_s:g} s: {status}")
+            self.engine.step()  # drives the change (an idle step turns it too)
+            status = self.engine.scale_status()
+        return status
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

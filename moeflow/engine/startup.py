@@ -108,6 +108,7 @@ class Startup(Engine):
         groups = bp.tp_groups
         world = self._world(bp.size, groups) if groups or transport in DIST_TRANSPORTS else None
         setup = functools.partial(self._setup, model_path, comm, held, world)
+        self._worker_setup = setup  # (role, index, rank, node) -> a setup: for workers that join later
         self._launch([setup(*w) for w in bp.workers(config.cluster.nnodes)],
                      self._shm_bytes(model_path, family) + self._shared_kv_bytes(mc, bp))
         experts, attention = bp.sides(self.deployment.workers)

@@ -148,10 +148,20 @@ class AfdLayout(Layout):
     chunked_prefill_size: int | None = chunk_opt()
     max_batch_tokens: int = opt(4096, "S: most tokens of one attention instance's step (all its micro-batches)")
     num_redundant_experts: int = redundant_opt()
+    # elastic: the most FFN daemons this deployment may grow to while it serves (POST /scale); the
+    # buffers every instance writes and reads are sized for them at start
+    max_ffn_workers: int | None = opt(None, "elastic: the most FFN daemons the deployment may scale to while "
+                                            "serving (topology 'all'); default: ffn_workers, fixed")
 
     def __post_init__(self) -> None:
         positive(self, "attn_workers", "ffn_workers", "micro_batches", "max_batch_tokens")
         check_redundant(self)
+        require(self.max_ffn_workers is None or (isinstance(self.max_ffn_workers, int)
+                                                 and self.max_ffn_workers >= self.ffn_workers),
+                f"afd layout: max_ffn_workers must be >= ffn_workers ({self.ffn_workers}), got {self.max_ffn_workers!r}")
+        require(self.max_ffn_workers is None or self.topology == "all",
+                "afd layout: max_ffn_workers (FFN daemons that join and leave while serving) needs topology 'all': "
+                "with 'block' each daemon serves its own instances")
         require(self.topology == "all" or not self.num_redundant_experts,
                 f"afd layout: num_redundant_experts={self.num_redundant_experts} needs topology 'all': with 'block' "
                 f"every FFN daemon holds every expert already, so a replica would have nothing to balance")
@@ -166,6 +176,8 @@ class AfdLayout(Layout):
 
     num_processes = property(lambda self: self.attn_workers + self.ffn_workers)
     num_groups = property(lambda self: self.attn_workers)
+    elastic = property(lambda self: self.max_ffn_workers is not None)
+    ffn_capacity = property(lambda self: self.max_ffn_workers or self.ffn_workers)  # expert ranks the buffers hold
 
     def ffns_of(self, instance: int) -> tuple[int, ...]:
         """The FFN daemons attention instance ``instance`` sends every MoE layer to."""

@@ -157,6 +157,44 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
         except ConfigError as e:
             raise ApiError(404, str(e), type="not_found_error") from None
 
+    async def _scale(fn):
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(engine.call(fn)), 30.0)
+        except ConfigError as e:
+            raise ApiError(400, str(e), code="scale_refused") from None
+        except asyncio.TimeoutError:
+            raise ApiError(503, "the engine did not take the request in time", type="server_error") from None
+
+    def _scaler():
+        scale = getattr(engine.llm.engine, "scale", None)
+        if scale is None:
+            raise ConfigError(f"mode {engine.llm.mode!r}: its membership is fixed while serving (afd's FFN daemons "
+                              f"scale)")
+        return scale
+
+    @app.get("/scale", responses=_ERRORS, summary="the deployment's members and its scale events")
+    async def scale_status():
+        return await _scale(lambda: _scaler()())
+
+    @app.post("/scale", responses=_ERRORS, summary='change the membership while serving: {"ffn": N} (afd), '
+              '{"attention": M}; GET /scale follows it')
+    async def scale(raw: Request):
+        body = await _json_object(raw)
+        known = {"ffn", "attention", "new_ep_size"}
+        if not body or set(body) - known or not all(isinstance(v, int) and not isinstance(v, bool) for v in body.values()):
+            raise ApiError(400, f"want integer targets among {sorted(known)}, got {body}", param="body")
+        ffn = body.get("ffn", body.get("new_ep_size"))
+        return await _scale(lambda: _scaler()(ffn=ffn, attention=body.get("attention")))
+
+    @app.post("/scale_elastic_ep", responses=_ERRORS, summary='SGLang\'s: {"new_ep_size": N}, the expert '
+              'devices (afd: FFN daemons)')
+    async def scale_elastic_ep(raw: Request):
+        body = await _json_object(raw)
+        n = body.get("new_ep_size")
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise ApiError(400, f'want {{"new_ep_size": N}}, got {body}', param="new_ep_size")
+        return await _scale(lambda: _scaler()(ffn=n))
+
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, raw: Request):
         return await serving.completion(body, raw)
@@ -171,3 +209,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
 
 
 START_S = time.time()
+
+
+async def _json_object(raw: Request) -> dict:
+    try:
+        body = await raw.json()
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request needs a JSON object body", code="invalid_type")
+    return body
+

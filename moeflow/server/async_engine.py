@@ -101,6 +101,13 @@ class AsyncEngine:
         self._inbox.put(("release", (handle, done)))
         return done
 
+    def call(self, fn) -> Future:
+        """``fn()`` run on the engine's thread between steps (a scale request, its status); the future
+        gets its result or its exception."""
+        done: Future = Future()
+        self._inbox.put(("call", (fn, done)))
+        return done
+
     def snapshot(self) -> Snapshot:
         return self._snap
 
@@ -207,6 +214,12 @@ class AsyncEngine:
             handle, done = arg
             try:
                 done.set_result(self.llm.engine.release_kv(handle))
+            except Exception as e:  # noqa: BLE001  (the route answers it; the engine goes on)
+                done.set_exception(e)
+        elif kind == "call":
+            fn, done = arg
+            try:
+                done.set_result(fn())
             except Exception as e:  # noqa: BLE001  (the route answers it; the engine goes on)
                 done.set_exception(e)
         elif kind == "abort" and self._tracked.pop(arg, None) is not None:

@@ -40,6 +40,8 @@ class Snapshot:
     eplb_physical_experts: int = 0  # expert slots per MoE layer (E + redundant); 0: no expert devices
     eplb_balancedness: tuple[tuple[int, float], ...] = ()  # (layer, mean / max device load over the window)
     eplb_hottest: tuple[tuple[int, int, float], ...] = ()  # (layer, expert, share of the layer's tokens)
+    members: tuple[tuple[str, int], ...] = ()  # an elastic deployment's processes by role now
+    scale_events: tuple[tuple[str, str, int], ...] = ()  # (kind, outcome, count) of its ended changes
 
 
 class Overloaded(Exception):

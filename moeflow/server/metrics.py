@@ -169,6 +169,7 @@ class _Gauges:
                 outcomes.add_metric([name], n)
             yield outcomes
         yield from _eplb(s)
+        yield from _membership(s)
         busy = GaugeMetricFamily("moeflow_worker_busy_fraction", "Compute seconds per wall second of each "
                                  "worker over the trailing window (attention groups, dep ranks, colocated)",
                                  labels=["worker"])
@@ -196,3 +197,20 @@ def _eplb(s):
     for layer, e, share in s.eplb_hottest:
         hot.add_metric([str(layer), str(e)], share)
     yield hot
+
+
+def _membership(s):
+    """An elastic deployment's members and scale events (POST /scale)."""
+    if not s.members:
+        return
+    members = GaugeMetricFamily("moeflow_members", "Processes of each role serving now (an elastic deployment)",
+                                labels=["role"])
+    for role, n in s.members:
+        members.add_metric([role], n)
+    yield members
+    events = CounterMetricFamily("moeflow_scale_events", "Membership changes that ended, by kind and "
+                                 "outcome (done, failed)", labels=["kind", "outcome"])
+    for kind, outcome, n in s.scale_events:
+        events.add_metric([kind, outcome], n)
+    yield events
+

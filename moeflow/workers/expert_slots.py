@@ -74,6 +74,22 @@ class ExpertSlots:
         self._moving = False
         self.error: BaseException | None = None
 
+    @classmethod
+    def joining(cls, role: str, index: int, layer_ids: tuple[int, ...], shape: tuple, dtype, device, join, store,
+                tracer: Tracer, world_rank: Callable[[int], int] = lambda d: d) -> "ExpertSlots":
+        """A worker that joins an elastic deployment while it serves: both buffers published empty, then
+        its slots of placement ``join.epoch`` read from the peers' live buffers (``join.live_layers``,
+        placement ``join.epoch - 1``) on the copy thread, as any rebalance fills its other buffer;
+        ``shape``: (S, 2F, H, F)."""
+        s, f2, h, f = shape
+        mine = tuple(tuple(layer[index]) for layer in join.layers)
+        w13 = torch.zeros(len(layer_ids), s, f2, h, dtype=dtype, device=device)
+        w2 = torch.zeros(len(layer_ids), s, h, f, dtype=dtype, device=device)
+        # NOTE: it holds nothing yet: its row of the live placement names no expert (-1), so every slot
+        # is read from a holder; its weights of the live parity are never routed to (it joins at the next)
+        live = tuple(tuple(layer) + ((-1,) * s,) * (index + 1 - len(layer)) for layer in join.live_layers)
+        return cls(role, index, ExpertWeights(w13, w2, tuple(layer_ids), mine), live, store, tracer, world_rank)
+
     def for_word(self, word: int) -> tuple[int, ExpertWeights]:
         layer, parity = untag_layer(word)
         return layer, self.weights[parity]
@@ -124,6 +140,8 @@ class ExpertSlots:
             torch.cuda.synchronize(dev)
         self.weights[target] = ExpertWeights(*self.compute[target], self.layer_ids, tuple(slots))
         self.layers[target] = layers
+        for d in [d for d in self.peers if d >= len(layers[0])]:  # it left: one at its index later is another
+            self.peers.pop(d).close()
         return total, from_peers
 
     def _fetch(self, l: int, s: int, e: int, placement: tuple, target: int, live: int) -> tuple[int, bool]:
@@ -159,12 +177,22 @@ class ExpertSlots:
 
 
 def slots_for(setup, transport, experts: ExpertWeights, tracer: Tracer):
-    """The worker's slots: two published buffers under live rebalancing (``--enable-eplb``), else
-    the loaded weights alone."""
-    if not setup.engine.enable_eplb:
+    """The worker's slots: two published buffers under live rebalancing (``--enable-eplb``) or in an
+    elastic deployment (its peers may join and read them), else the loaded weights alone."""
+    if not (setup.engine.enable_eplb or getattr(setup.layout, "elastic", False)):
         return FixedSlots(experts)
     layers = tuple(setup.placement(i) for i in range(len(experts.layer_ids)))
     spec = transport.config.spec
-    publishers = tuple(spec.expert_world_rank(d) for d in range(spec.num_expert_ranks))
-    return ExpertSlots(setup.role, setup.index, experts, layers, transport.weight_store(publishers), tracer,
+    return ExpertSlots(setup.role, setup.index, experts, layers, transport.weight_store(_publishers(spec)), tracer,
                        spec.expert_world_rank)
+
+
+def joining_slots(setup, transport, layer_ids: tuple[int, ...], shape: tuple, dtype, tracer: Tracer) -> ExpertSlots:
+    """An elastic deployment's new expert worker: empty slots, to be filled from its peers."""
+    spec = transport.config.spec
+    return ExpertSlots.joining(setup.role, setup.index, layer_ids, shape, dtype, setup.device, setup.join,
+                               transport.weight_store(_publishers(spec)), tracer, spec.expert_world_rank)
+
+
+def _publishers(spec) -> tuple[int, ...]:
+    return tuple(spec.expert_world_rank(d) for d in range(spec.num_expert_ranks))

@@ -22,7 +22,7 @@ from moeflow.model.gate import GateKind, GateWeights, gate_for
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.afd_connector import FfnConnector, FfnInput
 from moeflow.workers.dispatch import ExpertRoutes, untag_layer
-from moeflow.workers.expert_slots import slots_for
+from moeflow.workers.expert_slots import joining_slots, slots_for
 from moeflow.workers.tracer import Tracer
 
 _POLL_S = 0.25  # longest a blocking receive lasts before the control pipe is looked at again
@@ -70,16 +70,23 @@ class FfnDaemon:
         layout, j = setup.layout, setup.index
         self.setup, self.index = setup, j
         self.routes_here = layout.router == "ffn"
+        join = setup.join  # joining a serving deployment: its experts come from its peers, not the checkpoint
         cfg, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
-                              LoadSpec(attention=False, experts=setup.held_by(j), gates=self.routes_here),
+                              LoadSpec(attention=False, experts=None if join else setup.held_by(j),
+                                       gates=self.routes_here, routed_experts=join is None),
                               setup.device, setup.engine.router_skew)
         self.gates, self.num_experts = w.gates, cfg.num_experts
         self.gate_kind = gate_for(cfg)
-        self.moe_index = {lid: i for i, lid in enumerate(w.experts.layer_ids)}
+        layer_ids = tuple(l for l in range(cfg.num_layers) if cfg.sparse_layers[l])
+        self.moe_index = {lid: i for i, lid in enumerate(layer_ids)}
         self._routes: dict[tuple, ExpertRoutes] = {}  # per placement of a layer (router on the daemon)
         self.connector = FfnConnector(transport, j, layout.served_by(j))
         self.tracer = Tracer("ffn", j, setup.engine.trace)
-        self.slots = slots_for(setup, transport, w.experts, self.tracer)
+        if join is None:
+            self.slots = slots_for(setup, transport, w.experts, self.tracer)
+        else:
+            shape = (len(join.layers[0][j]), 2 * cfg.moe_intermediate_size, cfg.hidden_size, cfg.moe_intermediate_size)
+            self.slots = joining_slots(setup, transport, layer_ids, shape, TORCH_DTYPES[setup.engine.dtype], self.tracer)
 
     def routes(self, word: int, layer: int) -> ExpertRoutes | None:
         """The daemons' placement of ``layer`` as routed (None with topology "block": each daemon has
@@ -123,6 +130,9 @@ class FfnDaemon:
         def on_message(msg) -> None:
             if isinstance(msg, MoveExperts):
                 self.slots.begin(msg, conn.send)
+
+        if self.setup.join is not None:  # its slots of the placement it joins at, read from its peers
+            self.slots.begin(MoveExperts(self.setup.join.epoch, self.setup.join.layers), conn.send)
 
         def turn() -> bool:
             self.slots.check()

@@ -151,6 +151,7 @@ class Deployment:
         mailboxes (dwdp's resident experts); with the mailboxes it must fit before anything starts."""
         self.deployment_id, self.setups = deployment_id, list(setups)
         self.workers: list[WorkerHandle] = []
+        self.joining: list[tuple[WorkerHandle, WorkerSetup]] = []  # started while serving, not yet members
         self.nodes: list[RemoteNode] = []  # the other hosts' workers, one entry per host
         freed = reclaim_stale()
         if freed:
@@ -247,6 +248,37 @@ class Deployment:
         w.memory, w.kv_region = msg.memory, msg.kv_region
         return True
 
+    # -- membership while serving (elastic deployments) ------------------------------------------
+
+    def join(self, setup: WorkerSetup) -> WorkerHandle:
+        """Start a worker that was not in the deployment (on this host). It is joining (watched by
+        whoever started it, not by ``recv_any``: its death fails its join, not the deployment)
+        until ``admit`` makes it a member; ``is_ready`` says when it has started."""
+        if setup.node != 0 or setup.world is not None:
+            raise ValueError(f"{setup.role} {setup.index}: a worker joins on this host, outside any "
+                             f"torch.distributed world")
+        w = spawn(setup)
+        self.joining.append((w, setup))
+        return w
+
+    def admit(self, w: WorkerHandle) -> None:
+        (i,) = [i for i, (x, _) in enumerate(self.joining) if x is w]
+        self.setups.append(self.joining.pop(i)[1])
+        self.workers.append(w)
+
+    def leave(self, w: WorkerHandle, timeout_s: float = 5.0) -> None:
+        """Stop a member, or a joining worker, and forget it: asked to shut down, killed after
+        ``timeout_s``. It unlinks its own segments; a killed one's go with the next owner of their
+        names, or with the deployment."""
+        joining = [i for i, (x, _) in enumerate(self.joining) if x is w]
+        if joining:
+            del self.joining[joining[0]]
+        else:
+            (i,) = [i for i, x in enumerate(self.workers) if x is w]
+            del self.workers[i], self.setups[i]
+        stop_workers([w], timeout_s)
+        w.close()
+
     def send(self, w: WorkerHandle, msg) -> None:
         try:
             w.conn.send(msg)
@@ -256,9 +288,11 @@ class Deployment:
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         with lifecycle.shielded():  # a signal meanwhile would leave processes or segments behind
-            stop_workers(self.workers, timeout_s)
-            for w in self.workers:
+            everyone = self.workers + [w for w, _ in self.joining]
+            stop_workers(everyone, timeout_s)
+            for w in everyone:
                 w.close()
+            self.joining.clear()
             for n in self.nodes:
                 n.close()
             cleanup(self.deployment_id)  # segments of workers that could not unlink their own
