@@ -24,7 +24,8 @@ from moeflow.server.config import ServerConfig
 from moeflow.server.errors import ApiError
 from moeflow.server.metrics import ServerMetrics
 from moeflow.server.middleware import ApiKeyAuth, BodyLimit
-from moeflow.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from moeflow.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ScaleElasticEpRequest,
+                                     ScaleRequest)
 from moeflow.server.serving import OpenAIServing
 
 logger = logging.getLogger("moeflow.server")
@@ -178,22 +179,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
 
     @app.post("/scale", responses=_ERRORS, summary='change the membership while serving: {"ffn": N} (afd), '
               '{"attention": M}; GET /scale follows it')
-    async def scale(raw: Request):
-        body = await _json_object(raw)
-        known = {"ffn", "attention", "new_ep_size"}
-        if not body or set(body) - known or not all(isinstance(v, int) and not isinstance(v, bool) for v in body.values()):
-            raise ApiError(400, f"want integer targets among {sorted(known)}, got {body}", param="body")
-        ffn = body.get("ffn", body.get("new_ep_size"))
-        return await _scale(lambda: _scaler()(ffn=ffn, attention=body.get("attention")))
+    async def scale(body: ScaleRequest):
+        ffn = body.ffn if body.ffn is not None else body.new_ep_size
+        if ffn is None and body.attention is None:
+            raise ApiError(400, "give a target: ffn (afd's FFN daemons), attention or new_ep_size", param="ffn")
+        return await _scale(lambda: _scaler()(ffn=ffn, attention=body.attention))
 
     @app.post("/scale_elastic_ep", responses=_ERRORS, summary='SGLang\'s: {"new_ep_size": N}, the expert '
               'devices (afd: FFN daemons)')
-    async def scale_elastic_ep(raw: Request):
-        body = await _json_object(raw)
-        n = body.get("new_ep_size")
-        if not isinstance(n, int) or isinstance(n, bool):
-            raise ApiError(400, f'want {{"new_ep_size": N}}, got {body}', param="new_ep_size")
-        return await _scale(lambda: _scaler()(ffn=n))
+    async def scale_elastic_ep(body: ScaleElasticEpRequest):
+        return await _scale(lambda: _scaler()(ffn=body.new_ep_size))
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, raw: Request):
@@ -209,14 +204,4 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
 
 
 START_S = time.time()
-
-
-async def _json_object(raw: Request) -> dict:
-    try:
-        body = await raw.json()
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request needs a JSON object body", code="invalid_type")
-    return body
 
