@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 
 from moeflow.config import ConfigError
+from moeflow.scheduler.eplb import resized_counts
 
 
 @dataclasses.dataclass
@@ -70,7 +71,7 @@ class Membership:
         if not 1 <= target <= self.capacity:
             raise ConfigError(f"scale {self.kind}: {target} is outside [1, {self.capacity}] (the deployment was started "
                               f"for at most {self.capacity}: max_ffn_workers)")
-        held = sum(slots[:target]) + slots[-1] * max(0, target - len(slots))
+        held = sum(resized_counts(slots, target))
         if held < num_experts:
             raise ConfigError(f"scale {self.kind}: {target} daemons of {slots[-1]} slots hold {held} experts, fewer than "
                               f"the model's {num_experts}")

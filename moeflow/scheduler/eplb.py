@@ -167,7 +167,7 @@ def resize(current: ExpertMap, num_devices: int, load: list[list[float]] | None 
     old = current.slots_per_device
     if num_devices < 1:
         raise ConfigError(f"resize: at least one expert device, got {num_devices}")
-    counts = old[:num_devices] + (old[-1],) * max(0, num_devices - len(old))
+    counts = resized_counts(old, num_devices)
     e = current.num_experts
     if sum(counts) < e:
         raise ConfigError(f"resize: {num_devices} expert devices of {list(counts)} slots hold {sum(counts)} experts, "
@@ -177,6 +177,11 @@ def resize(current: ExpertMap, num_devices: int, load: list[list[float]] | None 
     load = load if load and any(any(row) for row in load) else [[1.0] * e for _ in range(current.num_layers)]
     return ExpertMap(tuple(_resized(list(map(list, layer[:num_devices])), counts, [float(x) for x in w])
                            for layer, w in zip(current.layers, load)), e)
+
+
+def resized_counts(slots: tuple[int, ...], num_devices: int) -> tuple[int, ...]:
+    """Slots per device after ``num_devices``: devices keep theirs, joiners take the last one's."""
+    return slots[:num_devices] + (slots[-1],) * max(0, num_devices - len(slots))
 
 
 def _resized(devices: list[list[int]], counts: tuple[int, ...], load: list[float]) -> tuple:

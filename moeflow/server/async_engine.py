@@ -1,7 +1,7 @@
 """AsyncEngine: one background thread owns the Engine and runs its step loop for the HTTP server.
 
 The thread is the only one that touches the Engine: it builds it, steps it, aborts into it and shuts
-it down. Handlers reach it through one FIFO inbox (add, abort, release, stop) and read each request's
+it down. Handlers reach it through one FIFO inbox (add, abort, call, stop) and read each request's
 progress from that request's asyncio queue, which the thread fills through ``call_soon_threadsafe``.
 Admission is bounded: past ``max_pending`` unfinished requests ``submit`` refuses at once (the caller
 answers 429), so a flood costs one refusal per request, not queue memory.
@@ -97,9 +97,7 @@ class AsyncEngine:
     def release_kv(self, handle) -> Future:
         """A refused handoff (``kv_handle.KvHandle``): its prefill server may free the KV now. The
         future gets what the engine made of it (a prefill server's ``kv_server.RELEASED``, ...)."""
-        done: Future = Future()
-        self._inbox.put(("release", (handle, done)))
-        return done
+        return self.call(lambda: self.llm.engine.release_kv(handle))
 
     def call(self, fn) -> Future:
         """``fn()`` run on the engine's thread between steps (a scale request, its status); the future
@@ -210,12 +208,6 @@ class AsyncEngine:
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":
             self._add(arg)
-        elif kind == "release":
-            handle, done = arg
-            try:
-                done.set_result(self.llm.engine.release_kv(handle))
-            except Exception as e:  # noqa: BLE001  (the route answers it; the engine goes on)
-                done.set_exception(e)
         elif kind == "call":
             fn, done = arg
             try:
