@@ -24,8 +24,8 @@ from moeflow.server.config import ServerConfig
 from moeflow.server.errors import ApiError
 from moeflow.server.metrics import ServerMetrics
 from moeflow.server.middleware import ApiKeyAuth, BodyLimit
-from moeflow.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ScaleElasticEpRequest,
-                                     ScaleRequest)
+from moeflow.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from moeflow.server.scale import ScaleElasticEpRequest, ScaleRequest
 from moeflow.server.serving import OpenAIServing
 
 logger = logging.getLogger("moeflow.server")

@@ -1,0 +1,22 @@
+"""The bodies of the membership routes (``POST /scale``, SGLang's ``/scale_elastic_ep``): strict ints,
+no other keys, so that a malformed one is refused by validation (400)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ScaleRequest(BaseModel):
+    """``POST /scale``: the membership wanted (what the mode scales; afd: ``ffn``, FFN daemons)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    ffn: int | None = Field(None, ge=1)
+    attention: int | None = Field(None, ge=1)
+    new_ep_size: int | None = Field(None, ge=1)  # SGLang's name for the expert devices (afd: ffn)
+
+
+class ScaleElasticEpRequest(BaseModel):
+    """SGLang's ``POST /scale_elastic_ep``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    new_ep_size: int = Field(ge=1)
+
