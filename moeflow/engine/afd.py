@@ -12,14 +12,13 @@ all the instances it serves, within the step) and the deployment stops; nothing 
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 
-from moeflow.config import ConfigError, EngineConfig
+from moeflow.config import EngineConfig
 from moeflow.core import Work
-from moeflow.engine.base import EngineLoad, StepResult, clock
-from moeflow.engine.elastic import Membership, check_elastic
+from moeflow.engine.base import StepResult, clock
+from moeflow.engine.elastic import ElasticExperts
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import AfdLayout
@@ -29,7 +28,7 @@ from moeflow.workers.launch import WorkerDied
 _IDLE_S = 2e-3  # an idle deployment's step sleeps this long (never a busy spin)
 
 
-class AfdEngine(ProcessEngine):
+class AfdEngine(ElasticExperts, ProcessEngine):
     mode_name = "afd"
 
     def __init__(self, model_path: str, config: EngineConfig, layout: AfdLayout):
@@ -39,59 +38,7 @@ class AfdEngine(ProcessEngine):
             computes=layout.topology == "all"))
         self._steps: deque[list[Work]] = deque()  # steps sent, oldest first
         self._done: dict[int, WorkDone] = {}  # the oldest step's answers so far, by instance
-        if layout.elastic:  # FFN daemons join and leave while serving (engine/elastic.py)
-            self.eplb.live = True
-            self.eplb.membership = Membership("ffn", layout.ffn_capacity, self._join_ffn, self._ffns_switched)
-
-    def _refuse(self) -> None:
-        check_elastic(self.config, self.layout)
-
-    # -- elastic FFN daemons --------------------------------------------------------------------
-
-    def scale(self, ffn: int | None = None, attention: int | None = None) -> dict:
-        """Ask for ``ffn`` FFN daemons (it begins at the next turn; ``scale_status`` follows it).
-        Refused with the reason where it cannot be."""
-        if attention is not None and attention != self.layout.attn_workers:
-            raise ConfigError(f"scale attention: afd's attention instances are fixed while serving here "
-                              f"({self.layout.attn_workers}); FFN daemons scale (ffn)")
-        m = self.eplb.membership
-        if ffn is None:
-            return self.scale_status()
-        if m is None:
-            raise ConfigError("scale ffn: this deployment's FFN daemons are fixed; start it with max_ffn_workers "
-                              "(--max-ffn-workers, topology 'all') to scale them while serving")
-        now = self.eplb.window.map
-        m.ask(ffn, now.num_devices, self.model_config.num_experts, now.slots_per_device)
-        return self.scale_status()
-
-    def scale_status(self) -> dict:
-        m = self.eplb.membership
-        if m is None:
-            return {"ffn": self.layout.ffn_workers, "capacity": self.layout.ffn_workers, "in_progress": False,
-                    "events": []}
-        return m.status(self.layout.ffn_workers)
-
-    def load(self) -> EngineLoad:
-        x, m = super().load(), self.eplb.membership
-        if m is None:
-            return x
-        counts: dict[tuple[str, str], int] = {}
-        for e in m.events:
-            if e.outcome == "running":  # counted once it ends (a counter never goes down)
-                continue
-            key = (e.kind, e.outcome.split(":")[0])
-            counts[key] = counts.get(key, 0) + 1
-        return dataclasses.replace(x, members=(("attention", self.layout.attn_workers), ("ffn", self.layout.ffn_workers)),
-                                   scale_events=tuple((k, o, c) for (k, o), c in sorted(counts.items())))
-
-    def _join_ffn(self, index: int, join) -> object:
-        layout = dataclasses.replace(self.layout, ffn_workers=len(join.layers[0]))
-        setup = dataclasses.replace(self._worker_setup("ffn", index, self.layout.attn_workers + index, 0),
-                                    layout=layout, join=join, expert_layers=None)
-        return self.deployment.join(setup)
-
-    def _ffns_switched(self, n: int) -> None:
-        self.layout = dataclasses.replace(self.layout, ffn_workers=n)
+        self._elastic()  # --max-ffn-workers: FFN daemons join and leave while serving (engine/elastic.py)
 
     def step(self) -> StepResult:
         self._check_alive()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from moeflow.config import EngineConfig
 from moeflow.engine.base import StepResult, clock
+from moeflow.engine.elastic import ElasticExperts
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import AsapLayout
@@ -15,8 +16,7 @@ from moeflow.messages import WorkDone
 from moeflow.workers.launch import WorkerDied
 
 
-
-class AsapEngine(ProcessEngine):
+class AsapEngine(ElasticExperts, ProcessEngine):
     mode_name = "asap"
 
     def __init__(self, model_path: str, config: EngineConfig, layout: AsapLayout):
@@ -24,6 +24,7 @@ class AsapEngine(ProcessEngine):
         self.attention = self._build(model_path, Blueprint(
             ("attention", layout.num_attention_workers), ("moe", layout.moe_workers),
             attn_tp=layout.attn_tp))
+        self._elastic()  # --max-moe-workers: MoE workers join and leave while serving (engine/elastic.py)
 
     def step(self) -> StepResult:
         self._check_alive()

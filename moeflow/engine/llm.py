@@ -253,16 +253,18 @@ class LLM:
             raise ConfigError(f"mode {self.mode!r} records no expert load (dep, asap, afd and dwdp do)")
         return window.distribution()
 
-    def scale(self, ffn: int | None = None, attention: int | None = None, wait: bool = True,
-              timeout_s: float = 300.0) -> dict:
+    def scale(self, ffn: int | None = None, moe: int | None = None, attention: int | None = None,
+              ep_size: int | None = None, wait: bool = True, timeout_s: float = 300.0) -> dict:
         """Change the deployment's membership while it serves (afd: ``ffn`` FFN daemons, in a
-        deployment started with ``max_ffn_workers``); with ``wait``, return once the new membership
+        deployment started with ``max_ffn_workers``; asap: ``moe`` MoE workers, with
+        ``max_moe_workers``; ``ep_size``: either); with ``wait``, return once the new membership
         serves and the old members have left. The status, as ``GET /scale`` gives it; a target the
         deployment cannot take raises ``ConfigError`` saying why."""
         scale = getattr(self.engine, "scale", None)
         if scale is None:
-            raise ConfigError(f"mode {self.mode!r}: its membership is fixed while serving (afd's FFN daemons scale)")
-        status = scale(ffn=ffn, attention=attention)
+            raise ConfigError(f"mode {self.mode!r}: its membership is fixed while serving (afd's FFN daemons and "
+                              f"asap's MoE workers scale)")
+        status = scale(ffn=ffn, moe=moe, attention=attention, ep_size=ep_size)
         deadline = time.monotonic() + timeout_s
         while wait and status["in_progress"]:
             if time.monotonic() > deadline:

@@ -40,6 +40,13 @@ def check_redundant(layout: "Layout") -> None:
             f"{layout.mode} layout: num_redundant_experts must be an int >= 0, got {r!r}")
 
 
+def check_capacity(layout: "Layout") -> None:
+    """An elastic layout's most expert holders (``expert_max``) is an int at least its count."""
+    cap, n = getattr(layout, layout.expert_max), getattr(layout, layout.expert_count)
+    require(cap is None or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= n),
+            f"{layout.mode} layout: {layout.expert_max} must be >= {layout.expert_count} ({n}), got {cap!r}")
+
+
 def spread_experts(layout: "Layout", num_devices: int, num_experts: int) -> tuple[tuple[int, ...], ...]:
     """E + R slots in contiguous shares over ``num_devices``; slot p holds expert p mod E (the
     placement before any load is known: the R redundant slots replicate experts 0..R-1)."""

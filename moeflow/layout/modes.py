@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeflow.config import SchedulerConfig, opt
-from moeflow.layout.base import (Layout, assign_experts, check_dp_options, check_redundant, chunk_opt, placement_opt,
+from moeflow.layout.base import (Layout, assign_experts, check_dp_options, check_capacity, check_redundant, chunk_opt, placement_opt,
                                  positive, redundant_opt, require, spread_experts)
 
 @dataclass(frozen=True)
@@ -54,10 +54,15 @@ class AsapLayout(Layout):
     comm_threads: bool = opt(True, "ablation: MoE workers receive/send inline", flag="--no-comm-threads")
     scheduler: SchedulerConfig = opt(SchedulerConfig(), "batching policy")
     num_redundant_experts: int = redundant_opt()
+    # elastic: the most MoE workers this deployment may grow to while it serves (POST /scale); the
+    # buffers every attention worker writes and reads are sized for them at start
+    max_moe_workers: int | None = opt(None, "elastic: the most MoE workers the deployment may scale to while "
+                                            "serving; default: moe_workers, fixed")
 
     def __post_init__(self) -> None:
         positive(self, "attn_dp", "attn_tp", "moe_workers")
         check_redundant(self)
+        check_capacity(self)
         p = self.expert_placement
         require(p is None or not self.num_redundant_experts,
                 "asap layout: give either expert_placement (which may list an expert twice) or "
@@ -74,6 +79,10 @@ class AsapLayout(Layout):
     num_attention_workers = property(lambda self: self.attn_dp * self.attn_tp)
     num_processes = property(lambda self: self.attn_dp * self.attn_tp + self.moe_workers)
     num_groups = property(lambda self: self.attn_dp)
+    # the expert holders that may join and leave (engine/elastic.py)
+    expert_kind, expert_count, expert_max = "moe", "moe_workers", "max_moe_workers"
+    elastic = property(lambda self: self.max_moe_workers is not None)
+    expert_capacity = property(lambda self: self.max_moe_workers or self.moe_workers)
 
     def experts_held(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
         """Experts held by each MoE worker; validated against the model's expert count."""
@@ -156,9 +165,7 @@ class AfdLayout(Layout):
     def __post_init__(self) -> None:
         positive(self, "attn_workers", "ffn_workers", "micro_batches", "max_batch_tokens")
         check_redundant(self)
-        require(self.max_ffn_workers is None or (isinstance(self.max_ffn_workers, int)
-                                                 and self.max_ffn_workers >= self.ffn_workers),
-                f"afd layout: max_ffn_workers must be >= ffn_workers ({self.ffn_workers}), got {self.max_ffn_workers!r}")
+        check_capacity(self)
         require(self.max_ffn_workers is None or self.topology == "all",
                 "afd layout: max_ffn_workers (FFN daemons that join and leave while serving) needs topology 'all': "
                 "with 'block' each daemon serves its own instances")
@@ -176,8 +183,10 @@ class AfdLayout(Layout):
 
     num_processes = property(lambda self: self.attn_workers + self.ffn_workers)
     num_groups = property(lambda self: self.attn_workers)
+    # the expert holders that may join and leave (engine/elastic.py)
+    expert_kind, expert_count, expert_max = "ffn", "ffn_workers", "max_ffn_workers"
     elastic = property(lambda self: self.max_ffn_workers is not None)
-    ffn_capacity = property(lambda self: self.max_ffn_workers or self.ffn_workers)  # expert ranks the buffers hold
+    expert_capacity = property(lambda self: self.max_ffn_workers or self.ffn_workers)  # expert ranks the buffers hold
 
     def ffns_of(self, instance: int) -> tuple[int, ...]:
         """The FFN daemons attention instance ``instance`` sends every MoE layer to."""

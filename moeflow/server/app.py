@@ -170,7 +170,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
         scale = getattr(engine.llm.engine, "scale", None)
         if scale is None:
             raise ConfigError(f"mode {engine.llm.mode!r}: its membership is fixed while serving (afd's FFN daemons "
-                              f"scale)")
+                              f"and asap's MoE workers scale)")
         return scale
 
     @app.get("/scale", responses=_ERRORS, summary="the deployment's members and its scale events")
@@ -178,17 +178,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
         return await _scale(lambda: _scaler()())
 
     @app.post("/scale", responses=_ERRORS, summary='change the membership while serving: {"ffn": N} (afd), '
-              '{"attention": M}; GET /scale follows it')
+              '{"moe": E} (asap), {"ep_size": N} (either), {"attention": M}; GET /scale follows it')
     async def scale(body: ScaleRequest):
-        ffn = body.ffn if body.ffn is not None else body.new_ep_size
-        if ffn is None and body.attention is None:
-            raise ApiError(400, "give a target: ffn (afd's FFN daemons), attention or new_ep_size", param="ffn")
-        return await _scale(lambda: _scaler()(ffn=ffn, attention=body.attention))
+        ep = body.ep_size if body.ep_size is not None else body.new_ep_size
+        if body.ffn is None and body.moe is None and ep is None and body.attention is None:
+            raise ApiError(400, "give a target: ffn (afd's FFN daemons), moe (asap's MoE workers), ep_size or "
+                                "attention", param="ep_size")
+        return await _scale(lambda: _scaler()(ffn=body.ffn, moe=body.moe, ep_size=ep, attention=body.attention))
 
     @app.post("/scale_elastic_ep", responses=_ERRORS, summary='SGLang\'s: {"new_ep_size": N}, the expert '
-              'devices (afd: FFN daemons)')
+              'devices (afd: FFN daemons; asap: MoE workers)')
     async def scale_elastic_ep(body: ScaleElasticEpRequest):
-        return await _scale(lambda: _scaler()(ffn=body.new_ep_size))
+        return await _scale(lambda: _scaler()(ep_size=body.new_ep_size))
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, raw: Request):

@@ -6,12 +6,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class ScaleRequest(BaseModel):
-    """``POST /scale``: the membership wanted (what the mode scales; afd: ``ffn``, FFN daemons)."""
+    """``POST /scale``: the membership wanted (what the mode scales; afd: ``ffn``, FFN daemons; asap:
+    ``moe``, MoE workers; ``ep_size``: either)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     ffn: int | None = Field(None, ge=1)
+    moe: int | None = Field(None, ge=1)
+    ep_size: int | None = Field(None, ge=1)
     attention: int | None = Field(None, ge=1)
-    new_ep_size: int | None = Field(None, ge=1)  # SGLang's name for the expert devices (afd: ffn)
+    new_ep_size: int | None = Field(None, ge=1)  # SGLang's name for ep_size
 
 
 class ScaleElasticEpRequest(BaseModel):

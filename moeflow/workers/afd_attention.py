@@ -31,18 +31,11 @@ class AfdStages(AttentionStages):
         self.connector = AttnConnector(self.sender, self.receiver, ffns, self.epw)
 
     def use_experts(self, epoch: int, layers: tuple) -> None:
-        """Route by placement ``epoch`` from the next batch on; in an elastic deployment its device
-        count is the daemons': a daemon that left is let go (every message to or from it is back: the
-        engine switches between steps), one that joined is written to from its first message on."""
+        """As every attention process; with topology "all" its daemons are the placement's devices."""
         super().use_experts(epoch, layers)
         connector = getattr(self, "connector", None)  # None: the starting placement, set while building
-        if connector is None or self.setup.layout.topology != "all" or len(layers[0]) == len(connector.ffns):
-            return
-        n = len(layers[0])
-        for j in connector.ffns[n:]:
-            self.sender.detach(j)
-            self.receiver.forget(j)
-        connector.ffns = list(range(n))
+        if connector is not None and self.setup.layout.topology == "all":
+            connector.ffns = list(range(len(layers[0])))
 
     def _dispatch(self, layer: int, f: InFlight) -> float:
         x = f.attn.moe_input  # [n, H] (no TP: the instance's whole micro-batch)

@@ -24,6 +24,7 @@ import torch
 
 from moeflow.messages import ExpertsMoved, MoveExperts
 from moeflow.model.moe import ExpertWeights
+from moeflow.model.weights import TORCH_DTYPES
 from moeflow.workers.dispatch import untag_layer
 from moeflow.workers.tracer import Tracer
 
@@ -187,11 +188,23 @@ def slots_for(setup, transport, experts: ExpertWeights, tracer: Tracer):
                        spec.expert_world_rank)
 
 
-def joining_slots(setup, transport, layer_ids: tuple[int, ...], shape: tuple, dtype, tracer: Tracer) -> ExpertSlots:
-    """An elastic deployment's new expert worker: empty slots, to be filled from its peers."""
+def worker_slots(setup, transport, cfg, experts: ExpertWeights | None, tracer: Tracer):
+    """An expert holder's slots: those of the weights it loaded (``slots_for``) or, joining an elastic
+    deployment (``setup.join``), empty ones it fills from its peers once it serves (``begin_join``)."""
+    if setup.join is None:
+        return slots_for(setup, transport, experts, tracer)
+    layer_ids = tuple(l for l in range(cfg.num_layers) if cfg.sparse_layers[l])
+    f = cfg.moe_intermediate_size
+    shape = (len(setup.join.layers[0][setup.index]), 2 * f, cfg.hidden_size, f)
     spec = transport.config.spec
-    return ExpertSlots.joining(setup.role, setup.index, layer_ids, shape, dtype, setup.device, setup.join,
-                               transport.weight_store(_publishers(spec)), tracer, spec.expert_world_rank)
+    return ExpertSlots.joining(setup.role, setup.index, layer_ids, shape, TORCH_DTYPES[setup.engine.dtype], setup.device,
+                               setup.join, transport.weight_store(_publishers(spec)), tracer, spec.expert_world_rank)
+
+
+def begin_join(slots, setup, send: Callable) -> None:
+    """A joining worker's first act once it serves: read its slots of the placement it joins at."""
+    if setup.join is not None:
+        slots.begin(MoveExperts(setup.join.epoch, setup.join.layers), send)
 
 
 def _publishers(spec) -> tuple[int, ...]:

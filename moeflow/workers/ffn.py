@@ -22,7 +22,7 @@ from moeflow.model.gate import GateKind, GateWeights, gate_for
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.afd_connector import FfnConnector, FfnInput
 from moeflow.workers.dispatch import ExpertRoutes, untag_layer
-from moeflow.workers.expert_slots import joining_slots, slots_for
+from moeflow.workers.expert_slots import begin_join, worker_slots
 from moeflow.workers.tracer import Tracer
 
 _POLL_S = 0.25  # longest a blocking receive lasts before the control pipe is looked at again
@@ -77,16 +77,11 @@ class FfnDaemon:
                               setup.device, setup.engine.router_skew)
         self.gates, self.num_experts = w.gates, cfg.num_experts
         self.gate_kind = gate_for(cfg)
-        layer_ids = tuple(l for l in range(cfg.num_layers) if cfg.sparse_layers[l])
-        self.moe_index = {lid: i for i, lid in enumerate(layer_ids)}
+        self.moe_index = {lid: i for i, lid in enumerate(l for l in range(cfg.num_layers) if cfg.sparse_layers[l])}
         self._routes: dict[tuple, ExpertRoutes] = {}  # per placement of a layer (router on the daemon)
         self.connector = FfnConnector(transport, j, layout.served_by(j))
         self.tracer = Tracer("ffn", j, setup.engine.trace)
-        if join is None:
-            self.slots = slots_for(setup, transport, w.experts, self.tracer)
-        else:
-            shape = (len(join.layers[0][j]), 2 * cfg.moe_intermediate_size, cfg.hidden_size, cfg.moe_intermediate_size)
-            self.slots = joining_slots(setup, transport, layer_ids, shape, TORCH_DTYPES[setup.engine.dtype], self.tracer)
+        self.slots = worker_slots(setup, transport, cfg, w.experts, self.tracer)
 
     def routes(self, word: int, layer: int) -> ExpertRoutes | None:
         """The daemons' placement of ``layer`` as routed (None with topology "block": each daemon has
@@ -131,8 +126,7 @@ class FfnDaemon:
             if isinstance(msg, MoveExperts):
                 self.slots.begin(msg, conn.send)
 
-        if self.setup.join is not None:  # its slots of the placement it joins at, read from its peers
-            self.slots.begin(MoveExperts(self.setup.join.epoch, self.setup.join.layers), conn.send)
+        begin_join(self.slots, self.setup, conn.send)  # joining: its slots come from its peers
 
         def turn() -> bool:
             self.slots.check()

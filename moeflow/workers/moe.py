@@ -15,7 +15,7 @@ import time
 
 from moeflow.messages import MoveExperts, WorkerSetup
 from moeflow.workers.control import LockedConn, serve_control
-from moeflow.workers.expert_slots import slots_for
+from moeflow.workers.expert_slots import begin_join, worker_slots
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
 from moeflow.workers.experts import ExpertCompute, send_replies
 from moeflow.workers.tracer import Tracer
@@ -29,12 +29,14 @@ class MoEWorker:
     def __init__(self, setup: WorkerSetup, transport):
         self.setup = setup
         self.index = setup.index
-        _, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
-                            LoadSpec(attention=False, experts=setup.held_by(setup.index)), setup.device)
+        join = setup.join  # joining a serving deployment: its experts come from its peers, not the checkpoint
+        cfg, w = load_weights(setup.model_path, TORCH_DTYPES[setup.engine.dtype],
+                              LoadSpec(attention=False, experts=None if join else setup.held_by(setup.index),
+                                       routed_experts=join is None), setup.device)
         self.receiver = transport.dispatch_receiver(setup.index)  # owns this worker's dispatch buffer
         self.sender = transport.combine_sender(setup.index)
         self.tracer = Tracer("moe", setup.index, setup.engine.trace)
-        self.slots = slots_for(setup, transport, w.experts, self.tracer)
+        self.slots = worker_slots(setup, transport, cfg, w.experts, self.tracer)
         self.compute = ExpertCompute(self.slots, self.tracer)
         self.loop = (ThreadedLoop if setup.layout.comm_threads else InlineLoop)(self)
 
@@ -67,6 +69,7 @@ class MoEWorker:
             if isinstance(msg, MoveExperts):
                 self.slots.begin(msg, conn.send)
 
+        begin_join(self.slots, self.setup, conn.send)  # joining: its slots come from its peers
         self.loop.start()
         try:
             serve_control(conn, "moe", self.index, self.tracer, on_message, turn=turn)

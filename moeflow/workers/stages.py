@@ -113,6 +113,7 @@ class AttentionStages:
         self.expert_load = (ExpertLoadRecorder(cfg.sparse_layers, cfg.num_experts, self.device)
                             if cfg.num_moe_layers and member == 0 else None)
         self.receiver = self.sender = None
+        self.expert_devices = len(setup.experts_held)  # the expert holders routed to now
         if dispatch:
             self.routes = (ExpertRoutes(setup.experts_held, cfg.num_experts, group, self.device)
                            if cfg.num_moe_layers else None)
@@ -128,10 +129,19 @@ class AttentionStages:
             self.sender = transport.dispatch_sender(region=group, lane=member)
 
     def use_experts(self, epoch: int, layers: tuple) -> None:
-        """Route by placement ``epoch`` (``ExpertMap.layers``) from the next batch on."""
+        """Route by placement ``epoch`` (``ExpertMap.layers``) from the next batch on. In an elastic
+        deployment its device count is the expert holders' now: one that left is let go (every message
+        to or from it is back: the engine switches between this process's work items), one that joined
+        is written to from its first message on."""
         moe = [lid for lid in range(self.cfg.num_layers) if self.cfg.sparse_layers[lid]]
         self.layered = LayeredRoutes(layers, moe, self.cfg.num_experts, self.group, self.device)
         self.expert_epoch = epoch
+        n, before = len(layers[0]), self.expert_devices
+        if self.sender is not None:  # None: the starting placement, set while building
+            for j in range(n, before):
+                self.sender.detach(j)
+                self.receiver.forget(j)
+        self.expert_devices = n
 
     def routes_for(self, layer: int) -> ExpertRoutes:
         return self.routes if self.layered is None else self.layered.for_layer(layer)

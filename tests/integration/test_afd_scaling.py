@@ -39,7 +39,7 @@ def test_ffn_daemons_join_and_leave_equal_to_colocated(checkpoints, router):
         assert sorted(w.index for w in llm.engine.deployment.workers if w.role == "ffn") == [0, 1]
         llm.scale(ffn=3)  # the same index joins again: a new daemon, new buffers
         assert_same(llm.generate(PROMPTS, PARAMS), want)
-        with pytest.raises(ConfigError, match=r"1 daemons of 4 slots hold 4 experts, fewer than the model's 8"):
+        with pytest.raises(ConfigError, match=r"1 ffn workers of 4 slots hold 4 experts, fewer than the model's 8"):
             llm.scale(ffn=1)
         with pytest.raises(ConfigError, match=r"4 is outside \[1, 3\]"):
             llm.scale(ffn=4)
@@ -50,7 +50,7 @@ def test_ffn_daemons_join_and_leave_equal_to_colocated(checkpoints, router):
 
 def test_a_fixed_deployment_refuses_to_scale(checkpoints):
     with LLM(checkpoints("qwen3").path, dtype="float32", mode="afd", attn_workers=1, ffn_workers=1) as llm:
-        with pytest.raises(ConfigError, match="FFN daemons are fixed; start it with max_ffn_workers"):
+        with pytest.raises(ConfigError, match="ffn workers are fixed; start it with max_ffn_workers"):
             llm.scale(ffn=2)
     with pytest.raises(ConfigError, match="max_ffn_workers .* needs topology 'all'"):
         LLM(checkpoints("qwen3").path, dtype="float32", mode="afd", attn_workers=2, ffn_workers=1, max_ffn_workers=2)

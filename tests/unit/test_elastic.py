@@ -15,7 +15,7 @@ def test_a_target_is_checked_against_capacity_experts_and_the_change_under_way()
     m = _membership()
     with pytest.raises(ConfigError, match=r"4 is outside \[1, 3\] .*max_ffn_workers"):
         m.ask(4, 2, 8, (4, 4))
-    with pytest.raises(ConfigError, match=r"1 daemons of 4 slots hold 4 experts, fewer than the model's 8"):
+    with pytest.raises(ConfigError, match=r"1 ffn workers of 4 slots hold 4 experts, fewer than the model's 8"):
         m.ask(1, 2, 8, (4, 4))
     m.ask(2, 2, 8, (4, 4))  # already there: nothing to do
     assert m.pending is None and not m.busy

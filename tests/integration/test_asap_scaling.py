@@ -1,0 +1,46 @@
+"""asap's MoE workers E -> E' while the deployment serves, the way afd's FFN daemons scale
+(``test_afd_scaling.py``): a joiner reads its experts from its peers and every attention worker (each
+TP member too) routes to it from its next work item; a leaver goes after the items routed before the
+switch; outputs equal colocated's (fp32) before, between and after every change, in flight too;
+nothing is left behind."""
+from __future__ import annotations
+
+import pytest
+
+from moeflow import LLM
+from moeflow.comm import list_segments
+from moeflow.config import ConfigError
+
+from parity import PARAMS, PROMPTS, assert_same, colocated_outputs
+
+
+@pytest.mark.parametrize("attn_dp,attn_tp", [(2, 1), (1, 2)])
+def test_moe_workers_join_and_leave_equal_to_colocated(checkpoints, attn_dp, attn_tp):
+    (want,) = colocated_outputs(checkpoints, ("qwen3",)).values()
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", attn_dp=attn_dp, attn_tp=attn_tp,
+             moe_workers=2, max_moe_workers=3) as llm:
+        assert_same(llm.generate(PROMPTS, PARAMS), want)
+        up = llm.scale(moe=3)
+        assert up["moe"] == 3 and not up["in_progress"] and up["events"][-1]["outcome"] == "done", up
+        assert sorted(w.index for w in llm.engine.deployment.workers if w.role == "moe") == [0, 1, 2]
+        assert_same(llm.generate(PROMPTS, PARAMS), want)
+        llm.scale(ep_size=2, wait=False)  # SGLang's name; requests in flight while it changes
+        assert_same(llm.generate(PROMPTS, PARAMS), want)
+        down = llm.scale(wait=True)
+        assert down["moe"] == 2 and down["events"][-1]["outcome"] == "done", down
+        assert sorted(w.index for w in llm.engine.deployment.workers if w.role == "moe") == [0, 1]
+        assert llm.engine.load().members == (("attention", attn_dp * attn_tp), ("moe", 2))
+        with pytest.raises(ConfigError, match="mode asap has no ffn workers; its expert holders are moe"):
+            llm.scale(ffn=3)
+        with pytest.raises(ConfigError, match="moe=3 and ep_size=2 disagree"):
+            llm.scale(moe=3, ep_size=2)
+        dep_id = llm.engine.deployment_id
+    assert list_segments(dep_id) == []
+
+
+def test_a_fixed_asap_deployment_refuses_to_scale(checkpoints):
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=1) as llm:
+        with pytest.raises(ConfigError, match="moe workers are fixed; start it with max_moe_workers"):
+            llm.scale(moe=2)
+    with pytest.raises(ConfigError, match=r"max_moe_workers must be >= moe_workers \(2\), got 1"):
+        LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=2, max_moe_workers=1)
