@@ -180,6 +180,14 @@ class ExpertsMoved:
 
 
 @dataclass
+class ForgetRegion:
+    """Engine -> every expert holder: attention group ``region`` left (every reply to it was sent);
+    one that joins at its index later writes and reads new buffers from seq 1."""
+
+    region: int
+
+
+@dataclass
 class UseExperts:
     """Engine -> every attention-side process: route by placement ``epoch`` from the next work item
     on (its dispatches carry the epoch, so an expert worker computes them with that buffer)."""

@@ -185,6 +185,12 @@ class ShmDispatchReceiver(DispatchReceiver):
                 self.reader.stream(i * w + j, self._expect[i], self._region_private(i)[j])
         return None
 
+    def forget_region(self, region: int) -> None:
+        w = self.spec.lanes_per_region
+        for j in range(w):
+            self.reader.streamed[region * w + j] = 0
+        self._expect[region] = 1
+
     def _region_private(self, region: int) -> torch.Tensor:
         if self._private[region] is None:
             self._private[region] = private_rows(self.spec, self.spec.lanes_per_region, self.spec.dispatch_rows,
@@ -212,13 +218,18 @@ class ShmCombineSender(CombineSender):
     def __init__(self, config, rank: int):
         super().__init__(config, rank)
         layout = combine_layout(self.spec, config.arena)
-        boxes = [Mailbox.attach(combine_path(config.deployment_id, i), layout, config.attach_timeout_s,
-                                config.compute_device)
-                 for i in range(self.spec.num_lanes)]
-        self.writer = LaneWriter(boxes, rank, config, self.stats)
+        # NOTE: attached at the first reply to each: an elastic deployment's buffers are sized for
+        # attention groups that may join later (those present were all up before anyone dispatches)
+        self.writer = LaneWriter([None] * self.spec.num_lanes, rank, config, self.stats,
+                                 lambda i: Mailbox.attach(combine_path(config.deployment_id, i), layout,
+                                                          config.attach_timeout_s, config.compute_device))
 
     def send(self, region, lane, payload, layer_id, batch_id) -> None:
         self.writer.write(self.spec.lane_id(region, lane), self.header(payload, layer_id, batch_id), payload)
+
+    def detach_region(self, region: int) -> None:
+        for lane in range(self.spec.lanes_per_region):
+            self.writer.detach(self.spec.lane_id(region, lane))
 
     def close(self) -> None:
         self.writer.close()

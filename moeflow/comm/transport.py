@@ -124,6 +124,11 @@ class DispatchReceiver(ABC):
         """Wait (per ``self.policy``) for a complete region; None after ``timeout_s``."""
         return wait_for(self.poll, self.bell, self.policy, timeout_s)
 
+    def forget_region(self, region: int) -> None:
+        """Region ``region``'s writers left an elastic deployment (an attention group): one that joins
+        at its index later writes from seq 1 again. Called once every message of theirs is served."""
+        raise NotImplementedError(f"transport {self.config.transport!r}: attention groups cannot leave while serving")
+
     def close(self) -> None:
         pass
 
@@ -138,6 +143,11 @@ class CombineSender(ABC):
     @abstractmethod
     def send(self, region: int, lane: int, payload: torch.Tensor, layer_id: int, batch_id: int) -> None:
         """Write expert results ``payload`` [n, H] into the combine buffer of lane (region, lane)'s writer."""
+
+    def detach_region(self, region: int) -> None:
+        """Let region ``region``'s combine buffers go: its group left an elastic deployment (one that
+        joins at its index later owns new buffers, written from seq 1 again)."""
+        raise NotImplementedError(f"transport {self.config.transport!r}: attention groups cannot leave while serving")
 
     def close(self) -> None:
         pass

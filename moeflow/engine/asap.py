@@ -9,6 +9,7 @@ from __future__ import annotations
 from moeflow.config import EngineConfig
 from moeflow.engine.base import StepResult, clock
 from moeflow.engine.elastic import ElasticExperts
+from moeflow.engine.elastic_attention import AttentionGroups
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import AsapLayout
@@ -24,10 +25,14 @@ class AsapEngine(ElasticExperts, ProcessEngine):
         self.attention = self._build(model_path, Blueprint(
             ("attention", layout.num_attention_workers), ("moe", layout.moe_workers),
             attn_tp=layout.attn_tp))
-        self._elastic()  # --max-moe-workers: MoE workers join and leave while serving (engine/elastic.py)
+        # --max-moe-workers, --max-attn-dp: MoE workers, attention groups join and leave while serving
+        groups = AttentionGroups(self, layout.attention_capacity, self.scheduler.pool) if layout.max_attn_dp else None
+        self._elastic(groups)
 
     def step(self) -> StepResult:
         self._check_alive()
+        if self.attention_groups is not None:
+            self.attention_groups.turn()
         try:
             for work in self.scheduler.schedule(clock()):
                 t = self.layout.attn_tp

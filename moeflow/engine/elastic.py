@@ -88,20 +88,31 @@ class Membership:
         return {self.kind: current, "capacity": self.capacity,
                 "target": self.pending if self.pending is not None else (last.after if last and last.outcome == "running"
                                                                         else current),
-                "in_progress": self.busy, "events": [dataclasses.asdict(e) | {"seconds": e.seconds} for e in self.events]}
+                "in_progress": self.busy, "events": [scale_event(e) for e in self.events]}
 
 
 class ElasticExperts:
     """An engine whose expert holders may join and leave (a mixin of ``ProcessEngine``s whose layout
     names them: ``expert_kind``, ``expert_count``, ``expert_max``, ``expert_capacity``)."""
 
-    def _elastic(self) -> None:
-        """Once built: an elastic layout's membership rides on the placement over time (eplb.py)."""
+    attention_groups = None  # asap with max_attn_dp: its groups join and leave (elastic_attention.py)
+
+    def _elastic(self, attention_groups=None) -> None:
+        """Once built: an elastic layout's expert holders ride on the placement over time (eplb.py);
+        ``attention_groups``: an elastic attention side's change of membership."""
         lay = self.layout
         if lay.elastic:
             self.eplb.live = True
             self.eplb.membership = Membership(lay.expert_kind, lay.expert_capacity, self._join_expert,
                                               self._experts_switched, lay.expert_max)
+        self.attention_groups = attention_groups
+
+    def check_workers(self):
+        """As every deployment; and an attention change goes on while the deployment is idle."""
+        result = super().check_workers()
+        if self.attention_groups is not None and self.failed is None:
+            self.attention_groups.turn()
+        return result
 
     def _refuse(self) -> None:
         check_elastic(self.config, self.layout)
@@ -111,10 +122,15 @@ class ElasticExperts:
         """Ask for a number of expert holders (``ep_size``, or the mode's own name: afd ``ffn``, asap
         ``moe``); it begins at the next turn and ``scale_status`` follows it. Refused with the reason
         where it cannot be."""
-        lay, kind = self.layout, self.layout.expert_kind
+        lay, kind, m, ag = self.layout, self.layout.expert_kind, self.eplb.membership, self.attention_groups
         if attention is not None and attention != self.attention_count:
-            raise ConfigError(f"scale attention: {self.mode_name}'s attention side is fixed while serving here "
-                              f"({self.attention_count}); its {kind} workers scale ({kind}, ep_size)")
+            if ag is None:
+                raise ConfigError(f"scale attention: this deployment's attention side is fixed while serving "
+                                  f"({self.attention_count}); asap's groups scale with max_attn_dp (--max-attn-dp)")
+            if any(x is not None for x in (ffn, moe, ep_size)):
+                raise ConfigError("scale: one change at a time; give attention or the expert holders, not both")
+            ag.ask(attention, self.attention_count, m is not None and m.busy)
+            return self.scale_status()
         asked = {"ffn": ffn, "moe": moe}
         other = [k for k, v in asked.items() if v is not None and k != kind]
         if other:
@@ -124,9 +140,10 @@ class ElasticExperts:
         if target is not None and ep_size is not None and target != ep_size:
             raise ConfigError(f"scale: {kind}={target} and ep_size={ep_size} disagree (they name the same workers)")
         target = target if target is not None else ep_size
-        m = self.eplb.membership
         if target is None:
             return self.scale_status()
+        if ag is not None and ag.busy:
+            raise ConfigError("scale: an attention change is under way; ask again once GET /scale says it is done")
         if m is None:
             raise ConfigError(f"scale {kind}: this deployment's {kind} workers are fixed; start it with "
                               f"{lay.expert_max} (--{lay.expert_max.replace('_', '-')}) to scale them while serving")
@@ -139,18 +156,24 @@ class ElasticExperts:
         return self.layout.num_processes - getattr(self.layout, self.layout.expert_count)
 
     def scale_status(self) -> dict:
-        m, lay = self.eplb.membership, self.layout
+        m, lay, ag = self.eplb.membership, self.layout, self.attention_groups
         n = getattr(lay, lay.expert_count)
-        if m is None:
-            return {lay.expert_kind: n, "capacity": n, "in_progress": False, "events": []}
-        return m.status(n)
+        out = m.status(n) if m is not None else {lay.expert_kind: n, "capacity": n, "in_progress": False, "events": []}
+        if ag is not None:
+            out = out | {"attention": self.attention_count, "attention_capacity": ag.capacity,
+                         "in_progress": out["in_progress"] or ag.busy,
+                         "events": sorted(out["events"] + [scale_event(e) for e in ag.events],
+                                          key=lambda e: e["requested_s"])}
+            if ag.busy:
+                out["attention_target"] = ag.pending if ag.pending is not None else ag.events[-1].after
+        return out
 
     def load(self):
-        x, m = super().load(), self.eplb.membership
-        if m is None:
+        x, m, ag = super().load(), self.eplb.membership, self.attention_groups
+        if m is None and ag is None:
             return x
         counts: dict[tuple[str, str], int] = {}
-        for e in m.events:
+        for e in (m.events if m is not None else []) + (ag.events if ag is not None else []):
             if e.outcome == "running":  # counted once it ends (a counter never goes down)
                 continue
             key = (e.kind, e.outcome.split(":")[0])
@@ -176,13 +199,18 @@ class ElasticExperts:
         self.layout = dataclasses.replace(self.layout, **{self.layout.expert_count: n})
 
 
+def scale_event(e: ScaleEvent) -> dict:
+    """One event as ``GET /scale`` reports it."""
+    return dataclasses.asdict(e) | {"seconds": e.seconds}
+
+
 def check_elastic(config, layout) -> None:
     """Refuse an elastic layout where members cannot join, saying why (before anything starts)."""
-    if not getattr(layout, "elastic", False):
+    options = [o for o in (layout.expert_max, "max_attn_dp") if getattr(layout, o, None) is not None]
+    if not options:
         return
-    who = {"ffn": "FFN daemons", "moe": "MoE workers"}[layout.expert_kind]
     if config.transport not in ("shm", "shm-handshake"):
-        raise ConfigError(f"{layout.expert_max}: {who} join through host shared memory (transport shm), not "
+        raise ConfigError(f"{options[0]}: workers join through host shared memory (transport shm), not "
                           f"{config.transport!r}")
     if config.cluster.is_multinode:
-        raise ConfigError(f"{layout.expert_max}: {who} join on the engine's host; this deployment spans hosts")
+        raise ConfigError(f"{options[0]}: workers join on the engine's host; this deployment spans hosts")

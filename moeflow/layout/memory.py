@@ -88,8 +88,8 @@ def comm_spec(layout, num_experts: int, top_k: int, hidden_size: int, dtype: str
         return CommSpec(num_regions=layout.dp, lanes_per_region=1, num_expert_ranks=layout.dp,
                         max_batch_tokens=layout.max_batch_tokens, shared_ranks=True,
                         max_local_experts=max(len(ids) for ids in layout.experts_held(num_experts)), **common)
-    if mode == "asap":  # a region per DP group, a lane per TP member, an expert rank per MoE worker it may grow to
-        return CommSpec(num_regions=layout.attn_dp, lanes_per_region=layout.attn_tp,
+    if mode == "asap":  # a region per DP group, a lane per TP member, an expert rank per MoE worker (up to the most)
+        return CommSpec(num_regions=layout.attention_capacity, lanes_per_region=layout.attn_tp,
                         num_expert_ranks=layout.expert_capacity, max_batch_tokens=layout.scheduler.max_batch_tokens,
                         max_local_experts=max(len(ids) for ids in layout.experts_held(num_experts)), **common)
     if mode == "afd":  # an instance is a region of one lane in every daemon's buffer, m micro-batches in flight

@@ -58,11 +58,19 @@ class AsapLayout(Layout):
     # buffers every attention worker writes and reads are sized for them at start
     max_moe_workers: int | None = opt(None, "elastic: the most MoE workers the deployment may scale to while "
                                             "serving; default: moe_workers, fixed")
+    max_attn_dp: int | None = opt(None, "elastic: the most attention groups the deployment may scale to while "
+                                        "serving (attn_tp 1); default: attn_dp, fixed")
 
     def __post_init__(self) -> None:
         positive(self, "attn_dp", "attn_tp", "moe_workers")
         check_redundant(self)
         check_capacity(self)
+        m = self.max_attn_dp
+        require(m is None or (isinstance(m, int) and not isinstance(m, bool) and m >= self.attn_dp),
+                f"asap layout: max_attn_dp must be >= attn_dp ({self.attn_dp}), got {m!r}")
+        require(m is None or self.attn_tp == 1, f"asap layout: max_attn_dp (attention groups that join and leave "
+                f"while serving) needs attn_tp 1: a group of {self.attn_tp} would need its own torch.distributed "
+                f"group")
         p = self.expert_placement
         require(p is None or not self.num_redundant_experts,
                 "asap layout: give either expert_placement (which may list an expert twice) or "
@@ -83,6 +91,7 @@ class AsapLayout(Layout):
     expert_kind, expert_count, expert_max = "moe", "moe_workers", "max_moe_workers"
     elastic = property(lambda self: self.max_moe_workers is not None)
     expert_capacity = property(lambda self: self.max_moe_workers or self.moe_workers)
+    attention_capacity = property(lambda self: self.max_attn_dp or self.attn_dp)  # groups the buffers hold
 
     def experts_held(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
         """Experts held by each MoE worker; validated against the model's expert count."""

@@ -41,6 +41,7 @@ class Group:
     requests: list[Request] = field(default_factory=list)  # admitted here, not finished, oldest first
     busy: bool = False  # running a work item (schedulers without a global step use it)
     dead: bool = False  # its process died: nothing is placed there any more (dwdp fails only that rank)
+    draining: bool = False  # leaving an elastic deployment: admits nothing new, its residents finish
     preemptions: int = 0  # requests preempted here so far
 
 
@@ -121,6 +122,8 @@ class RequestPool:
         its own group only."""
         g = self.groups[gid]
         if any(self.pinned.get(r.request_id, gid) != gid for r in reqs):
+            return False
+        if g.draining and any(r.request_id not in self.pinned for r in reqs):  # its preempted come back
             return False
         need = sum(g.allocator.blocks_for(self.admit_tokens(r)) - g.allocator.num_held(r.request_id) for r in reqs)
         return need <= g.allocator.num_free and len(g.requests) + len(reqs) <= self.max_num_seqs

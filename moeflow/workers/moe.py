@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 
-from moeflow.messages import MoveExperts, WorkerSetup
+from moeflow.messages import ForgetRegion, MoveExperts, WorkerSetup
 from moeflow.workers.control import LockedConn, serve_control
 from moeflow.workers.expert_slots import begin_join, worker_slots
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights
@@ -68,6 +68,9 @@ class MoEWorker:
         def on_message(msg) -> None:
             if isinstance(msg, MoveExperts):
                 self.slots.begin(msg, conn.send)
+            elif isinstance(msg, ForgetRegion):  # its group left: nothing of it is in flight
+                self.receiver.forget_region(msg.region)
+                self.sender.detach_region(msg.region)
 
         begin_join(self.slots, self.setup, conn.send)  # joining: its slots come from its peers
         self.loop.start()

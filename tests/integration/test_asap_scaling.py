@@ -44,3 +44,37 @@ def test_a_fixed_asap_deployment_refuses_to_scale(checkpoints):
             llm.scale(moe=2)
     with pytest.raises(ConfigError, match=r"max_moe_workers must be >= moe_workers \(2\), got 1"):
         LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=2, max_moe_workers=1)
+
+
+def test_attention_groups_join_and_drain_equal_to_colocated(checkpoints, monkeypatch):
+    """D 1 -> 2 -> 1 -> 2, a drain with requests resident, then the expert side grows under the new
+    groups: every output equal to colocated's, the leaver's requests finished where they were."""
+    (want,) = colocated_outputs(checkpoints, ("qwen3",)).values()
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", attn_dp=1, max_attn_dp=2, moe_workers=2,
+             max_moe_workers=3, max_num_seqs=3) as llm:  # 3 a group: both groups hold some of the 6 prompts
+        up = llm.scale(attention=2)
+        assert up["attention"] == 2 and up["events"][-1]["outcome"] == "done", up
+        assert_same(llm.generate(PROMPTS, PARAMS), want)
+        assert {w.index for w in llm.engine.deployment.workers if w.role == "attention"} == {0, 1}
+        engine, step, resident = llm.engine, llm.engine.step, []
+
+        def step_then_drain():  # group 1 drains once it holds requests: they finish there
+            if not resident and engine.scheduler.pool.groups[1].requests:
+                resident.append(len(engine.scheduler.pool.groups[1].requests))
+                engine.scale(attention=1)
+            return step()
+
+        monkeypatch.setattr(engine, "step", step_then_drain)
+        assert_same(llm.generate(PROMPTS, PARAMS), want)
+        monkeypatch.undo()
+        assert resident and resident[0] > 0
+        down = llm.scale(wait=True)
+        assert down["attention"] == 1 and down["events"][-1]["outcome"] == "done", down
+        assert len(llm.engine.scheduler.pool.groups) == 1
+        assert llm.scale(attention=2)["attention"] == 2  # the same index joins again, new buffers
+        assert llm.scale(moe=3)["moe"] == 3  # a MoE worker that joins replies to the new group too
+        assert_same(llm.generate(PROMPTS, PARAMS), want)
+        with pytest.raises(ConfigError, match=r"3 is outside \[1, 2\] .*max_attn_dp"):
+            llm.scale(attention=3)
+        dep_id = llm.engine.deployment_id
+    assert list_segments(dep_id) == []

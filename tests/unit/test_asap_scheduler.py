@@ -124,3 +124,41 @@ def test_a_batch_is_due_exactly_when_next_wakeup_says():
     s.add(_req("a", 60, t=0.7))
     due = s.next_wakeup_s()
     assert [_ids(w) for w in s.schedule(now=due)] == [[["a"]]]
+
+
+def _done(s, w) -> None:
+    """The work item's results: one token for each of its sequences that reached its end."""
+    for b in w.batches:
+        s.update(w.group, b, {q.request_id: 7 for q in b.seqs})
+    s.release(w.group)
+
+
+def test_a_group_that_joins_is_scheduled_and_one_that_drains_admits_nothing_new():
+    from moeflow.scheduler import groups
+
+    s = _sched(groups=1, max_batch_wait_s=0.0)
+    pool = s.pool
+    assert groups.add_group(pool, 1000, 16) == 1
+    s.add(_req("a", 120, max_tokens=4))
+    (wa,) = s.schedule(now=1.0)
+    s.add(_req("b", 120, max_tokens=4))
+    (wb,) = s.schedule(now=1.1)
+    assert (wa.group, wb.group, _ids(wb)) == (0, 1, [["b"]])  # the new group takes work while group 0 is busy
+    groups.drain(pool, 1)
+    _done(s, wb)
+    s.add(_req("c", 120, max_tokens=4))
+    (w,) = s.schedule(now=1.2)
+    assert (w.group, _ids(w)) == (1, [["b"]])  # its resident decodes on; c is not admitted there
+    _done(s, wa)
+    (w0,) = s.schedule(now=1.3)
+    assert w0.group == 0 and "c" in str(_ids(w0))
+    assert not groups.settled(pool, 1)
+    with pytest.raises(ValueError, match=r"groups \[1\] cannot leave: they still hold requests"):
+        groups.remove_last(pool, 1)
+    _done(s, w)
+    s.abort("b", "abort")
+    assert groups.settled(pool, 1)
+    groups.remove_last(pool, 1)
+    assert len(pool.groups) == 1
+    with pytest.raises(ValueError, match="none would be left"):
+        groups.remove_last(pool, 1)

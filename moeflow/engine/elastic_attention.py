@@ -1,0 +1,145 @@
+"""Attention groups that join and leave while the deployment serves: asap's D -> D' (attn_tp 1).
+
+asap's groups never wait for one another, so a group can come and go without anyone else noticing:
+
+- *up*: each new group's worker is forked (``Deployment.join``: started, not a member, so that one
+  that dies fails its change and not the deployment) with the placement the deployment routes by now,
+  and is sent every later switch like any attention process. Once all have started they become
+  members and groups of the scheduler (``scheduler/groups.py``), and take new requests from the next
+  turn; the expert side attaches to their combine buffers at its first reply.
+- *down*: the last groups drain at once: they admit nothing new (the new membership serves from
+  here) and their resident requests finish where they are. Once they hold nothing their workers stop,
+  and every expert holder forgets their regions (``ForgetRegion``), so a group that joins at the same
+  index later starts its buffers from scratch.
+
+One change at a time, an expert holders' one included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from moeflow.config import ConfigError
+from moeflow.engine.elastic import ScaleEvent
+from moeflow.logs import get_logger
+from moeflow.messages import ForgetRegion, UseExperts
+from moeflow.scheduler import groups
+from moeflow.workers.launch import WorkerDied
+
+log = get_logger("moeflow.elastic")
+
+
+class AttentionGroups:
+    def __init__(self, engine, capacity: int, pool):
+        """``pool``: the engine's own request pool, whose groups follow the workers."""
+        self.engine, self.capacity, self.pool = engine, capacity, pool
+        self.pending: int | None = None
+        self.joiners: list = []  # handles forked for the change under way, by group
+        self.ready: list = []  # of which started
+        self.leaving: list[int] = []  # groups draining
+        self.events: list[ScaleEvent] = []
+
+    @property
+    def busy(self) -> bool:
+        return self.pending is not None or (bool(self.events) and self.events[-1].outcome == "running")
+
+    def ask(self, target: int, current: int, other_busy: bool) -> None:
+        if self.busy or other_busy:
+            raise ConfigError("scale attention: a change is under way; ask again once GET /scale says it is done")
+        if not 1 <= target <= self.capacity:
+            raise ConfigError(f"scale attention: {target} is outside [1, {self.capacity}] (the deployment was "
+                              f"started for at most {self.capacity}: max_attn_dp)")
+        if target != current:
+            self.pending = target
+
+    def turn(self) -> None:
+        """One step of the change under way (the engine calls it every turn)."""
+        if self.pending is not None:
+            self._begin()
+        if self.joiners:
+            self._poll_joiners()
+        if self.leaving:
+            self._retire()
+
+    def _lists(self) -> list[list]:
+        """The engine's attention workers, and the placement's (often the same list)."""
+        e = self.engine
+        return [e.attention] + ([e.eplb.attention_workers] if e.eplb.attention_workers is not e.attention else [])
+
+    # -- the phases ------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        e, n, cur = self.engine, self.pending, len(self.pool.groups)
+        self.pending = None
+        self.events.append(ScaleEvent("attention", cur, n, time.monotonic()))
+        log.info("scale attention %d -> %d", cur, n)
+        if n < cur:
+            self.leaving = list(range(n, cur))
+            for g in self.leaving:
+                groups.drain(self.pool, g)
+            self.events[-1].switched_s = time.monotonic()  # new requests go to the others from now
+            return
+        now = e.eplb.window.map
+        for g in range(cur, n):
+            base = e._worker_setup("attention", g, g, 0)
+            setup = dataclasses.replace(base, layout=dataclasses.replace(e.layout, attn_dp=g + 1), world=None,
+                                        experts_held=now.layers[0], expert_layers=now.layers)
+            self.joiners.append(e.deployment.join(setup))
+
+    def _poll_joiners(self) -> None:
+        e = self.engine
+        try:
+            for w in self.joiners:
+                if not any(x is w for x in self.ready) and e.deployment.is_ready(w):
+                    self.ready.append(w)
+        except (WorkerDied, EOFError, OSError) as x:
+            self._fail(str(x).splitlines()[0])
+            return
+        if len(self.ready) < len(self.joiners):
+            return
+        pool = self.pool
+        for w in self.joiners:
+            e.deployment.admit(w)
+            # the placement routed by now, read before its first work item; a switch from now on reaches it
+            e.deployment.send(w, UseExperts(e.eplb.epoch, e.eplb.window.map.layers))
+            for members in self._lists():
+                members.append(w)
+            groups.add_group(pool, e.config.num_kv_blocks, e.config.kv_block_size)
+            e._known.append(set())
+            e._freed.append([])
+        e.layout = dataclasses.replace(e.layout, attn_dp=len(pool.groups))
+        self.joiners, self.ready = [], []
+        ev = self.events[-1]
+        ev.switched_s = ev.left_s = time.monotonic()
+        ev.outcome = "done"
+        log.info("scale attention %d -> %d done in %.2f s", ev.before, ev.after, ev.seconds)
+
+    def _fail(self, why: str) -> None:
+        e = self.engine
+        for w in self.joiners:
+            e.deployment.leave(w, 0.0)
+        self.joiners, self.ready = [], []
+        self.events[-1].outcome = f"failed: {why}"
+        log.warning("scale attention: %s", self.events[-1].outcome)
+
+    def _retire(self) -> None:
+        e = self.engine
+        pool = self.pool
+        if not all(groups.settled(pool, g) and g not in e._inflight for g in self.leaving):
+            return
+        gone = [e.attention[g] for g in self.leaving]
+        groups.remove_last(pool, len(self.leaving))
+        for members in self._lists():
+            for w in gone:
+                members.remove(w)
+        del e._known[self.leaving[0]:], e._freed[self.leaving[0]:]
+        for w in gone:
+            e.deployment.leave(w)
+        for w in e.eplb.expert_workers:  # after the leavers stopped: no reply of theirs is left to send
+            for g in self.leaving:
+                e.deployment.send(w, ForgetRegion(g))
+        e.layout = dataclasses.replace(e.layout, attn_dp=len(pool.groups))
+        self.leaving = []
+        ev = self.events[-1]
+        ev.left_s, ev.outcome = time.monotonic(), "done"
+        log.info("scale attention %d -> %d done in %.2f s (drained)", ev.before, ev.after, ev.left_s - ev.requested_s)

@@ -1,0 +1,41 @@
+"""Attention groups that join and leave a serving deployment, on the scheduler's side (pure Python, so
+the simulator can run the same bookkeeping).
+
+A group joins at the end of ``pool.groups`` with a fresh KV allocator and is scheduled from the next
+turn. A group that leaves is first *draining*: it admits nothing new (``RequestPool.room_for``), its
+resident requests run to their end, and a request preempted there comes back to it (its worker keeps
+the request's sampler state). Once it holds nothing (``settled``) it is removed; only the last groups
+leave, so every other group keeps its index.
+"""
+from __future__ import annotations
+
+from moeflow.scheduler.block_allocator import BlockAllocator
+from moeflow.scheduler.pool import Group, RequestPool
+
+
+def add_group(pool: RequestPool, num_blocks: int, block_size: int) -> int:
+    """A new group at the end, with an empty cache of ``num_blocks``; its index."""
+    pool.groups.append(Group(BlockAllocator(num_blocks, block_size)))
+    return len(pool.groups) - 1
+
+
+def drain(pool: RequestPool, gid: int) -> None:
+    pool.groups[gid].draining = True
+
+
+def settled(pool: RequestPool, gid: int) -> bool:
+    """Whether draining group ``gid`` holds nothing: no resident, preempted, leased or running request."""
+    g = pool.groups[gid]
+    return (not g.requests and not g.busy and not pool.pinned_to(gid) and gid not in pool.leases.values()
+            and not any(pool.pinned.get(r.request_id) == gid for rs in pool.held.values() for r in rs))
+
+
+def remove_last(pool: RequestPool, count: int) -> None:
+    """Drop the last ``count`` groups, which must be settled."""
+    n = len(pool.groups)
+    if count >= n:
+        raise ValueError(f"{count} of {n} groups cannot leave: none would be left")
+    unsettled = [g for g in range(n - count, n) if not settled(pool, g)]
+    if unsettled:
+        raise ValueError(f"groups {unsettled} cannot leave: they still hold requests")
+    del pool.groups[n - count:]
