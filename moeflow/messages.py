@@ -188,6 +188,21 @@ class ForgetRegion:
 
 
 @dataclass
+class ServeInstances:
+    """Engine -> every afd FFN daemon, between steps: aggregate instances 0..count-1 from the next step
+    on (an instance that left is forgotten, its buffers let go); answered with ``InstancesServed``."""
+
+    count: int
+
+
+@dataclass
+class InstancesServed:
+    role: str
+    index: int
+    count: int
+
+
+@dataclass
 class UseExperts:
     """Engine -> every attention-side process: route by placement ``epoch`` from the next work item
     on (its dispatches carry the epoch, so an expert worker computes them with that buffer)."""

@@ -19,10 +19,11 @@ from moeflow.config import EngineConfig
 from moeflow.core import Work
 from moeflow.engine.base import StepResult, clock
 from moeflow.engine.elastic import ElasticExperts
+from moeflow.engine.elastic_attention import AttentionGroups
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import AfdLayout
-from moeflow.messages import WorkDone
+from moeflow.messages import InstancesServed, ServeInstances, WorkDone
 from moeflow.workers.launch import WorkerDied
 
 _IDLE_S = 2e-3  # an idle deployment's step sleeps this long (never a busy spin)
@@ -38,11 +39,44 @@ class AfdEngine(ElasticExperts, ProcessEngine):
             computes=layout.topology == "all"))
         self._steps: deque[list[Work]] = deque()  # steps sent, oldest first
         self._done: dict[int, WorkDone] = {}  # the oldest step's answers so far, by instance
-        self._elastic()  # --max-ffn-workers: FFN daemons join and leave while serving (engine/elastic.py)
+        # --max-ffn-workers, --max-attn-workers: FFN daemons, attention instances join and leave while serving
+        self._elastic(AttentionGroups(self, layout.attention_capacity, self.scheduler)
+                      if layout.max_attn_workers else None)
+        self._serving: set | None = None  # daemons yet to answer a ServeInstances, while one is out
+
+    def _instances_served(self, count: int) -> bool:
+        """At a step boundary, every daemon told to aggregate instances 0..count-1 and answered."""
+        if self._steps:
+            return False
+        daemons = self.eplb.expert_workers
+        if self._serving is None:
+            self._serving = {w.index for w in daemons}
+            for w in daemons:
+                self.deployment.send(w, ServeInstances(count))
+        for w, msg in self.eplb.take(self.deployment.recv_any(daemons, 0.05)):  # a mover's report is eplb's
+            if isinstance(msg, InstancesServed) and msg.count == count:
+                self._serving.discard(msg.index)
+            else:
+                raise WorkerDied(f"{w.name} sent {type(msg).__name__} while changing the instances it serves", w)
+        if self._serving:
+            return False
+        self._serving = None
+        return True
+
+    def _regions_left(self, regions: list[int]) -> None:
+        """Nothing to do: each daemon forgot them when told the instances it serves."""
 
     def step(self) -> StepResult:
         self._check_alive()
+        ag = self.attention_groups
+        if ag is not None:
+            ag.turn()
         try:
+            if ag is not None and ag.at_boundary:  # a change waits for a step with nothing in flight
+                if self._steps:
+                    return self._collect()
+                time.sleep(_IDLE_S)
+                return StepResult({}, [])
             if not self._steps and not self._issue():
                 if self.eplb.membership is not None and self.eplb.membership.busy:
                     self.eplb.idle()  # a change of membership goes on with no work in flight

@@ -26,7 +26,7 @@ class AsapEngine(ElasticExperts, ProcessEngine):
             ("attention", layout.num_attention_workers), ("moe", layout.moe_workers),
             attn_tp=layout.attn_tp))
         # --max-moe-workers, --max-attn-dp: MoE workers, attention groups join and leave while serving
-        groups = AttentionGroups(self, layout.attention_capacity, self.scheduler.pool) if layout.max_attn_dp else None
+        groups = AttentionGroups(self, layout.attention_capacity, self.scheduler) if layout.max_attn_dp else None
         self._elastic(groups)
 
     def step(self) -> StepResult:

@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Callable
 
 from moeflow.config import ConfigError
+from moeflow.messages import ForgetRegion
 from moeflow.scheduler.eplb import resized_counts
 
 
@@ -107,6 +108,18 @@ class ElasticExperts:
                                               self._experts_switched, lay.expert_max)
         self.attention_groups = attention_groups
 
+    def _instances_served(self, count: int) -> bool:
+        """Whether the expert side serves attention groups 0..count-1 now (asap's serves any region that
+        writes); a mode whose expert side aggregates its instances (afd) tells it first."""
+        return True
+
+    def _regions_left(self, regions: list[int]) -> None:
+        """The expert holders forget the regions of groups that left (their workers have stopped: no
+        reply to them is left to send)."""
+        for w in self.eplb.expert_workers:
+            for g in regions:
+                self.deployment.send(w, ForgetRegion(g))
+
     def check_workers(self):
         """As every deployment; and an attention change goes on while the deployment is idle."""
         result = super().check_workers()
@@ -125,8 +138,10 @@ class ElasticExperts:
         lay, kind, m, ag = self.layout, self.layout.expert_kind, self.eplb.membership, self.attention_groups
         if attention is not None and attention != self.attention_count:
             if ag is None:
+                opt = getattr(lay, "attention_max", None)
                 raise ConfigError(f"scale attention: this deployment's attention side is fixed while serving "
-                                  f"({self.attention_count}); asap's groups scale with max_attn_dp (--max-attn-dp)")
+                                  f"({self.attention_count})" + (f"; start it with {opt} (--{opt.replace('_', '-')}) "
+                                                                 f"to scale it" if opt else ""))
             if any(x is not None for x in (ffn, moe, ep_size)):
                 raise ConfigError("scale: one change at a time; give attention or the expert holders, not both")
             ag.ask(attention, self.attention_count, m is not None and m.busy)

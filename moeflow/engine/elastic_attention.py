@@ -1,6 +1,11 @@
-"""Attention groups that join and leave while the deployment serves: asap's D -> D' (attn_tp 1).
+"""Attention groups that join and leave while the deployment serves: asap's D -> D' (attn_tp 1) and
+afd's attention instances M -> M' (topology all).
 
-asap's groups never wait for one another, so a group can come and go without anyone else noticing:
+asap's groups never wait for one another, so a group can come and go without anyone else noticing.
+afd's daemons aggregate every instance's micro-batch of a step, so there the membership changes at a
+step boundary: the engine stops issuing, and once nothing is in flight every daemon is told which
+instances it serves from the next step (``ServeInstances``) and answers before the next step goes out
+(``engine._instances_served``). Otherwise the same:
 
 - *up*: each new group's worker is forked (``Deployment.join``: started, not a member, so that one
   that dies fails its change and not the deployment) with the placement the deployment routes by now,
@@ -9,8 +14,8 @@ asap's groups never wait for one another, so a group can come and go without any
   turn; the expert side attaches to their combine buffers at its first reply.
 - *down*: the last groups drain at once: they admit nothing new (the new membership serves from
   here) and their resident requests finish where they are. Once they hold nothing their workers stop,
-  and every expert holder forgets their regions (``ForgetRegion``), so a group that joins at the same
-  index later starts its buffers from scratch.
+  and every expert holder forgets their regions (asap: ``ForgetRegion``; afd: with ``ServeInstances``),
+  so a group that joins at the same index later starts its buffers from scratch.
 
 One change at a time, an expert holders' one included.
 """
@@ -22,7 +27,7 @@ import time
 from moeflow.config import ConfigError
 from moeflow.engine.elastic import ScaleEvent
 from moeflow.logs import get_logger
-from moeflow.messages import ForgetRegion, UseExperts
+from moeflow.messages import UseExperts
 from moeflow.scheduler import groups
 from moeflow.workers.launch import WorkerDied
 
@@ -30,9 +35,9 @@ log = get_logger("moeflow.elastic")
 
 
 class AttentionGroups:
-    def __init__(self, engine, capacity: int, pool):
-        """``pool``: the engine's own request pool, whose groups follow the workers."""
-        self.engine, self.capacity, self.pool = engine, capacity, pool
+    def __init__(self, engine, capacity: int, sched):
+        """``sched``: the engine's own scheduler, whose groups follow the workers."""
+        self.engine, self.capacity, self.sched, self.pool = engine, capacity, sched, sched.pool
         self.pending: int | None = None
         self.joiners: list = []  # handles forked for the change under way, by group
         self.ready: list = []  # of which started
@@ -43,12 +48,19 @@ class AttentionGroups:
     def busy(self) -> bool:
         return self.pending is not None or (bool(self.events) and self.events[-1].outcome == "running")
 
+    @property
+    def at_boundary(self) -> bool:
+        """Whether the change waits for a step with nothing in flight (joiners started, or leavers
+        settled): a mode with steps (afd) issues none meanwhile."""
+        return bool(self.joiners and len(self.ready) == len(self.joiners)) or bool(self.leaving and all(
+            groups.settled(self.pool, g) and g not in self.engine._inflight for g in self.leaving))
+
     def ask(self, target: int, current: int, other_busy: bool) -> None:
         if self.busy or other_busy:
             raise ConfigError("scale attention: a change is under way; ask again once GET /scale says it is done")
         if not 1 <= target <= self.capacity:
             raise ConfigError(f"scale attention: {target} is outside [1, {self.capacity}] (the deployment was "
-                              f"started for at most {self.capacity}: max_attn_dp)")
+                              f"started for at most {self.capacity}: {self.engine.layout.attention_max})")
         if target != current:
             self.pending = target
 
@@ -76,14 +88,15 @@ class AttentionGroups:
         if n < cur:
             self.leaving = list(range(n, cur))
             for g in self.leaving:
-                groups.drain(self.pool, g)
+                groups.drain(self.sched, g)
             self.events[-1].switched_s = time.monotonic()  # new requests go to the others from now
             return
-        now = e.eplb.window.map
+        now, lay = e.eplb.window.map, e.layout
         for g in range(cur, n):
-            base = e._worker_setup("attention", g, g, 0)
-            setup = dataclasses.replace(base, layout=dataclasses.replace(e.layout, attn_dp=g + 1), world=None,
-                                        experts_held=now.layers[0], expert_layers=now.layers)
+            base = e._worker_setup(lay.attention_role, g, g, 0)
+            layout = dataclasses.replace(lay, **{lay.attention_count: g + 1, lay.expert_count: now.num_devices})
+            setup = dataclasses.replace(base, layout=layout, world=None, experts_held=now.layers[0],
+                                        expert_layers=now.layers)
             self.joiners.append(e.deployment.join(setup))
 
     def _poll_joiners(self) -> None:
@@ -95,7 +108,7 @@ class AttentionGroups:
         except (WorkerDied, EOFError, OSError) as x:
             self._fail(str(x).splitlines()[0])
             return
-        if len(self.ready) < len(self.joiners):
+        if len(self.ready) < len(self.joiners) or not e._instances_served(len(self.pool.groups) + len(self.joiners)):
             return
         pool = self.pool
         for w in self.joiners:
@@ -104,10 +117,10 @@ class AttentionGroups:
             e.deployment.send(w, UseExperts(e.eplb.epoch, e.eplb.window.map.layers))
             for members in self._lists():
                 members.append(w)
-            groups.add_group(pool, e.config.num_kv_blocks, e.config.kv_block_size)
+            groups.add_group(self.sched, e.config.num_kv_blocks, e.config.kv_block_size)
             e._known.append(set())
             e._freed.append([])
-        e.layout = dataclasses.replace(e.layout, attn_dp=len(pool.groups))
+        e.layout = dataclasses.replace(e.layout, **{e.layout.attention_count: len(pool.groups)})
         self.joiners, self.ready = [], []
         ev = self.events[-1]
         ev.switched_s = ev.left_s = time.monotonic()
@@ -125,7 +138,7 @@ class AttentionGroups:
     def _retire(self) -> None:
         e = self.engine
         pool = self.pool
-        if not all(groups.settled(pool, g) and g not in e._inflight for g in self.leaving):
+        if not self.at_boundary or not e._instances_served(self.leaving[0]):
             return
         gone = [e.attention[g] for g in self.leaving]
         groups.remove_last(pool, len(self.leaving))
@@ -135,10 +148,8 @@ class AttentionGroups:
         del e._known[self.leaving[0]:], e._freed[self.leaving[0]:]
         for w in gone:
             e.deployment.leave(w)
-        for w in e.eplb.expert_workers:  # after the leavers stopped: no reply of theirs is left to send
-            for g in self.leaving:
-                e.deployment.send(w, ForgetRegion(g))
-        e.layout = dataclasses.replace(e.layout, attn_dp=len(pool.groups))
+        e._regions_left(self.leaving)
+        e.layout = dataclasses.replace(e.layout, **{e.layout.attention_count: len(pool.groups)})
         self.leaving = []
         ev = self.events[-1]
         ev.left_s, ev.outcome = time.monotonic(), "done"

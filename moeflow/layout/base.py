@@ -47,6 +47,13 @@ def check_capacity(layout: "Layout") -> None:
             f"{layout.mode} layout: {layout.expert_max} must be >= {layout.expert_count} ({n}), got {cap!r}")
 
 
+def check_attention_capacity(layout: "Layout") -> None:
+    """An elastic attention side's most members (``attention_max``) is an int at least its count."""
+    cap, n = getattr(layout, layout.attention_max), getattr(layout, layout.attention_count)
+    require(cap is None or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= n),
+            f"{layout.mode} layout: {layout.attention_max} must be >= {layout.attention_count} ({n}), got {cap!r}")
+
+
 def spread_experts(layout: "Layout", num_devices: int, num_experts: int) -> tuple[tuple[int, ...], ...]:
     """E + R slots in contiguous shares over ``num_devices``; slot p holds expert p mod E (the
     placement before any load is known: the R redundant slots replicate experts 0..R-1)."""

@@ -95,7 +95,8 @@ def comm_spec(layout, num_experts: int, top_k: int, hidden_size: int, dtype: str
     if mode == "afd":  # an instance is a region of one lane in every daemon's buffer, m micro-batches in flight
         s = layout.max_batch_tokens
         # elastic: an expert rank for every daemon it may grow to; daemons that join hold the last one's slots
-        return CommSpec(num_regions=layout.attn_workers, lanes_per_region=1, num_expert_ranks=layout.expert_capacity,
+        return CommSpec(num_regions=layout.attention_capacity, lanes_per_region=1,
+                        num_expert_ranks=layout.expert_capacity,
                         max_batch_tokens=s, num_slots=max(2, layout.micro_batches),
                         combine_rows=s if layout.router == "ffn" else 0,
                         max_local_experts=max(len(ids) for ids in layout.experts_held(num_experts)), **common)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeflow.config import SchedulerConfig, opt
-from moeflow.layout.base import (Layout, assign_experts, check_dp_options, check_capacity, check_redundant, chunk_opt, placement_opt,
-                                 positive, redundant_opt, require, spread_experts)
+from moeflow.layout.base import (Layout, assign_experts, check_attention_capacity, check_capacity, check_dp_options,
+                                 check_redundant, chunk_opt, placement_opt, positive, redundant_opt, require,
+                                 spread_experts)
 
 @dataclass(frozen=True)
 class ColocatedLayout(Layout):
@@ -65,10 +66,8 @@ class AsapLayout(Layout):
         positive(self, "attn_dp", "attn_tp", "moe_workers")
         check_redundant(self)
         check_capacity(self)
-        m = self.max_attn_dp
-        require(m is None or (isinstance(m, int) and not isinstance(m, bool) and m >= self.attn_dp),
-                f"asap layout: max_attn_dp must be >= attn_dp ({self.attn_dp}), got {m!r}")
-        require(m is None or self.attn_tp == 1, f"asap layout: max_attn_dp (attention groups that join and leave "
+        check_attention_capacity(self)
+        require(self.max_attn_dp is None or self.attn_tp == 1, f"asap layout: max_attn_dp (attention groups that join and leave "
                 f"while serving) needs attn_tp 1: a group of {self.attn_tp} would need its own torch.distributed "
                 f"group")
         p = self.expert_placement
@@ -91,6 +90,7 @@ class AsapLayout(Layout):
     expert_kind, expert_count, expert_max = "moe", "moe_workers", "max_moe_workers"
     elastic = property(lambda self: self.max_moe_workers is not None)
     expert_capacity = property(lambda self: self.max_moe_workers or self.moe_workers)
+    attention_role, attention_count, attention_max = "attention", "attn_dp", "max_attn_dp"
     attention_capacity = property(lambda self: self.max_attn_dp or self.attn_dp)  # groups the buffers hold
 
     def experts_held(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
@@ -170,14 +170,18 @@ class AfdLayout(Layout):
     # buffers every instance writes and reads are sized for them at start
     max_ffn_workers: int | None = opt(None, "elastic: the most FFN daemons the deployment may scale to while "
                                             "serving (topology 'all'); default: ffn_workers, fixed")
+    max_attn_workers: int | None = opt(None, "elastic: the most attention instances the deployment may scale to "
+                                             "while serving (topology 'all'); default: attn_workers, fixed")
 
     def __post_init__(self) -> None:
         positive(self, "attn_workers", "ffn_workers", "micro_batches", "max_batch_tokens")
         check_redundant(self)
         check_capacity(self)
-        require(self.max_ffn_workers is None or self.topology == "all",
-                "afd layout: max_ffn_workers (FFN daemons that join and leave while serving) needs topology 'all': "
-                "with 'block' each daemon serves its own instances")
+        check_attention_capacity(self)
+        for option in ("max_ffn_workers", "max_attn_workers"):
+            require(getattr(self, option) is None or self.topology == "all",
+                    f"afd layout: {option} (members that join and leave while serving) needs topology 'all': "
+                    f"with 'block' each daemon serves its own instances")
         require(self.topology == "all" or not self.num_redundant_experts,
                 f"afd layout: num_redundant_experts={self.num_redundant_experts} needs topology 'all': with 'block' "
                 f"every FFN daemon holds every expert already, so a replica would have nothing to balance")
@@ -196,6 +200,8 @@ class AfdLayout(Layout):
     expert_kind, expert_count, expert_max = "ffn", "ffn_workers", "max_ffn_workers"
     elastic = property(lambda self: self.max_ffn_workers is not None)
     expert_capacity = property(lambda self: self.max_ffn_workers or self.ffn_workers)  # expert ranks the buffers hold
+    attention_role, attention_count, attention_max = "afd_attention", "attn_workers", "max_attn_workers"
+    attention_capacity = property(lambda self: self.max_attn_workers or self.attn_workers)  # regions the buffers hold
 
     def ffns_of(self, instance: int) -> tuple[int, ...]:
         """The FFN daemons attention instance ``instance`` sends every MoE layer to."""

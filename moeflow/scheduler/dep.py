@@ -42,8 +42,19 @@ class LeastLoaded(Placement):
     """"Default": each waiting request, first come first served, to the rank with the fewest
     tokens in this step, so ranks get batches of similar total token count."""
 
+    def __init__(self, num_ranks: int):
+        super().__init__(num_ranks)
+        self._alive = list(range(num_ranks))
+
     def candidates(self, request):
-        return list(range(self.num_ranks))
+        return list(self._alive)
+
+    def exclude(self, rank):
+        self._alive = [r for r in self._alive if r != rank]
+
+    def include(self, rank):
+        if rank not in self._alive:
+            self._alive = sorted([*self._alive, rank])
 
 
 class RoundRobin(Placement):

@@ -2,7 +2,7 @@
 the simulator can run the same bookkeeping).
 
 A group joins at the end of ``pool.groups`` with a fresh KV allocator and is scheduled from the next
-turn. A group that leaves is first *draining*: it admits nothing new (``RequestPool.room_for``), its
+turn (a scheduler that places requests by rank, dep's and afd's, is told: ``Placement.include``). A group that leaves is first *draining*: it admits nothing new (``RequestPool.room_for``), its
 resident requests run to their end, and a request preempted there comes back to it (its worker keeps
 the request's sampler state). Once it holds nothing (``settled``) it is removed; only the last groups
 leave, so every other group keeps its index.
@@ -10,17 +10,23 @@ leave, so every other group keeps its index.
 from __future__ import annotations
 
 from moeflow.scheduler.block_allocator import BlockAllocator
-from moeflow.scheduler.pool import Group, RequestPool
+from moeflow.scheduler.pool import Group, RequestPool, Scheduler
 
 
-def add_group(pool: RequestPool, num_blocks: int, block_size: int) -> int:
+def add_group(sched: Scheduler, num_blocks: int, block_size: int) -> int:
     """A new group at the end, with an empty cache of ``num_blocks``; its index."""
-    pool.groups.append(Group(BlockAllocator(num_blocks, block_size)))
-    return len(pool.groups) - 1
+    sched.pool.groups.append(Group(BlockAllocator(num_blocks, block_size)))
+    gid = len(sched.pool.groups) - 1
+    if (placement := getattr(sched, "placement", None)) is not None:
+        placement.include(gid)
+    return gid
 
 
-def drain(pool: RequestPool, gid: int) -> None:
-    pool.groups[gid].draining = True
+def drain(sched: Scheduler, gid: int) -> None:
+    """Group ``gid`` admits nothing new from now on (a request placed there at arrival moves on)."""
+    sched.pool.groups[gid].draining = True
+    if (placement := getattr(sched, "placement", None)) is not None:
+        placement.exclude(gid)
 
 
 def settled(pool: RequestPool, gid: int) -> bool:

@@ -92,6 +92,17 @@ class FfnConnector:
                              {i: h[3].shape[0] for i, h in heads.items()}, {i: h[2] for i, h in heads.items()})
         return FfnInput(control, {i: h[3] for i, h in heads.items()})
 
+    def serve(self, served: tuple[int, ...]) -> None:
+        """Aggregate ``served`` from the next message on (between steps: nothing is queued). An instance
+        that left is forgotten: one that joins at its index later writes new buffers from seq 1."""
+        for i in set(self.served) - set(served):
+            if self._queues.pop(i):
+                raise RuntimeError(f"FFN daemon {self.rank}: attention instance {i} left with messages queued")
+            self.receiver.forget_region(i)
+            self.sender.detach_region(i)
+        self._queues.update({i: deque() for i in served if i not in self._queues})
+        self.served = tuple(served)
+
     def send_ffn_output(self, inp: FfnInput, outputs: dict[int, torch.Tensor]) -> None:
         """Each served instance's result rows back into its combine buffer."""
         c = inp.control

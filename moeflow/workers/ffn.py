@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from moeflow.messages import MoveExperts, WorkerSetup
+from moeflow.messages import InstancesServed, MoveExperts, ServeInstances, WorkerSetup
 from moeflow.workers.control import LockedConn, serve_control
 from moeflow.model.moe import ExpertWeights, experts_grouped, plan_pairs, weighted_sum
 from moeflow.model.gate import GateKind, GateWeights, gate_for
@@ -125,6 +125,9 @@ class FfnDaemon:
         def on_message(msg) -> None:
             if isinstance(msg, MoveExperts):
                 self.slots.begin(msg, conn.send)
+            elif isinstance(msg, ServeInstances):  # between steps: the engine waits for the answer
+                self.connector.serve(tuple(range(msg.count)))
+                conn.send(InstancesServed("ffn", self.index, msg.count))
 
         begin_join(self.slots, self.setup, conn.send)  # joining: its slots come from its peers
 

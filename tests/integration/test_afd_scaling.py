@@ -110,3 +110,31 @@ def test_the_server_scales_on_post_scale(checkpoints, tmp_path):
         assert m['moeflow_members{role="ffn"}'] == 2 and m['moeflow_scale_events_total{kind="ffn",outcome="done"}'] == 2
     finally:
         server.stop()
+
+
+def test_attention_instances_join_and_drain_equal_to_colocated(checkpoints, monkeypatch):
+    """M 1 -> 2 -> 1 -> 2 at step boundaries (the daemons aggregate every instance of a step), a drain
+    with requests resident, and FFN daemons joining under the new instances: equal to colocated."""
+    (want,) = colocated_outputs(checkpoints, ("qwen3",)).values()
+    with LLM(checkpoints("qwen3").path, **(ELASTIC | dict(attn_workers=1, max_attn_workers=2, max_num_seqs=3))) as llm:
+        up = llm.scale(attention=2)
+        assert up["attention"] == 2 and up["events"][-1]["outcome"] == "done", up
+        assert_same(llm.generate(PROMPTS, PARAMS), want)
+        engine, step, resident = llm.engine, llm.engine.step, []
+
+        def step_then_drain():  # instance 1 drains once it holds requests: they finish there
+            if not resident and engine.scheduler.pool.groups[1].requests:
+                resident.append(len(engine.scheduler.pool.groups[1].requests))
+                engine.scale(attention=1)
+            return step()
+
+        monkeypatch.setattr(engine, "step", step_then_drain)
+        assert_same(llm.generate(PROMPTS, PARAMS), want)
+        monkeypatch.undo()
+        assert resident and resident[0] > 0
+        assert llm.scale(wait=True)["attention"] == 1
+        assert llm.scale(attention=2)["attention"] == 2  # the same index joins again, new buffers
+        assert llm.scale(ffn=3)["ffn"] == 3  # a daemon that joins serves both instances
+        assert_same(llm.generate(PROMPTS, PARAMS), want)
+        dep_id = llm.engine.deployment_id
+    assert list_segments(dep_id) == []

@@ -138,13 +138,13 @@ def test_a_group_that_joins_is_scheduled_and_one_that_drains_admits_nothing_new(
 
     s = _sched(groups=1, max_batch_wait_s=0.0)
     pool = s.pool
-    assert groups.add_group(pool, 1000, 16) == 1
+    assert groups.add_group(s, 1000, 16) == 1
     s.add(_req("a", 120, max_tokens=4))
     (wa,) = s.schedule(now=1.0)
     s.add(_req("b", 120, max_tokens=4))
     (wb,) = s.schedule(now=1.1)
     assert (wa.group, wb.group, _ids(wb)) == (0, 1, [["b"]])  # the new group takes work while group 0 is busy
-    groups.drain(pool, 1)
+    groups.drain(s, 1)
     _done(s, wb)
     s.add(_req("c", 120, max_tokens=4))
     (w,) = s.schedule(now=1.2)
