@@ -32,3 +32,21 @@ def colocated_outputs(checkpoints, names) -> dict:
                 _REFERENCES[path] = llm.generate(PROMPTS, PARAMS)
         out[name] = _REFERENCES[path]
     return out
+
+
+def generate_while_draining(llm, monkeypatch, want) -> int:
+    """``PROMPTS`` generated while attention group 1 is asked to leave as soon as it holds requests
+    (they finish there); the outputs equal ``want``. Returns how many it held then (> 0)."""
+    engine, step, resident = llm.engine, llm.engine.step, []
+
+    def step_then_drain():
+        if not resident and engine.scheduler.pool.groups[1].requests:
+            resident.append(len(engine.scheduler.pool.groups[1].requests))
+            engine.scale(attention=1)
+        return step()
+
+    monkeypatch.setattr(engine, "step", step_then_drain)
+    assert_same(llm.generate(PROMPTS, PARAMS), want)
+    monkeypatch.undo()
+    assert resident and resident[0] > 0
+    return resident[0]

@@ -15,7 +15,7 @@ from moeflow import LLM
 from moeflow.comm import list_segments
 from moeflow.config import ConfigError
 
-from parity import PARAMS, PROMPTS, assert_same, colocated_outputs
+from parity import PARAMS, PROMPTS, assert_same, colocated_outputs, generate_while_draining
 
 ELASTIC = dict(dtype="float32", mode="afd", attn_workers=2, ffn_workers=2, topology="all", max_ffn_workers=3,
                max_batch_tokens=64)
@@ -120,18 +120,7 @@ def test_attention_instances_join_and_drain_equal_to_colocated(checkpoints, monk
         up = llm.scale(attention=2)
         assert up["attention"] == 2 and up["events"][-1]["outcome"] == "done", up
         assert_same(llm.generate(PROMPTS, PARAMS), want)
-        engine, step, resident = llm.engine, llm.engine.step, []
-
-        def step_then_drain():  # instance 1 drains once it holds requests: they finish there
-            if not resident and engine.scheduler.pool.groups[1].requests:
-                resident.append(len(engine.scheduler.pool.groups[1].requests))
-                engine.scale(attention=1)
-            return step()
-
-        monkeypatch.setattr(engine, "step", step_then_drain)
-        assert_same(llm.generate(PROMPTS, PARAMS), want)
-        monkeypatch.undo()
-        assert resident and resident[0] > 0
+        generate_while_draining(llm, monkeypatch, want)  # instance 1 drains with requests resident
         assert llm.scale(wait=True)["attention"] == 1
         assert llm.scale(attention=2)["attention"] == 2  # the same index joins again, new buffers
         assert llm.scale(ffn=3)["ffn"] == 3  # a daemon that joins serves both instances

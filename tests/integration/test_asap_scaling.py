@@ -11,7 +11,7 @@ from moeflow import LLM
 from moeflow.comm import list_segments
 from moeflow.config import ConfigError
 
-from parity import PARAMS, PROMPTS, assert_same, colocated_outputs
+from parity import PARAMS, PROMPTS, assert_same, colocated_outputs, generate_while_draining
 
 
 @pytest.mark.parametrize("attn_dp,attn_tp", [(2, 1), (1, 2)])
@@ -56,18 +56,7 @@ def test_attention_groups_join_and_drain_equal_to_colocated(checkpoints, monkeyp
         assert up["attention"] == 2 and up["events"][-1]["outcome"] == "done", up
         assert_same(llm.generate(PROMPTS, PARAMS), want)
         assert {w.index for w in llm.engine.deployment.workers if w.role == "attention"} == {0, 1}
-        engine, step, resident = llm.engine, llm.engine.step, []
-
-        def step_then_drain():  # group 1 drains once it holds requests: they finish there
-            if not resident and engine.scheduler.pool.groups[1].requests:
-                resident.append(len(engine.scheduler.pool.groups[1].requests))
-                engine.scale(attention=1)
-            return step()
-
-        monkeypatch.setattr(engine, "step", step_then_drain)
-        assert_same(llm.generate(PROMPTS, PARAMS), want)
-        monkeypatch.undo()
-        assert resident and resident[0] > 0
+        generate_while_draining(llm, monkeypatch, want)  # group 1 drains with requests resident
         down = llm.scale(wait=True)
         assert down["attention"] == 1 and down["events"][-1]["outcome"] == "done", down
         assert len(llm.engine.scheduler.pool.groups) == 1
