@@ -63,6 +63,9 @@ class AfdEngine(ElasticExperts, ProcessEngine):
         self._serving = None
         return True
 
+    def _idle_group(self, group: int) -> bool:
+        return not self._steps
+
     def _regions_left(self, regions: list[int]) -> None:
         """Nothing to do: each daemon forgot them when told the instances it serves."""
 

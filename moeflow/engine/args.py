@@ -75,6 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--pin-cpus", action="store_true", help="pin each worker process to one CPU")
     run.add_argument("--transport", default="shm", choices=list(TRANSPORTS), help="dispatch/combine transport")
     run.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    run.add_argument("--share-kv-cache", action="store_true",
+                     help="keep the attention side's KV caches in host shared memory (a leaving attention group's "
+                          "requests are then handed over, docs/elastic.md)")
     graphs = run.add_mutually_exclusive_group()
     graphs.add_argument("--cuda-graph", dest="cuda_graph", action="store_const", const=True, default=None,
                         help="decode from CUDA graphs (the default on CUDA; refused elsewhere)")
@@ -156,7 +159,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               pin_cpus=args.pin_cpus, transport=args.transport, trace=args.trace is not None,
               cluster=cluster_config(args), enable_eplb=getattr(args, "enable_eplb", False),
               eplb_config=getattr(args, "eplb_config", None),
-              init_expert_location=getattr(args, "init_expert_location", "trivial"))
+              init_expert_location=getattr(args, "init_expert_location", "trivial"),
+              share_kv_cache=getattr(args, "share_kv_cache", False))
     for name in ("max_model_len", "max_num_seqs", "num_kv_blocks", "memory_budget_gib", "activation_reserve_gib",
                  "stall_timeout_s", "kv_admission", "router_skew", "cuda_graph"):
         if getattr(args, name) is not None:

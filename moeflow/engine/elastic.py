@@ -40,6 +40,7 @@ class ScaleEvent:
     outcome: str = "running"  # running | done | failed: <why>
     moved_bytes: int = 0
     move_s: float = 0.0  # slowest member's copy time
+    handed: int = 0  # attention: the leavers' requests handed to the groups that stay (their KV copied)
 
     @property
     def seconds(self) -> float | None:
@@ -113,6 +114,10 @@ class ElasticExperts:
         writes); a mode whose expert side aggregates its instances (afd) tells it first."""
         return True
 
+    def _idle_group(self, group: int) -> bool:
+        """Whether nothing of ``group``'s is on the workers beyond what ``_inflight`` says (afd: steps)."""
+        return True
+
     def _regions_left(self, regions: list[int]) -> None:
         """The expert holders forget the regions of groups that left (their workers have stopped: no
         reply to them is left to send)."""
@@ -131,10 +136,11 @@ class ElasticExperts:
         check_elastic(self.config, self.layout)
 
     def scale(self, ffn: int | None = None, moe: int | None = None, attention: int | None = None,
-              ep_size: int | None = None) -> dict:
+              ep_size: int | None = None, drain: bool | None = None) -> dict:
         """Ask for a number of expert holders (``ep_size``, or the mode's own name: afd ``ffn``, asap
-        ``moe``); it begins at the next turn and ``scale_status`` follows it. Refused with the reason
-        where it cannot be."""
+        ``moe``), or of attention groups (``attention``; ``drain``: a leaver's residents finish there
+        rather than being handed over); it begins at the next turn and ``scale_status`` follows it.
+        Refused with the reason where it cannot be."""
         lay, kind, m, ag = self.layout, self.layout.expert_kind, self.eplb.membership, self.attention_groups
         if attention is not None and attention != self.attention_count:
             if ag is None:
@@ -144,7 +150,7 @@ class ElasticExperts:
                                                                  f"to scale it" if opt else ""))
             if any(x is not None for x in (ffn, moe, ep_size)):
                 raise ConfigError("scale: one change at a time; give attention or the expert holders, not both")
-            ag.ask(attention, self.attention_count, m is not None and m.busy)
+            ag.ask(attention, self.attention_count, m is not None and m.busy, drain)
             return self.scale_status()
         asked = {"ffn": ffn, "moe": moe}
         other = [k for k, v in asked.items() if v is not None and k != kind]

@@ -13,7 +13,11 @@ instances it serves from the next step (``ServeInstances``) and answers before t
   members and groups of the scheduler (``scheduler/groups.py``), and take new requests from the next
   turn; the expert side attaches to their combine buffers at its first reply.
 - *down*: the last groups drain at once: they admit nothing new (the new membership serves from
-  here) and their resident requests finish where they are. Once they hold nothing their workers stop,
+  here), and their resident requests are handed to the groups that stay (``drain=False``, where the
+  deployment shares its KV caches: ``share_kv_cache``): between its work items the leaver's blocks
+  of each are copied into blocks of a staying group with room (one copy, by the engine, out of one
+  cache and into the other, both mapped from host shared memory), and it continues there; what
+  finds no room, or every resident with ``drain``, finishes where it is. Once they hold nothing their workers stop,
   and every expert holder forgets their regions (asap: ``ForgetRegion``; afd: with ``ServeInstances``),
   so a group that joins at the same index later starts its buffers from scratch.
 
@@ -29,6 +33,8 @@ from moeflow.engine.elastic import ScaleEvent
 from moeflow.logs import get_logger
 from moeflow.messages import UseExperts
 from moeflow.scheduler import groups
+from moeflow.comm.kv_pull import paired_runs, pull
+from moeflow.workers.kv_transfer import MappedCaches
 from moeflow.workers.launch import WorkerDied
 
 log = get_logger("moeflow.elastic")
@@ -43,6 +49,9 @@ class AttentionGroups:
         self.ready: list = []  # of which started
         self.leaving: list[int] = []  # groups draining
         self.events: list[ScaleEvent] = []
+        self.drain = True  # the change under way lets the leavers' residents finish there
+        self._tried = False  # every leaver's residents were offered to the others once, all leavers idle
+        self._caches = MappedCaches()  # the groups' shared KV caches, mapped for a handover
 
     @property
     def busy(self) -> bool:
@@ -52,17 +61,29 @@ class AttentionGroups:
     def at_boundary(self) -> bool:
         """Whether the change waits for a step with nothing in flight (joiners started, or leavers
         settled): a mode with steps (afd) issues none meanwhile."""
-        return bool(self.joiners and len(self.ready) == len(self.joiners)) or bool(self.leaving and all(
-            groups.settled(self.pool, g) and g not in self.engine._inflight for g in self.leaving))
+        return bool(self.joiners and len(self.ready) == len(self.joiners)) or self._settled() or bool(
+            self.leaving and not self.drain and not self._tried)
 
-    def ask(self, target: int, current: int, other_busy: bool) -> None:
+    def _settled(self) -> bool:
+        """Whether every leaver holds nothing any more."""
+        return bool(self.leaving) and all(groups.settled(self.pool, g) and g not in self.engine._inflight
+                                          for g in self.leaving)
+
+    def ask(self, target: int, current: int, other_busy: bool, drain: bool | None = None) -> None:
+        """``drain``: a leaver's residents finish where they are (False: they are handed over, which
+        needs the KV caches shared; None: handed over where they are shared)."""
         if self.busy or other_busy:
             raise ConfigError("scale attention: a change is under way; ask again once GET /scale says it is done")
         if not 1 <= target <= self.capacity:
             raise ConfigError(f"scale attention: {target} is outside [1, {self.capacity}] (the deployment was "
                               f"started for at most {self.capacity}: {self.engine.layout.attention_max})")
+        shared = self.engine._kv_regions(0) is not None
+        drain = not shared if drain is None else drain
+        if not drain and not shared:
+            raise ConfigError("scale attention: handing a leaving group's requests over copies their KV between "
+                              "caches the engine maps (share_kv_cache, --share-kv-cache); without, give drain")
         if target != current:
-            self.pending = target
+            self.pending, self.drain, self._tried = target, drain, False
 
     def turn(self) -> None:
         """One step of the change under way (the engine calls it every turn)."""
@@ -70,6 +91,8 @@ class AttentionGroups:
             self._begin()
         if self.joiners:
             self._poll_joiners()
+        if self.leaving and not self.drain:
+            self._hand_over()
         if self.leaving:
             self._retire()
 
@@ -135,10 +158,33 @@ class AttentionGroups:
         self.events[-1].outcome = f"failed: {why}"
         log.warning("scale attention: %s", self.events[-1].outcome)
 
+    def _hand_over(self) -> None:
+        """Each idle leaver's residents to the least loaded staying group with room, KV copied."""
+        e, pool = self.engine, self.pool
+        staying = [g for g in range(len(pool.groups)) if g not in self.leaving]
+        idle = [g for g in self.leaving if g not in e._inflight and not pool.groups[g].busy and e._idle_group(g)]
+        self._tried = self._tried or len(idle) == len(self.leaving)  # what found no room then finishes there
+        for g in idle:
+            for r in [r for r in pool.groups[g].requests if r.request_id not in pool.in_flight]:
+                for h in sorted(staying, key=lambda h: len(pool.groups[h].requests)):
+                    moved = groups.hand_over(self.sched, r, h)
+                    if moved is not None:
+                        break
+                else:
+                    continue  # no room anywhere: it finishes here
+                old, new, n = moved
+                src, dst = e._kv_regions(g), e._kv_regions(h)
+                runs = paired_runs(old, src[0].block_size, new, dst[0].block_size, n)
+                pull([(self._caches.entries(x), x.member) for x in src], dict(src[0].entries),
+                     self._caches.entries(dst[0]), dst[0].member, runs)
+                groups.release_blocks(self.sched, g, r.request_id)
+                e._known[g].discard(r.request_id)  # its state on the leaver goes with the leaver
+                self.events[-1].handed += 1
+
     def _retire(self) -> None:
         e = self.engine
         pool = self.pool
-        if not self.at_boundary or not e._instances_served(self.leaving[0]):
+        if not self._settled() or not e._instances_served(self.leaving[0]):
             return
         gone = [e.attention[g] for g in self.leaving]
         groups.remove_last(pool, len(self.leaving))
@@ -151,6 +197,7 @@ class AttentionGroups:
         e._regions_left(self.leaving)
         e.layout = dataclasses.replace(e.layout, **{e.layout.attention_count: len(pool.groups)})
         self.leaving = []
+        self._caches.close()
         ev = self.events[-1]
         ev.left_s, ev.outcome = time.monotonic(), "done"
         log.info("scale attention %d -> %d done in %.2f s (drained)", ev.before, ev.after, ev.left_s - ev.requested_s)

@@ -254,17 +254,20 @@ class LLM:
         return window.distribution()
 
     def scale(self, ffn: int | None = None, moe: int | None = None, attention: int | None = None,
-              ep_size: int | None = None, wait: bool = True, timeout_s: float = 300.0) -> dict:
+              ep_size: int | None = None, drain: bool | None = None, wait: bool = True,
+              timeout_s: float = 300.0) -> dict:
         """Change the deployment's membership while it serves (afd: ``ffn`` FFN daemons, in a
         deployment started with ``max_ffn_workers``; asap: ``moe`` MoE workers, with
-        ``max_moe_workers``; ``ep_size``: either); with ``wait``, return once the new membership
+        ``max_moe_workers``; ``ep_size``: either; ``attention`` groups, with ``max_attn_dp`` or
+        ``max_attn_workers``, ``drain``: a leaver's requests finish there rather than being handed
+        over); with ``wait``, return once the new membership
         serves and the old members have left. The status, as ``GET /scale`` gives it; a target the
         deployment cannot take raises ``ConfigError`` saying why."""
         scale = getattr(self.engine, "scale", None)
         if scale is None:
             raise ConfigError(f"mode {self.mode!r}: its membership is fixed while serving (afd's FFN daemons and "
                               f"asap's MoE workers scale)")
-        status = scale(ffn=ffn, moe=moe, attention=attention, ep_size=ep_size)
+        status = scale(ffn=ffn, moe=moe, attention=attention, ep_size=ep_size, drain=drain)
         deadline = time.monotonic() + timeout_s
         while wait and status["in_progress"]:
             if time.monotonic() > deadline:

@@ -2,9 +2,10 @@
 the simulator can run the same bookkeeping).
 
 A group joins at the end of ``pool.groups`` with a fresh KV allocator and is scheduled from the next
-turn (a scheduler that places requests by rank, dep's and afd's, is told: ``Placement.include``). A group that leaves is first *draining*: it admits nothing new (``RequestPool.room_for``), its
-resident requests run to their end, and a request preempted there comes back to it (its worker keeps
-the request's sampler state). Once it holds nothing (``settled``) it is removed; only the last groups
+turn (a scheduler that places requests by rank, dep's and afd's, is told: ``Placement.include``). A group that leaves is first *draining*: it admits nothing new (``RequestPool.room_for``), and its
+resident requests either run to their end there (a request preempted there comes back to it: its
+worker keeps the request's sampler state) or are handed to a group that stays (``hand_over``: the
+caller copies the KV positions it computed from the old blocks to the new). Once it holds nothing (``settled``) it is removed; only the last groups
 leave, so every other group keeps its index.
 """
 from __future__ import annotations
@@ -27,6 +28,32 @@ def drain(sched: Scheduler, gid: int) -> None:
     sched.pool.groups[gid].draining = True
     if (placement := getattr(sched, "placement", None)) is not None:
         placement.exclude(gid)
+
+
+def hand_over(sched: Scheduler, r, dst: int) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """Move resident ``r`` (not on the workers) to group ``dst``, with blocks there for the positions
+    it computed: (its old blocks, its new ones, those positions), the old ones freed once the caller
+    has copied them; None when ``dst`` has no room for it."""
+    pool, rid = sched.pool, r.request_id
+    src = pool.group_of[rid]
+    if rid in pool.in_flight or src == dst:
+        raise ValueError(f"request {rid} cannot move from group {src} to {dst}: "
+                         f"{'it is on the workers' if rid in pool.in_flight else 'the same group'}")
+    g, h = pool.groups[src], pool.groups[dst]
+    n = r.num_computed_tokens
+    if h.allocator.blocks_for(max(n, 1)) > h.allocator.num_free or len(h.requests) >= pool.max_num_seqs:
+        return None
+    old = g.allocator.table(rid)
+    new = tuple(h.allocator.grow(rid, n))
+    g.requests.remove(r)
+    h.requests.append(r)
+    pool.group_of[rid] = dst
+    return old, new, n
+
+
+def release_blocks(sched: Scheduler, src: int, rid: str) -> None:
+    """The old blocks of a request ``hand_over`` moved from group ``src``, once copied."""
+    sched.pool.groups[src].allocator.free(rid)
 
 
 def settled(pool: RequestPool, gid: int) -> bool:

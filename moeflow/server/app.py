@@ -184,7 +184,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
         if body.ffn is None and body.moe is None and ep is None and body.attention is None:
             raise ApiError(400, "give a target: ffn (afd's FFN daemons), moe (asap's MoE workers), ep_size or "
                                 "attention", param="ep_size")
-        return await _scale(lambda: _scaler()(ffn=body.ffn, moe=body.moe, ep_size=ep, attention=body.attention))
+        return await _scale(lambda: _scaler()(ffn=body.ffn, moe=body.moe, ep_size=ep, attention=body.attention,
+                                              drain=body.drain))
 
     @app.post("/scale_elastic_ep", responses=_ERRORS, summary='SGLang\'s: {"new_ep_size": N}, the expert '
               'devices (afd: FFN daemons; asap: MoE workers)')

@@ -15,6 +15,7 @@ class ScaleRequest(BaseModel):
     ep_size: int | None = Field(None, ge=1)
     attention: int | None = Field(None, ge=1)
     new_ep_size: int | None = Field(None, ge=1)  # SGLang's name for ep_size
+    drain: bool | None = None  # attention: a leaver's requests finish there (default: handed over if shared)
 
 
 class ScaleElasticEpRequest(BaseModel):

@@ -36,7 +36,8 @@ def colocated_outputs(checkpoints, names) -> dict:
 
 def generate_while_draining(llm, monkeypatch, want) -> int:
     """``PROMPTS`` generated while attention group 1 is asked to leave as soon as it holds requests
-    (they finish there); the outputs equal ``want``. Returns how many it held then (> 0)."""
+    (they finish there, or are handed over where the deployment shares its KV caches); the outputs
+    equal ``want``. Returns how many it held then (> 0)."""
     engine, step, resident = llm.engine, llm.engine.step, []
 
     def step_then_drain():

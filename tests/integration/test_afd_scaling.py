@@ -112,16 +112,20 @@ def test_the_server_scales_on_post_scale(checkpoints, tmp_path):
         server.stop()
 
 
-def test_attention_instances_join_and_drain_equal_to_colocated(checkpoints, monkeypatch):
-    """M 1 -> 2 -> 1 -> 2 at step boundaries (the daemons aggregate every instance of a step), a drain
-    with requests resident, and FFN daemons joining under the new instances: equal to colocated."""
+@pytest.mark.parametrize("shared", [False, True], ids=["drained", "handed-over"])
+def test_attention_instances_join_and_leave_equal_to_colocated(checkpoints, monkeypatch, shared):
+    """M 1 -> 2 -> 1 -> 2 at step boundaries (the daemons aggregate every instance of a step), the
+    leaver holding requests (drained, or handed over with its KV), and FFN daemons joining under the
+    new instances: equal to colocated."""
     (want,) = colocated_outputs(checkpoints, ("qwen3",)).values()
-    with LLM(checkpoints("qwen3").path, **(ELASTIC | dict(attn_workers=1, max_attn_workers=2, max_num_seqs=3))) as llm:
+    with LLM(checkpoints("qwen3").path, **(ELASTIC | dict(attn_workers=1, max_attn_workers=2, max_num_seqs=8,
+                                                          share_kv_cache=shared))) as llm:
         up = llm.scale(attention=2)
         assert up["attention"] == 2 and up["events"][-1]["outcome"] == "done", up
         assert_same(llm.generate(PROMPTS, PARAMS), want)
         generate_while_draining(llm, monkeypatch, want)  # instance 1 drains with requests resident
-        assert llm.scale(wait=True)["attention"] == 1
+        down = llm.scale(wait=True)
+        assert down["attention"] == 1 and (down["events"][-1]["handed"] > 0) == shared, down
         assert llm.scale(attention=2)["attention"] == 2  # the same index joins again, new buffers
         assert llm.scale(ffn=3)["ffn"] == 3  # a daemon that joins serves both instances
         assert_same(llm.generate(PROMPTS, PARAMS), want)

@@ -46,19 +46,25 @@ def test_a_fixed_asap_deployment_refuses_to_scale(checkpoints):
         LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=2, max_moe_workers=1)
 
 
-def test_attention_groups_join_and_drain_equal_to_colocated(checkpoints, monkeypatch):
-    """D 1 -> 2 -> 1 -> 2, a drain with requests resident, then the expert side grows under the new
-    groups: every output equal to colocated's, the leaver's requests finished where they were."""
+@pytest.mark.parametrize("shared", [False, True], ids=["drained", "handed-over"])
+def test_attention_groups_join_and_leave_equal_to_colocated(checkpoints, monkeypatch, shared):
+    """D 1 -> 2 -> 1 -> 2, the leaver holding requests (they finish there, or with the KV caches
+    shared are handed to group 0, their KV copied), then the expert side grows under the new groups:
+    every output equal to colocated's."""
     (want,) = colocated_outputs(checkpoints, ("qwen3",)).values()
+    # both groups hold some of the 6 prompts: 3 a group at most (drained), or 64 tokens a batch (handed
+    # over: then group 0 has room for group 1's)
+    limits = dict(max_batch_tokens=64, min_batch_tokens=1) if shared else dict(max_num_seqs=3)
     with LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", attn_dp=1, max_attn_dp=2, moe_workers=2,
-             max_moe_workers=3, max_num_seqs=3) as llm:  # 3 a group: both groups hold some of the 6 prompts
+             max_moe_workers=3, share_kv_cache=shared, **limits) as llm:
         up = llm.scale(attention=2)
         assert up["attention"] == 2 and up["events"][-1]["outcome"] == "done", up
         assert_same(llm.generate(PROMPTS, PARAMS), want)
         assert {w.index for w in llm.engine.deployment.workers if w.role == "attention"} == {0, 1}
-        generate_while_draining(llm, monkeypatch, want)  # group 1 drains with requests resident
+        generate_while_draining(llm, monkeypatch, want)  # group 1 leaves with requests resident
         down = llm.scale(wait=True)
         assert down["attention"] == 1 and down["events"][-1]["outcome"] == "done", down
+        assert (down["events"][-1]["handed"] > 0) == shared, down
         assert len(llm.engine.scheduler.pool.groups) == 1
         assert llm.scale(attention=2)["attention"] == 2  # the same index joins again, new buffers
         assert llm.scale(moe=3)["moe"] == 3  # a MoE worker that joins replies to the new group too

@@ -162,3 +162,27 @@ def test_a_group_that_joins_is_scheduled_and_one_that_drains_admits_nothing_new(
     assert len(pool.groups) == 1
     with pytest.raises(ValueError, match="none would be left"):
         groups.remove_last(pool, 1)
+
+
+def test_a_resident_handed_over_keeps_its_positions_in_new_blocks():
+    from moeflow.scheduler import groups
+
+    s = _sched(groups=1, max_batch_wait_s=0.0, blocks=20)
+    groups.add_group(s, 20, 16)
+    s.add(_req("a", 120, max_tokens=4))
+    (w,) = s.schedule(now=1.0)
+    with pytest.raises(ValueError, match="request a cannot move from group 0 to 1: it is on the workers"):
+        groups.hand_over(s, s.pool.get("a"), 1)
+    _done(s, w)
+    r = s.pool.get("a")
+    old, new, n = groups.hand_over(s, r, 1)
+    assert n == 120 and len(old) == len(new) == 8 and s.pool.group_of["a"] == 1
+    assert s.pool.groups[1].requests == [r] and not s.pool.groups[0].requests
+    assert s.pool.groups[0].allocator.num_held("a") == 8  # until the caller has copied them
+    groups.release_blocks(s, 0, "a")
+    assert s.pool.groups[0].allocator.num_free == 20
+    s.add(_req("b", 300, max_tokens=4))  # 19 blocks of group 0's 20: no room for a's 8 there
+    for w in s.schedule(now=2.0):
+        _done(s, w)
+    assert s.pool.group_of["b"] == 0
+    assert groups.hand_over(s, r, 0) is None and s.pool.group_of["a"] == 1

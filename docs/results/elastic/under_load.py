@@ -1,11 +1,13 @@
 """Scaling while a server is under Poisson load (docs/elastic.md, "Under load").
 
     python docs/results/elastic/under_load.py > docs/results/elastic/under_load.txt
+    python docs/results/elastic/under_load.py --afd > docs/results/elastic/under_load_afd.txt
 
-A real ``moeflow serve`` (asap, the embedded model in fp32, 1-2 attention groups, 2-3 MoE workers)
+A real ``moeflow serve`` (asap, the embedded model in fp32, 1-2 attention groups, 2-3 MoE workers; with
+``--afd``: afd, 1-2 attention instances, 2-3 FFN daemons)
 takes Poisson arrivals over HTTP (streamed completions, greedy) while another client asks for a
-change 4 s after the last one ended, in turn: MoE workers 2 -> 3, attention groups 1 -> 2, MoE workers 3 -> 2,
-attention groups 2 -> 1. One MoE scale-up has its joining worker SIGKILLed before it switches, and
+change 4 s after the last one ended, in turn: expert holders 2 -> 3, attention 1 -> 2, expert holders 3 -> 2,
+attention 2 -> 1. One expert scale-up has its joining worker SIGKILLed before it switches, and
 is asked for again. Then: every request answered; each output against the colocated engine's on the
 same prompt (fp32, offline); TTFT and TPOT of the requests whose life overlapped a change against the
 others; the server's shared memory and workers gone once it stops.
@@ -28,10 +30,16 @@ from moeflow import LLM, SamplingParams
 from moeflow.bench.server_process import ServeProcess, children, shm_usage
 
 RATE, DURATION_S, MAX_TOKENS, SEED = 2.0, 90.0, 16, 0
-CHANGES = [("moe", 3), ("attention", 2), ("moe", 2), ("attention", 1)] * 3
-KILL_AT = 4  # the change (index into CHANGES) whose joiner is killed: the second MoE scale-up
-FLAGS = ["--mode", "asap", "--attn-dp", "1", "--max-attn-dp", "2", "--moe-workers", "2", "--max-moe-workers", "3",
-         "--dtype", "float32", "--served-model-name", "m"]
+KILL_AT = 4  # the change (index into the changes) whose joiner is killed: the second expert scale-up
+MODES = {  # the server's flags, and the name of its expert holders in POST /scale
+    "asap": (["--mode", "asap", "--attn-dp", "1", "--max-attn-dp", "2", "--moe-workers", "2", "--max-moe-workers",
+              "3"], "moe"),
+    "afd": (["--mode", "afd", "--topology", "all", "--attn-workers", "1", "--max-attn-workers", "2", "--ffn-workers",
+             "2", "--max-ffn-workers", "3"], "ffn"),
+}
+MODE = "afd" if "--afd" in sys.argv else "asap"
+FLAGS = MODES[MODE][0] + ["--dtype", "float32", "--served-model-name", "m"]
+CHANGES = [(MODES[MODE][1], 3), ("attention", 2), (MODES[MODE][1], 2), ("attention", 1)] * 3
 
 
 async def one(client, url: str, prompt: list[int], at: float, t0: float) -> dict:
@@ -149,7 +157,7 @@ def report(results, want, status, metrics, log, left, workers, pid) -> None:
             print(f"{name}: {len(rs)} requests, TTFT median {statistics.median(ttft) * 1e3:.0f} ms "
                   f"p90 {np.percentile(ttft, 90) * 1e3:.0f} ms, TPOT median {statistics.median(tpot) * 1e3:.1f} ms "
                   f"p90 {np.percentile(tpot, 90) * 1e3:.1f} ms")
-    print("at the end:", {k: status[k] for k in ("attention", "moe")}, "; /metrics:", "; ".join(metrics))
+    print(f"mode {MODE}; at the end:", {k: status[k] for k in ("attention", MODES[MODE][1])}, "; /metrics:", "; ".join(metrics))
     print(f"after the server stopped: /dev/shm files of pid {pid}: {left['files']}; worker processes alive: "
           f"{sum(os.path.exists(f'/proc/{w}') for w in workers)} of {len(workers)}")
 
