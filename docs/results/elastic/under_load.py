@@ -2,6 +2,7 @@
 
     python docs/results/elastic/under_load.py > docs/results/elastic/under_load.txt
     python docs/results/elastic/under_load.py --afd > docs/results/elastic/under_load_afd.txt
+    python docs/results/elastic/under_load.py --handover > docs/results/elastic/under_load_handover.txt
 
 A real ``moeflow serve`` (asap, the embedded model in fp32, 1-2 attention groups, 2-3 MoE workers; with
 ``--afd``: afd, 1-2 attention instances, 2-3 FFN daemons)
@@ -38,7 +39,8 @@ MODES = {  # the server's flags, and the name of its expert holders in POST /sca
              "2", "--max-ffn-workers", "3"], "ffn"),
 }
 MODE = "afd" if "--afd" in sys.argv else "asap"
-FLAGS = MODES[MODE][0] + ["--dtype", "float32", "--served-model-name", "m"]
+FLAGS = MODES[MODE][0] + ["--dtype", "float32", "--served-model-name", "m"] + (
+    ["--share-kv-cache"] if "--handover" in sys.argv else [])  # a leaving group's requests are handed over
 CHANGES = [(MODES[MODE][1], 3), ("attention", 2), (MODES[MODE][1], 2), ("attention", 1)] * 3
 
 
@@ -147,7 +149,8 @@ def report(results, want, status, metrics, log, left, workers, pid) -> None:
     for e in status["events"]:
         sw = "-" if e["switched_s"] is None else f"{e['switched_s'] - e['requested_s']:.2f} s"
         gone = "-" if e["left_s"] is None else f"{e['left_s'] - e['requested_s']:.2f} s"
-        print(f"  {e['kind']} {e['before']} -> {e['after']}: {e['outcome']}, serving after {sw}, gone after {gone}")
+        print(f"  {e['kind']} {e['before']} -> {e['after']}: {e['outcome']}, serving after {sw}, gone after {gone}"
+              + (f", {e['handed']} requests handed over" if e["handed"] else ""))
     during = [r for r in ok if any(r["sent"] <= b and r["end"] >= a for a, b in windows)]
     outside = [r for r in ok if r not in during]
     for name, rs in (("during a change", during), ("outside", outside)):
