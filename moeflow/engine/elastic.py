@@ -20,8 +20,12 @@ nothing switches, the deployment serves on as it was, and the event says why. On
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from collections.abc import Callable
 
+from moeflow.comm.segment import SHM_DIR, segment_path
+from moeflow.comm.space import check_room
 from moeflow.config import ConfigError
 from moeflow.messages import ForgetRegion
 from moeflow.scheduler.eplb import resized_counts
@@ -150,6 +154,12 @@ class ElasticExperts:
                                                                  f"to scale it" if opt else ""))
             if any(x is not None for x in (ffn, moe, ep_size)):
                 raise ConfigError("scale: one change at a time; give attention or the expert holders, not both")
+            spec = self.deployment.setups[0].comm.spec  # a group publishes its combine buffers and its KV
+            if not ag.busy and attention <= ag.capacity:  # else ask says why not
+                check_joiners_fit(self.deployment_id, [f"combine{spec.lane_id(0, j)}"
+                                                       for j in range(spec.lanes_per_region)]
+                                  + [f"kv-cache-{lay.attention_role}0-*"], attention - self.attention_count,
+                                  f"scale attention {self.attention_count} -> {attention}")
             ag.ask(attention, self.attention_count, m is not None and m.busy, drain)
             return self.scale_status()
         asked = {"ffn": ffn, "moe": moe}
@@ -169,6 +179,10 @@ class ElasticExperts:
             raise ConfigError(f"scale {kind}: this deployment's {kind} workers are fixed; start it with "
                               f"{lay.expert_max} (--{lay.expert_max.replace('_', '-')}) to scale them while serving")
         now = self.eplb.window.map
+        spec = self.deployment.setups[0].comm.spec  # an expert holder publishes its dispatch buffer and slots
+        if not m.busy and target <= m.capacity:  # else ask says why not
+            check_joiners_fit(self.deployment_id, ["dispatch0", f"weights{spec.expert_world_rank(0)}"],
+                              target - now.num_devices, f"scale {kind} {now.num_devices} -> {target}")
         m.ask(target, now.num_devices, self.model_config.num_experts, now.slots_per_device)
         return self.scale_status()
 
@@ -218,6 +232,15 @@ class ElasticExperts:
 
     def _experts_switched(self, n: int) -> None:
         self.layout = dataclasses.replace(self.layout, **{self.layout.expert_count: n})
+
+
+def check_joiners_fit(deployment_id: str, names: list[str], count: int, what: str) -> None:
+    """Refuse ``count`` new members when /dev/shm cannot hold what a live one of their kind publishes
+    there (its segments ``names``, globs of this deployment's), saying how much is missing."""
+    if count <= 0:
+        return
+    each = sum(os.path.getsize(f) for n in names for f in glob.glob(segment_path(deployment_id, n)))
+    check_room(SHM_DIR, count * each, what)
 
 
 def scale_event(e: ScaleEvent) -> dict:

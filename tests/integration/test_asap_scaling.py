@@ -38,6 +38,19 @@ def test_moe_workers_join_and_leave_equal_to_colocated(checkpoints, attn_dp, att
     assert list_segments(dep_id) == []
 
 
+def test_a_joiner_that_would_not_fit_in_shared_memory_is_refused(checkpoints, monkeypatch):
+    import moeflow.comm.space as space
+
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", attn_dp=1, max_attn_dp=2, moe_workers=1,
+             max_moe_workers=2) as llm:
+        monkeypatch.setattr(space, "free_bytes", lambda directory: 1 << 20)
+        for kind in ("moe", "attention"):
+            with pytest.raises(ConfigError, match=rf"scale {kind} 1 -> 2 needs \d+ bytes .*free space there"):
+                llm.scale(**{kind: 2})
+        monkeypatch.undo()
+        assert llm.scale(moe=2)["moe"] == 2 and llm.scale(attention=2)["attention"] == 2
+
+
 def test_a_fixed_asap_deployment_refuses_to_scale(checkpoints):
     with LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=1) as llm:
         with pytest.raises(ConfigError, match="moe workers are fixed; start it with max_moe_workers"):
