@@ -188,7 +188,8 @@ class ElasticExperts:
 
     @property
     def attention_count(self) -> int:
-        return self.layout.num_processes - getattr(self.layout, self.layout.expert_count)
+        """Attention groups (asap's DP groups, afd's instances) now."""
+        return getattr(self.layout, self.layout.attention_count)
 
     def scale_status(self) -> dict:
         m, lay, ag = self.eplb.membership, self.layout, self.attention_groups
@@ -226,7 +227,8 @@ class ElasticExperts:
         role = lay.expert_kind
         # NOTE: world None: an expert holder talks through shared memory only (check_elastic), and the
         # attention side's TP world (asap attn_tp > 1) was formed without it
-        setup = dataclasses.replace(self._worker_setup(role, index, self.attention_count + index, 0),
+        rank = self.layout.num_processes - getattr(lay, lay.expert_count) + index  # after the attention side's
+        setup = dataclasses.replace(self._worker_setup(role, index, rank, 0),
                                     layout=layout, join=join, expert_layers=None, world=None)
         return self.deployment.join(setup)
 

@@ -1,4 +1,4 @@
-"""Attention groups that join and leave while the deployment serves: asap's D -> D' (attn_tp 1) and
+"""Attention groups that join and leave while the deployment serves: asap's D -> D' and
 afd's attention instances M -> M' (topology all).
 
 asap's groups never wait for one another, so a group can come and go without anyone else noticing.
@@ -28,14 +28,15 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from moeflow.comm.kv_pull import paired_runs, pull
 from moeflow.config import ConfigError
 from moeflow.engine.elastic import ScaleEvent
 from moeflow.logs import get_logger
-from moeflow.messages import UseExperts
+from moeflow.messages import UseExperts, World
+from moeflow.model.attention import attention_for
 from moeflow.scheduler import groups
-from moeflow.comm.kv_pull import paired_runs, pull
 from moeflow.workers.kv_transfer import MappedCaches
-from moeflow.workers.launch import WorkerDied
+from moeflow.workers.launch import WorkerDied, free_port
 
 log = get_logger("moeflow.elastic")
 
@@ -44,6 +45,7 @@ class AttentionGroups:
     def __init__(self, engine, capacity: int, sched):
         """``sched``: the engine's own scheduler, whose groups follow the workers."""
         self.engine, self.capacity, self.sched, self.pool = engine, capacity, sched, sched.pool
+        self.members = getattr(engine.layout, "attn_tp", 1)  # processes of one group
         self.pending: int | None = None
         self.joiners: list = []  # handles forked for the change under way, by group
         self.ready: list = []  # of which started
@@ -114,13 +116,17 @@ class AttentionGroups:
                 groups.drain(self.sched, g)
             self.events[-1].switched_s = time.monotonic()  # new requests go to the others from now
             return
-        now, lay = e.eplb.window.map, e.layout
+        now, lay, t = e.eplb.window.map, e.layout, self.members
         for g in range(cur, n):
-            base = e._worker_setup(lay.attention_role, g, g, 0)
             layout = dataclasses.replace(lay, **{lay.attention_count: g + 1, lay.expert_count: now.num_devices})
-            setup = dataclasses.replace(base, layout=layout, world=None, experts_held=now.layers[0],
-                                        expert_layers=now.layers)
-            self.joiners.append(e.deployment.join(setup))
+            # NOTE: a group of several (asap attn_tp) meets in a torch.distributed world of its own: its
+            # collectives are its members' only, and the deployment's world was formed without it
+            world = World(t, free_port(), (tuple(range(t)),)) if t > 1 else None
+            for member in range(t):
+                base = e._worker_setup(lay.attention_role, g * t + member, g * t + member, 0)
+                setup = dataclasses.replace(base, layout=layout, world=world, world_rank=member,
+                                            experts_held=now.layers[0], expert_layers=now.layers)
+                self.joiners.append(e.deployment.join(setup))
 
     def _poll_joiners(self) -> None:
         e = self.engine
@@ -131,18 +137,20 @@ class AttentionGroups:
         except (WorkerDied, EOFError, OSError) as x:
             self._fail(str(x).splitlines()[0])
             return
-        if len(self.ready) < len(self.joiners) or not e._instances_served(len(self.pool.groups) + len(self.joiners)):
+        count = len(self.pool.groups) + len(self.joiners) // self.members
+        if len(self.ready) < len(self.joiners) or not e._instances_served(count):
             return
         pool = self.pool
-        for w in self.joiners:
+        for k, w in enumerate(self.joiners):
             e.deployment.admit(w)
             # the placement routed by now, read before its first work item; a switch from now on reaches it
             e.deployment.send(w, UseExperts(e.eplb.epoch, e.eplb.window.map.layers))
             for members in self._lists():
                 members.append(w)
-            groups.add_group(self.sched, e.config.num_kv_blocks, e.config.kv_block_size)
-            e._known.append(set())
-            e._freed.append([])
+            if k % self.members == 0:
+                groups.add_group(self.sched, e.config.num_kv_blocks, e.config.kv_block_size)
+                e._known.append(set())
+                e._freed.append([])
         e.layout = dataclasses.replace(e.layout, **{e.layout.attention_count: len(pool.groups)})
         self.joiners, self.ready = [], []
         ev = self.events[-1]
@@ -175,8 +183,10 @@ class AttentionGroups:
                 old, new, n = moved
                 src, dst = e._kv_regions(g), e._kv_regions(h)
                 runs = paired_runs(old, src[0].block_size, new, dst[0].block_size, n)
-                pull([(self._caches.entries(x), x.member) for x in src], dict(src[0].entries),
-                     self._caches.entries(dst[0]), dst[0].member, runs)
+                whole = dict(attention_for(e.model_config).kv_layout())  # every head: members hold slices
+                for d in dst:  # each TP member's heads out of whichever source member holds them
+                    pull([(self._caches.entries(x), x.member) for x in src], whole, self._caches.entries(d),
+                         d.member, runs)
                 groups.release_blocks(self.sched, g, r.request_id)
                 e._known[g].discard(r.request_id)  # its state on the leaver goes with the leaver
                 self.events[-1].handed += 1
@@ -186,7 +196,7 @@ class AttentionGroups:
         pool = self.pool
         if not self._settled() or not e._instances_served(self.leaving[0]):
             return
-        gone = [e.attention[g] for g in self.leaving]
+        gone = e.attention[self.leaving[0] * self.members:]
         groups.remove_last(pool, len(self.leaving))
         for members in self._lists():
             for w in gone:

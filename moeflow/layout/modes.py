@@ -60,16 +60,13 @@ class AsapLayout(Layout):
     max_moe_workers: int | None = opt(None, "elastic: the most MoE workers the deployment may scale to while "
                                             "serving; default: moe_workers, fixed")
     max_attn_dp: int | None = opt(None, "elastic: the most attention groups the deployment may scale to while "
-                                        "serving (attn_tp 1); default: attn_dp, fixed")
+                                        "serving; default: attn_dp, fixed")
 
     def __post_init__(self) -> None:
         positive(self, "attn_dp", "attn_tp", "moe_workers")
         check_redundant(self)
         check_capacity(self)
         check_attention_capacity(self)
-        require(self.max_attn_dp is None or self.attn_tp == 1, f"asap layout: max_attn_dp (attention groups that join and leave "
-                f"while serving) needs attn_tp 1: a group of {self.attn_tp} would need its own torch.distributed "
-                f"group")
         p = self.expert_placement
         require(p is None or not self.num_redundant_experts,
                 "asap layout: give either expert_placement (which may list an expert twice) or "

@@ -253,10 +253,10 @@ class Deployment:
     def join(self, setup: WorkerSetup) -> WorkerHandle:
         """Start a worker that was not in the deployment (on this host). It is joining (watched by
         whoever started it, not by ``recv_any``: its death fails its join, not the deployment)
-        until ``admit`` makes it a member; ``is_ready`` says when it has started."""
-        if setup.node != 0 or setup.world is not None:
-            raise ValueError(f"{setup.role} {setup.index}: a worker joins on this host, outside any "
-                             f"torch.distributed world")
+        until ``admit`` makes it a member; ``is_ready`` says when it has started. Its world, if any, is
+        its own group's (the deployment's was formed without it)."""
+        if setup.node != 0:
+            raise ValueError(f"{setup.role} {setup.index}: a worker joins on this host")
         w = spawn(setup)
         self.joining.append((w, setup))
         return w

@@ -29,7 +29,7 @@ def test_moe_workers_join_and_leave_equal_to_colocated(checkpoints, attn_dp, att
         down = llm.scale(wait=True)
         assert down["moe"] == 2 and down["events"][-1]["outcome"] == "done", down
         assert sorted(w.index for w in llm.engine.deployment.workers if w.role == "moe") == [0, 1]
-        assert llm.engine.load().members == (("attention", attn_dp * attn_tp), ("moe", 2))
+        assert llm.engine.load().members == (("attention", attn_dp), ("moe", 2))  # groups, not processes
         with pytest.raises(ConfigError, match="mode asap has no ffn workers; its expert holders are moe"):
             llm.scale(ffn=3)
         with pytest.raises(ConfigError, match="moe=3 and ep_size=2 disagree"):
@@ -59,21 +59,21 @@ def test_a_fixed_asap_deployment_refuses_to_scale(checkpoints):
         LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", moe_workers=2, max_moe_workers=1)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["drained", "handed-over"])
-def test_attention_groups_join_and_leave_equal_to_colocated(checkpoints, monkeypatch, shared):
+@pytest.mark.parametrize("shared,tp", [(False, 1), (True, 1), (True, 2)], ids=["drained", "handed-over", "tp2"])
+def test_attention_groups_join_and_leave_equal_to_colocated(checkpoints, monkeypatch, shared, tp):
     """D 1 -> 2 -> 1 -> 2, the leaver holding requests (they finish there, or with the KV caches
     shared are handed to group 0, their KV copied), then the expert side grows under the new groups:
-    every output equal to colocated's."""
+    every output equal to colocated's. With T 2 a joining group meets in a world of its own."""
     (want,) = colocated_outputs(checkpoints, ("qwen3",)).values()
     # both groups hold some of the 6 prompts: 3 a group at most (drained), or 64 tokens a batch (handed
     # over: then group 0 has room for group 1's)
     limits = dict(max_batch_tokens=64, min_batch_tokens=1) if shared else dict(max_num_seqs=3)
     with LLM(checkpoints("qwen3").path, dtype="float32", mode="asap", attn_dp=1, max_attn_dp=2, moe_workers=2,
-             max_moe_workers=3, share_kv_cache=shared, **limits) as llm:
+             max_moe_workers=3, share_kv_cache=shared, attn_tp=tp, **limits) as llm:
         up = llm.scale(attention=2)
         assert up["attention"] == 2 and up["events"][-1]["outcome"] == "done", up
         assert_same(llm.generate(PROMPTS, PARAMS), want)
-        assert {w.index for w in llm.engine.deployment.workers if w.role == "attention"} == {0, 1}
+        assert {w.index for w in llm.engine.deployment.workers if w.role == "attention"} == set(range(2 * tp))
         generate_while_draining(llm, monkeypatch, want)  # group 1 leaves with requests resident
         down = llm.scale(wait=True)
         assert down["attention"] == 1 and down["events"][-1]["outcome"] == "done", down
