@@ -1,0 +1,158 @@
+"""The controller that resizes an afd deployment from its live load: attention instances M and FFN
+daemons N (pure Python, so the simulator runs the very same decisions).
+
+Each observation (``Sample``) is one window of the serving deployment: its members, the share of
+wall time its attention instances spent computing and the share they spent blocked on the FFN side
+(combine-recv), the queue, the KV room left and the p90 TPOT. A step of afd overlaps the two sides
+micro-batch by micro-batch, so its time is set by the longer side (FastAFD's three-factor model,
+``moeflow predict afd``): per step, attention work A = busy and FFN work F = busy + wait when the
+instances wait (FFN-bound), else F <= A and, unless the daemons' own busy share is known, taken as A
+(the bound that never under-provisions). With M' instances each holds M/M' of the requests, A' =
+A M/M'; with N' daemons each computes N/N' of the tokens, F' = F N/N'; the step, and so TPOT,
+scales as max(A', F') / max(A, F).
+
+``Controller.observe`` decides one change at a time, at most one member per side:
+
+- **over the SLO** (p90 TPOT above it): the neighbour with the lowest predicted TPOT, if it gains
+  more than ``band``;
+- **out of KV room** (requests queue while the instances' caches are full): one attention instance
+  more, whatever the step time says (they bring the cache);
+- **under the SLO** by more than ``band``: the neighbour with the fewest processes whose predicted
+  TPOT stays below the SLO by ``band`` / 2, if one has fewer processes than now;
+
+never before ``interval_s`` since the last change, and on the mean of the last ``window`` samples,
+so a single noisy window does not move it. Every decision carries its inputs and its prediction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AutoscalePolicy:
+    """What the controller may do (``--autoscale POLICY.yaml``)."""
+
+    tpot_slo_s: float  # p90 TPOT the deployment must keep
+    min_attention: int = 1
+    max_attention: int = 1
+    min_ffn: int = 1
+    max_ffn: int = 1
+    max_processes: int | None = None  # attention + FFN; None: max_attention + max_ffn
+    interval_s: float = 10.0  # least time between two changes
+    window: int = 3  # samples a decision averages
+    band: float = 0.15  # hysteresis: the relative gain a change must predict
+    wait_eps: float = 0.02  # a wait share below this is none (the instances are attention-bound)
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> ValueError:
+            return ValueError(f"autoscale policy: {what}")
+        if not self.tpot_slo_s > 0:
+            raise bad(f"tpot_slo_s must be > 0, got {self.tpot_slo_s!r}")
+        for lo, hi in (("min_attention", "max_attention"), ("min_ffn", "max_ffn")):
+            a, b = getattr(self, lo), getattr(self, hi)
+            if not (isinstance(a, int) and isinstance(b, int) and 1 <= a <= b):
+                raise bad(f"need 1 <= {lo} <= {hi}, got {a!r} and {b!r}")
+        if self.max_processes is not None and self.max_processes < self.min_attention + self.min_ffn:
+            raise bad(f"max_processes {self.max_processes} is below min_attention + min_ffn")
+        if not (self.interval_s >= 0 and self.window >= 1 and 0 < self.band < 1 and self.wait_eps >= 0):
+            raise bad("need interval_s >= 0, window >= 1, 0 < band < 1, wait_eps >= 0")
+
+    @property
+    def budget(self) -> int:
+        return self.max_processes if self.max_processes is not None else self.max_attention + self.max_ffn
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One window of the live load."""
+
+    t_s: float
+    attention: int  # members now
+    ffn: int
+    attn_busy: float  # mean share of wall time the instances computed
+    attn_wait: float  # mean share they were blocked on the FFN side
+    tpot_p90_s: float | None  # None: no request decoded in the window
+    queue: int = 0  # waiting requests
+    kv_free: float = 1.0  # share of the instances' KV blocks free
+    ffn_busy: float | None = None  # the daemons' own busy share, when known
+
+
+@dataclass(frozen=True)
+class Decision:
+    t_s: float
+    attention: int
+    ffn: int
+    reason: str  # over_slo | kv_room | under_slo
+    predicted_tpot_s: float
+    inputs: dict = field(default_factory=dict)
+
+
+def predicted_tpot(s: Sample, tpot_s: float, attention: int, ffn: int, wait_eps: float) -> float:
+    """TPOT at (``attention``, ``ffn``) members from ``tpot_s`` measured with ``s``'s (module doc)."""
+    a = s.attn_busy
+    if s.attn_wait > wait_eps:
+        f = a + s.attn_wait
+    elif s.ffn_busy is not None:
+        f = min(a, s.ffn_busy)
+    else:
+        f = a
+    now = max(a, f)
+    if now <= 0:
+        return tpot_s
+    return tpot_s * max(a * s.attention / attention, f * s.ffn / ffn) / now
+
+
+class Controller:
+    def __init__(self, policy: AutoscalePolicy):
+        self.policy = policy
+        self.samples: list[Sample] = []
+        self.last_change_s: float | None = None
+        self.decisions: list[Decision] = []
+
+    def observe(self, s: Sample) -> Decision | None:
+        """Take one window; the change to make now, or None."""
+        p = self.policy
+        if self.samples and (self.samples[-1].attention, self.samples[-1].ffn) != (s.attention, s.ffn):
+            self.samples = []  # a window of another membership says nothing about this one
+        self.samples = (self.samples + [s])[-p.window:]
+        if len(self.samples) < p.window or (self.last_change_s is not None and s.t_s - self.last_change_s < p.interval_s):
+            return None
+        m = _mean(self.samples)
+        if m.tpot_p90_s is None:
+            return None
+        options = [(a, f) for a in (m.attention - 1, m.attention, m.attention + 1)
+                   for f in (m.ffn - 1, m.ffn, m.ffn + 1)
+                   if (a, f) != (m.attention, m.ffn) and p.min_attention <= a <= p.max_attention
+                   and p.min_ffn <= f <= p.max_ffn and a + f <= p.budget]
+        tpot = {o: predicted_tpot(m, m.tpot_p90_s, *o, p.wait_eps) for o in options}
+        pick, reason = None, ""
+        if m.queue > 0 and m.kv_free < 0.05:
+            up = [o for o in options if o[0] == m.attention + 1 and o[1] == m.ffn]
+            pick, reason = (up[0], "kv_room") if up else (None, "")
+        elif m.tpot_p90_s > p.tpot_slo_s:
+            best = min(options, key=lambda o: (tpot[o], sum(o)), default=None)
+            if best is not None and tpot[best] < m.tpot_p90_s * (1 - p.band):
+                pick, reason = best, "over_slo"
+        elif m.tpot_p90_s < p.tpot_slo_s * (1 - p.band):
+            fits = [o for o in options if sum(o) < m.attention + m.ffn and tpot[o] <= p.tpot_slo_s * (1 - p.band / 2)]
+            if fits:
+                pick, reason = min(fits, key=lambda o: (sum(o), tpot[o])), "under_slo"
+        if pick is None:
+            return None
+        d = Decision(s.t_s, pick[0], pick[1], reason, tpot[pick],
+                     {"attention": m.attention, "ffn": m.ffn, "attn_busy": m.attn_busy, "attn_wait": m.attn_wait,
+                      "tpot_p90_s": m.tpot_p90_s, "queue": m.queue, "kv_free": m.kv_free})
+        self.decisions.append(d)
+        self.last_change_s, self.samples = s.t_s, []
+        return d
+
+
+def _mean(samples: list[Sample]) -> Sample:
+    n = len(samples)
+    tpots = [x.tpot_p90_s for x in samples if x.tpot_p90_s is not None]
+    busy = [x.ffn_busy for x in samples if x.ffn_busy is not None]
+    last = samples[-1]
+    return Sample(last.t_s, last.attention, last.ffn, sum(x.attn_busy for x in samples) / n,
+                  sum(x.attn_wait for x in samples) / n, sum(tpots) / len(tpots) if tpots else None,
+                  round(sum(x.queue for x in samples) / n), sum(x.kv_free for x in samples) / n,
+                  sum(busy) / len(busy) if busy else None)

@@ -1,0 +1,94 @@
+"""The autoscaling controller on recorded load windows (ints and shares): which side it grows, when it
+shrinks, and that it does not flap."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from moeflow.scheduler.autoscale import AutoscalePolicy, Controller, Sample, predicted_tpot
+
+POLICY = AutoscalePolicy(tpot_slo_s=0.2, max_attention=4, max_ffn=4, interval_s=5.0, window=3)
+
+
+def _run(samples: list[Sample], policy: AutoscalePolicy = POLICY) -> list:
+    c = Controller(policy)
+    return [d for s in samples if (d := c.observe(s)) is not None]
+
+
+def _same(n: int, **kw) -> list[Sample]:
+    base = dict(attention=2, ffn=2, attn_busy=0.4, attn_wait=0.0, tpot_p90_s=0.1) | kw
+    return [Sample(t_s=float(t), **base) for t in range(n)]
+
+
+def test_the_model_scales_each_side_by_its_share_of_the_step():
+    s = Sample(0.0, 2, 2, attn_busy=0.4, attn_wait=0.4, tpot_p90_s=0.3)  # FFN-bound: F = 0.8
+    assert predicted_tpot(s, 0.3, 2, 4, 0.02) == pytest.approx(0.3 * 0.4 / 0.8)  # F' 0.4, A 0.4
+    assert predicted_tpot(s, 0.3, 4, 2, 0.02) == pytest.approx(0.3)  # attention was not the bound
+    a = Sample(0.0, 2, 2, attn_busy=0.8, attn_wait=0.0, tpot_p90_s=0.3)  # attention-bound, F unknown: = A
+    assert predicted_tpot(a, 0.3, 4, 2, 0.02) == pytest.approx(0.3)  # F' = A would bound it
+    assert predicted_tpot(a, 0.3, 4, 4, 0.02) == pytest.approx(0.15)
+    known = Sample(0.0, 2, 2, attn_busy=0.8, attn_wait=0.0, tpot_p90_s=0.3, ffn_busy=0.2)
+    assert predicted_tpot(known, 0.3, 4, 2, 0.02) == pytest.approx(0.15)
+
+
+def test_an_ffn_bound_deployment_over_its_slo_gets_a_daemon():
+    (d,) = _run(_same(3, attn_busy=0.4, attn_wait=0.4, tpot_p90_s=0.3))
+    assert (d.attention, d.ffn, d.reason) == (2, 3, "over_slo")
+    assert d.predicted_tpot_s == pytest.approx(0.3 * (0.8 * 2 / 3) / 0.8)
+    assert d.inputs["attn_wait"] == pytest.approx(0.4) and d.inputs["tpot_p90_s"] == pytest.approx(0.3)
+
+
+def test_an_attention_bound_one_gets_an_instance_and_a_daemon_unless_the_daemons_are_known_idle():
+    (d,) = _run(_same(3, attn_busy=0.8, tpot_p90_s=0.3))
+    assert (d.attention, d.ffn) == (3, 3)  # the daemons' share unknown: taken as the instances'
+    (d,) = _run(_same(3, attn_busy=0.8, tpot_p90_s=0.3, ffn_busy=0.2))
+    assert (d.attention, d.ffn) == (3, 1)  # daemons busy 20%: one of the two does, the A:F ratio moves
+
+
+def test_a_queue_with_full_caches_gets_an_instance_and_room_under_the_slo_gives_one_back():
+    (d,) = _run(_same(3, queue=5, kv_free=0.01))
+    assert (d.attention, d.ffn, d.reason) == (3, 2, "kv_room")
+    (d,) = _run(_same(3, attention=3, ffn=3, attn_busy=0.2, attn_wait=0.05, tpot_p90_s=0.05))
+    assert (d.attention, d.ffn, d.reason) == (2, 2, "under_slo")
+    assert d.predicted_tpot_s == pytest.approx(0.05 * 0.375 / 0.25)
+
+
+def test_nothing_changes_inside_the_band_before_the_window_fills_or_within_the_interval():
+    assert _run(_same(3, tpot_p90_s=0.19)) == []  # under the SLO by less than the band: stays
+    assert _run(_same(2, attn_busy=0.4, attn_wait=0.4, tpot_p90_s=0.3)) == []  # two windows of three
+    c = Controller(POLICY)
+    got = [c.observe(s) for s in _same(12, attn_busy=0.4, attn_wait=0.4, tpot_p90_s=0.3)]
+    changes = [d.t_s for d in got if d is not None]
+    assert changes == [2.0, 7.0]  # the membership the samples report did not change: again, interval apart
+    with pytest.raises(ValueError, match="need 1 <= min_ffn <= max_ffn"):
+        AutoscalePolicy(tpot_slo_s=0.2, min_ffn=3, max_ffn=2)
+
+
+class Plant:
+    """A deployment whose TPOT follows the model exactly, with noise: load L splits into attention work
+    per instance and FFN work per daemon."""
+
+    def __init__(self, attention_load: float, ffn_load: float, rng: random.Random):
+        self.a, self.f, self.rng = attention_load, ffn_load, rng
+
+    def sample(self, t: float, m: int, n: int) -> Sample:
+        a, f = self.a / m, self.f / n
+        busy, wait = a, max(0.0, f - a)
+        noise = 1 + self.rng.uniform(-0.08, 0.08)
+        return Sample(t, m, n, attn_busy=busy, attn_wait=wait, tpot_p90_s=0.25 * max(a, f) * noise)
+
+
+@pytest.mark.parametrize("attention_load,ffn_load", [(1.6, 0.8), (0.8, 1.6), (0.4, 0.4), (2.4, 2.4)])
+def test_on_a_steady_load_it_settles_without_flapping(attention_load, ffn_load):
+    rng, m, n, moves = random.Random(0), 2, 2, []
+    plant, c = Plant(attention_load, ffn_load, rng), Controller(POLICY)
+    for t in range(300):
+        d = c.observe(plant.sample(float(t), m, n))
+        if d is not None:
+            moves.append((d.attention - m, d.ffn - n))
+            m, n = d.attention, d.ffn
+    reversals = sum(1 for x, y in zip(moves, moves[1:]) if x[0] * y[0] < 0 or x[1] * y[1] < 0)
+    assert reversals == 0 and len(moves) <= 4, moves
+    final = plant.sample(0.0, m, n).tpot_p90_s
+    assert final <= POLICY.tpot_slo_s * 1.1 or (m, n) == (POLICY.max_attention, POLICY.max_ffn), (m, n, final)
