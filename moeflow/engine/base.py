@@ -21,6 +21,7 @@ class StepResult:
     finished: list[Request]  # requests that finished (or failed) in this step
     # worker name -> seconds of compute its work items reported in this step (a server's busy fraction)
     busy_s: dict[str, float] = field(default_factory=dict)
+    wait_s: dict[str, float] = field(default_factory=dict)  # seconds it was blocked on the expert side
     # pd: the KV handoffs completed in this step and the pre-allocation waits
     kv_transfers: list["KvTransfer"] = field(default_factory=list)
     prealloc_waits_s: list[float] = field(default_factory=list)

@@ -132,6 +132,7 @@ class ProcessEngine(Startup):
         sampled tokens, the group released. A request that ended before this item came back (a
         step in flight past its end, an abort) has its output dropped."""
         result.busy_s[worker] = sum(t.compute_s for t in done.timings)
+        result.wait_s[worker] = sum(t.wait_s for t in done.timings)
         if self.eplb is not None:
             self.eplb.completed(done)
         live = set(self.scheduler.pool.requests)

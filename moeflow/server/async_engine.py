@@ -57,6 +57,7 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="moeflow-engine", daemon=True)
+        self.autoscaler = None  # engine/autoscaler.py (--autoscale), set before start
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -167,6 +168,8 @@ class AsyncEngine:
                     self._fail(f"an engine step raised {type(e).__name__}: {e}")
                 else:
                     self._deliver(result)
+                    if self.autoscaler is not None:  # --autoscale: a window of the load, maybe a change
+                        self.autoscaler.turn(engine, result, clock())
                     self.supervisor.count_stalls(engine)
                     if engine.failed is not None:
                         self._fail(engine.failed)

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
                    help=f"once the deployment stays failed, keep answering 503 instead of exiting with status "
                         f"{GAVE_UP_EXIT} (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--autoscale", default=None, metavar="POLICY.yaml",
+                   help="resize the deployment from its live load (afd: attention instances and FFN daemons, started "
+                        "with --max-attn-workers and --max-ffn-workers; docs/elastic.md)")
     r = p.add_argument_group("prefill/decode roles (behind moeflow router; docs/pd.md)")
     r.add_argument("--role", "--disaggregation-mode", dest="role", default=None, choices=KV_ROLES,
                    help="prefill: answer a request with kv_transfer_params {do_remote_decode: true} with its first "
@@ -87,6 +90,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = AsyncEngine(lambda: LLM(**kwargs), config.max_pending_requests, metrics,
                          on_give_up=None if args.keep_alive_on_failure else give_up)
+    if args.autoscale is not None:
+        from moeflow.engine.autoscaler import Autoscaler, load_policy
+        if args.mode not in ("afd", "asap"):
+            raise ConfigError(f"--autoscale: mode {args.mode!r} does not change its members while serving (afd and "
+                              f"asap do)")
+        engine.autoscaler = Autoscaler(*load_policy(args.autoscale), counter=metrics.autoscale)
     # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; with
     # SIGTERM's default action that would kill us before the workers and shared memory are
     # released, so SIGTERM (and SIGHUP, which uvicorn leaves alone) become an exception that

@@ -92,3 +92,20 @@ def test_on_a_steady_load_it_settles_without_flapping(attention_load, ffn_load):
     assert reversals == 0 and len(moves) <= 4, moves
     final = plant.sample(0.0, m, n).tpot_p90_s
     assert final <= POLICY.tpot_slo_s * 1.1 or (m, n) == (POLICY.max_attention, POLICY.max_ffn), (m, n, final)
+
+
+def test_a_policy_file_is_read_with_its_sampling_period_and_refused_by_the_key_that_is_wrong(tmp_path):
+    from moeflow.config import ConfigError
+    from moeflow.engine.autoscaler import load_policy
+
+    good = tmp_path / "p.yaml"
+    good.write_text("tpot_slo_s: 0.1\nmax_ffn: 3\nsample_s: 1.5\n")
+    policy, sample_s = load_policy(str(good))
+    assert (policy.tpot_slo_s, policy.max_ffn, sample_s) == (0.1, 3, 1.5)
+    bad = tmp_path / "b.yaml"
+    bad.write_text("tpot_slo_s: 0.1\nmax_ffns: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown keys \['max_ffns'\]"):
+        load_policy(str(bad))
+    bad.write_text("tpot_slo_s: -1\n")
+    with pytest.raises(ConfigError, match="tpot_slo_s must be > 0"):
+        load_policy(str(bad))
