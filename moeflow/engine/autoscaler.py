@@ -62,7 +62,7 @@ class Autoscaler:
             self._apply(engine, self._todo.pop(0))
         if now - self._t0 < self.sample_s:
             return
-        window, m, n = now - self._t0, status.get("attention", 1), status[engine.layout.expert_kind]
+        window, m, n = now - self._t0, engine.attention_count, status[engine.layout.expert_kind]
         load = engine.load()
         tpots = sorted(self._tpots)
         sample = Sample(now, m, n, attn_busy=self._busy / (window * m), attn_wait=self._wait / (window * m),
