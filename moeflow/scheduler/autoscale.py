@@ -19,6 +19,8 @@ scales as max(A', F') / max(A, F).
   more, whatever the step time says (they bring the cache);
 - **under the SLO** by more than ``band``: the neighbour with the fewest processes whose predicted
   TPOT stays below the SLO by ``band`` / 2, if one has fewer processes than now;
+- **idle** (nothing decoded, nothing queued, the instances not computing): one member less per side,
+  down to the minimums (a window with requests but none finished decides nothing);
 
 never before ``interval_s`` since the last change, and on the mean of the last ``window`` samples,
 so a single noisy window does not move it. Every decision carries its inputs and its prediction.
@@ -82,7 +84,7 @@ class Decision:
     t_s: float
     attention: int
     ffn: int
-    reason: str  # over_slo | kv_room | under_slo
+    reason: str  # over_slo | kv_room | under_slo | idle
     predicted_tpot_s: float
     inputs: dict = field(default_factory=dict)
 
@@ -118,12 +120,15 @@ class Controller:
         if len(self.samples) < p.window or (self.last_change_s is not None and s.t_s - self.last_change_s < p.interval_s):
             return None
         m = _mean(self.samples)
-        if m.tpot_p90_s is None:
-            return None
         options = [(a, f) for a in (m.attention - 1, m.attention, m.attention + 1)
                    for f in (m.ffn - 1, m.ffn, m.ffn + 1)
                    if (a, f) != (m.attention, m.ffn) and p.min_attention <= a <= p.max_attention
                    and p.min_ffn <= f <= p.max_ffn and a + f <= p.budget]
+        if m.tpot_p90_s is None:  # nothing decoded: idle, it gives back a member per side; else no evidence
+            fewer = [o for o in options if sum(o) < m.attention + m.ffn]
+            if m.queue > 0 or m.attn_busy > p.wait_eps or not fewer:
+                return None
+            return self._decide(s, m, min(fewer, key=lambda o: (sum(o), -o[0])), "idle", float("nan"))
         tpot = {o: predicted_tpot(m, m.tpot_p90_s, *o, p.wait_eps) for o in options}
         pick, reason = None, ""
         if m.queue > 0 and m.kv_free < 0.05:
@@ -139,7 +144,10 @@ class Controller:
                 pick, reason = min(fits, key=lambda o: (sum(o), tpot[o])), "under_slo"
         if pick is None:
             return None
-        d = Decision(s.t_s, pick[0], pick[1], reason, tpot[pick],
+        return self._decide(s, m, pick, reason, tpot[pick])
+
+    def _decide(self, s: Sample, m: Sample, pick: tuple[int, int], reason: str, predicted: float) -> Decision:
+        d = Decision(s.t_s, pick[0], pick[1], reason, predicted,
                      {"attention": m.attention, "ffn": m.ffn, "attn_busy": m.attn_busy, "attn_wait": m.attn_wait,
                       "tpot_p90_s": m.tpot_p90_s, "queue": m.queue, "kv_free": m.kv_free})
         self.decisions.append(d)

@@ -51,7 +51,7 @@ class ServerMetrics:
         self.kv_prealloc = Histogram("moeflow_kv_prealloc_wait_seconds", "pd: first token sampled to decode blocks "
                                      "pre-allocated (waiting for decode room)", buckets=_LATENCY_BUCKETS_S, registry=r)
         self.autoscale = Counter("moeflow_autoscale_decisions", "--autoscale: the controller's decisions, by reason "
-                                 "(over_slo, kv_room, under_slo; refused: the deployment would not take it)",
+                                 "(over_slo, kv_room, under_slo, idle; refused: the deployment would not take it)",
                                  ["reason"], registry=r)
         self._busy_window_s = busy_window_s
         self._busy: deque[tuple[float, str, float]] = deque()  # (when, worker, seconds), oldest first

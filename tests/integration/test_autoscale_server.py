@@ -17,7 +17,8 @@ def test_the_server_grows_an_afd_deployment_whose_tpot_is_over_its_slo(checkpoin
     path = checkpoints("qwen3").path
     policy = tmp_path / "policy.yaml"
     # an SLO no step meets: every window is over it, so the controller grows the side the model says
-    policy.write_text("tpot_slo_s: 0.0001\nmax_attention: 2\nmax_ffn: 3\ninterval_s: 1.0\nwindow: 2\nsample_s: 0.5\n")
+    policy.write_text("tpot_slo_s: 0.0001\nmax_attention: 2\nmin_ffn: 2\nmax_ffn: 3\ninterval_s: 1.0\nwindow: 2\n"
+                      "sample_s: 0.5\n")  # min_ffn 2: an idle start does not shrink it first
     prompts = [[(7 * i + j) % 200 for j in range(5 + i % 7)] for i in range(24)]
     with LLM(path, dtype="float32") as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(

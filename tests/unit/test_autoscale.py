@@ -109,3 +109,17 @@ def test_a_policy_file_is_read_with_its_sampling_period_and_refused_by_the_key_t
     bad.write_text("tpot_slo_s: -1\n")
     with pytest.raises(ConfigError, match="tpot_slo_s must be > 0"):
         load_policy(str(bad))
+
+
+def test_an_idle_deployment_gives_a_member_per_side_back_down_to_the_minimums():
+    c, got = Controller(POLICY), []
+    m, n = 3, 3
+    for t in range(40):
+        d = c.observe(Sample(float(t), m, n, attn_busy=0.0, attn_wait=0.0, tpot_p90_s=None))
+        if d is not None:
+            got.append((d.attention, d.ffn, d.reason))
+            m, n = d.attention, d.ffn
+    assert got == [(2, 2, "idle"), (1, 1, "idle")]
+    # requests running that have not finished yet, or queued, are not idle: no evidence, no change
+    assert _run(_same(6, attention=3, ffn=3, attn_busy=0.3, tpot_p90_s=None)) == []
+    assert _run(_same(6, attention=3, ffn=3, attn_busy=0.0, tpot_p90_s=None, queue=2)) == []
