@@ -15,6 +15,7 @@ from moeflow.layout import Layout
 
 if TYPE_CHECKING:  # comm imports torch; messages stay importable without it
     from moeflow.comm import CommConfig
+    from moeflow.membership_messages import JoinExperts
 
 # token id -> (logprob, rank)
 RawLogprobs = dict[int, tuple[float, int]]
@@ -156,18 +157,6 @@ class MoveExperts:
 
 
 @dataclass
-class JoinExperts:
-    """What an expert-holding worker that joins an elastic deployment while it serves starts from
-    (``WorkerSetup.join``): placement ``epoch`` (``layers``, its own row included) is the one it
-    fills, from the peers' live buffers of placement ``epoch - 1`` (``live_layers``, without it), and
-    reports ``ExpertsMoved`` for once it is done."""
-
-    epoch: int
-    layers: tuple  # [moe layer][expert device] -> logical expert of each slot, after it joins
-    live_layers: tuple  # the same, serving now
-
-
-@dataclass
 class ExpertsMoved:
     """Expert-holding worker -> engine: the slots of placement ``epoch`` hold their experts."""
 
@@ -177,29 +166,6 @@ class ExpertsMoved:
     seconds: float  # the move's wall time on this worker
     nbytes: int  # weight bytes copied (from peers and locally)
     peer_bytes: int = 0  # of which read from peers (over gloo when they are on other hosts)
-
-
-@dataclass
-class ForgetRegion:
-    """Engine -> every expert holder: attention group ``region`` left (every reply to it was sent);
-    one that joins at its index later writes and reads new buffers from seq 1."""
-
-    region: int
-
-
-@dataclass
-class ServeInstances:
-    """Engine -> every afd FFN daemon, between steps: aggregate instances 0..count-1 from the next step
-    on (an instance that left is forgotten, its buffers let go); answered with ``InstancesServed``."""
-
-    count: int
-
-
-@dataclass
-class InstancesServed:
-    role: str
-    index: int
-    count: int
 
 
 @dataclass
@@ -288,7 +254,7 @@ class WorkerSetup:
     # the starting placement where it differs by layer (``ExpertMap.layers``: [moe layer][device] ->
     # experts; --init-expert-location); None: ``experts_held`` in every MoE layer
     expert_layers: tuple | None = None
-    join: JoinExperts | None = None  # it joins while the deployment serves (an elastic FFN daemon)
+    join: JoinExperts | None = None  # it joins while the deployment serves (an elastic expert holder)
 
     def held_by(self, device: int) -> tuple:
         """What expert device ``device`` loads: its experts, per MoE layer where they differ by layer."""

@@ -23,7 +23,8 @@ from moeflow.engine.elastic_attention import AttentionGroups
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import AfdLayout
-from moeflow.messages import InstancesServed, ServeInstances, WorkDone
+from moeflow.membership_messages import InstancesServed, ServeInstances
+from moeflow.messages import WorkDone
 from moeflow.workers.launch import WorkerDied
 
 _IDLE_S = 2e-3  # an idle deployment's step sleeps this long (never a busy spin)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from moeflow.comm.segment import SHM_DIR, segment_path
 from moeflow.comm.space import check_room
 from moeflow.config import ConfigError
-from moeflow.messages import ForgetRegion
+from moeflow.membership_messages import ForgetRegion
 from moeflow.scheduler.eplb import resized_counts
 
 

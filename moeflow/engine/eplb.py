@@ -21,7 +21,8 @@ from moeflow.engine.expert_load import ExpertLoadWindow, window_for
 from moeflow.layout.expert_map import ExpertMap
 from moeflow.logs import get_logger
 from moeflow.engine.elastic import ScaleEvent
-from moeflow.messages import ExpertsMoved, JoinExperts, MoveExperts, UseExperts, WorkDone, WorkerFailed
+from moeflow.membership_messages import JoinExperts
+from moeflow.messages import ExpertsMoved, MoveExperts, UseExperts, WorkDone, WorkerFailed
 from moeflow.scheduler.eplb import rebalance, resize
 from moeflow.scheduler.expert_location import TRIVIAL, initial_map
 from moeflow.workers.launch import WorkerDied

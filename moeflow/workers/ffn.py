@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from moeflow.messages import InstancesServed, MoveExperts, ServeInstances, WorkerSetup
+from moeflow.membership_messages import InstancesServed, ServeInstances
+from moeflow.messages import MoveExperts, WorkerSetup
 from moeflow.workers.control import LockedConn, serve_control
 from moeflow.model.moe import ExpertWeights, experts_grouped, plan_pairs, weighted_sum
 from moeflow.model.gate import GateKind, GateWeights, gate_for

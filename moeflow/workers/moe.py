@@ -13,7 +13,8 @@ import queue
 import threading
 import time
 
-from moeflow.messages import ForgetRegion, MoveExperts, WorkerSetup
+from moeflow.membership_messages import ForgetRegion
+from moeflow.messages import MoveExperts, WorkerSetup
 from moeflow.workers.control import LockedConn, serve_control
 from moeflow.workers.expert_slots import begin_join, worker_slots
 from moeflow.model.weights import TORCH_DTYPES, LoadSpec, load_weights

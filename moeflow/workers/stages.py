@@ -129,10 +129,8 @@ class AttentionStages:
             self.sender = transport.dispatch_sender(region=group, lane=member)
 
     def use_experts(self, epoch: int, layers: tuple) -> None:
-        """Route by placement ``epoch`` (``ExpertMap.layers``) from the next batch on. In an elastic
-        deployment its device count is the expert holders' now: one that left is let go (every message
-        to or from it is back: the engine switches between this process's work items), one that joined
-        is written to from its first message on."""
+        """Route by placement ``epoch`` (``ExpertMap.layers``) from the next batch on; an expert holder
+        that left is let go (the switch comes between work items), one that joined is attached lazily."""
         moe = [lid for lid in range(self.cfg.num_layers) if self.cfg.sparse_layers[lid]]
         self.layered = LayeredRoutes(layers, moe, self.cfg.num_experts, self.group, self.device)
         self.expert_epoch = epoch
