@@ -23,7 +23,7 @@ from moeflow.layout import DwdpLayout
 from moeflow.messages import WorkDone
 from moeflow.model.footprint import weight_footprint
 from moeflow.model.weights import TORCH_DTYPES
-from moeflow.workers.launch import WorkerDied, WorkerHandle, WorkerStalled
+from moeflow.workers.worker_handle import WorkerDied, WorkerHandle, WorkerStalled
 
 
 

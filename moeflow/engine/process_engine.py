@@ -15,7 +15,7 @@ from moeflow.engine.base import EngineLoad, StepResult, clock, validate_request
 from moeflow.engine.startup import Startup
 from moeflow.layout import Layout
 from moeflow.messages import DumpSpans, NewRequest, RunWork, Spans, WorkDone
-from moeflow.workers.launch import WorkerDied, WorkerHandle, WorkerStalled, process_state
+from moeflow.workers.worker_handle import WorkerDied, WorkerHandle, WorkerStalled, process_state
 
 KV_ROLES = ("attention", "dep", "dwdp", "afd_attention")  # the worker roles that hold a group's KV cache
 
