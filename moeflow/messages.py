@@ -267,7 +267,8 @@ class WorkerSetup:
 
 @dataclass
 class StartWorkers:
-    """Engine -> a worker node, over the rendezvous: start these workers of deployment ``deployment_id``."""
+    """Engine -> a worker node, over the rendezvous: start these workers of deployment ``deployment_id``
+    (again for the running one: workers that join it while it serves, numbered after the others)."""
 
     deployment_id: str
     setups: list[WorkerSetup]  # in the order the engine numbers them on this node
@@ -278,6 +279,11 @@ class StopWorkers:
     """Engine -> a worker node: the deployment is over; shut its workers down (kill what lingers)."""
 
     kill: bool = False  # True: at once (the engine gave up on them), False: after a Shutdown grace
+
+
+@dataclass
+class KillWorker:
+    """Engine -> a worker node, for one of its workers: kill it now (it did not stop when asked)."""
 
 
 @dataclass

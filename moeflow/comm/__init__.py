@@ -4,7 +4,7 @@ Knows nothing of requests or models. Start with ``transport.py`` (the nouns, how
 onto them, the dispatch/combine primitives and their contract), then ``mailbox.py`` (the shared
 buffer and its slot protocol).
 """
-from moeflow.comm import cuda_ipc, dist, handshake, links, p2p, reference, shm  # noqa: F401  (register the transports)
+from moeflow.comm import cuda_ipc, dist, handshake, links, p2p, pairs, reference, shm  # noqa: F401  (register the transports)
 from moeflow.comm.config import CommConfig
 from moeflow.comm.message import (CombineMessage, CombineSegment, DispatchMessage, DispatchRow, ProtocolError,
                                   SendStats)

@@ -22,7 +22,8 @@ class CommConfig:
     compute_device: str = "cpu"
     stream_chunk_bytes: int = 1 << 20  # shm: payloads larger than this are written (and read) in
     # chunks of about this size, so the receiver's copy overlaps the sender's; 0: one copy each
-    rank_nodes: tuple[int, ...] = ()  # links: the host of each world rank; (): all on one host
+    rank_nodes: tuple[int, ...] = ()  # links, pairs: the host of each world rank; (): all on one host
+    store: tuple[str, int] | None = None  # pairs: the cluster's store (address, port), where pairs meet
     # shm: where the mailboxes' payload bytes live (comm/arena.py): host (the shared segment),
     # cuda_ipc (device memory on compute_device, shared by CUDA IPC), deferred (its CPU rehearsal)
     arena: str = "host"
@@ -43,6 +44,9 @@ class CommConfig:
         if self.rank_nodes and self.spec is not None and len(self.rank_nodes) != self.spec.world_size:
             raise ConfigError(f"CommConfig.rank_nodes names {len(self.rank_nodes)} ranks; the world has "
                               f"{self.spec.world_size}")
+        if self.transport == "pairs" and self.store is None:
+            raise ConfigError("CommConfig.transport 'pairs' needs CommConfig.store: the (address, port) of the "
+                              "store where pairs of processes meet")
         from moeflow.comm.arena import ARENAS
 
         if self.arena not in ARENAS:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from moeflow.comm.dist import COMBINE_TAG, DISPATCH_TAG, LaneReceiver, LaneSender
+from moeflow.comm.dist import COMBINE_TAG, DISPATCH_TAG
+from moeflow.comm.lanes import LaneReceiver, LaneSender
 from moeflow.comm.mailbox import Mailbox
 from moeflow.comm.message import CombineMessage, CombineSegment, DispatchMessage
 from moeflow.comm.remote_weights import LinksWeightStore
@@ -37,15 +38,21 @@ def split_peers(config, me: int, peers: list[int]) -> tuple[dict[int, int], dict
 
 
 class _Inbox:
-    """A receiver's lanes: its mailbox for the local ones, pre-posted gloo receives for the others."""
+    """A receiver's lanes: its mailbox for the local ones, gloo receives for the others (``link_of``:
+    how to reach a remote peer, None: the world; ``lazy``: a remote lane opens at ``open``)."""
 
-    def __init__(self, config, mailbox: Mailbox, me: int, peers: list[int], tag: int, header_words: int, rows: int):
+    def __init__(self, config, mailbox: Mailbox, me: int, peers: list[int], tag: int, header_words: int, rows: int,
+                 link_of=None, lazy: bool = False):
         self.mailbox, self.reader, self.num_slots = mailbox, LaneReader(mailbox), config.spec.num_slots
         _, self.remote = split_peers(config, me, peers)
         remote_ranks = [peers[i] for i in self.remote]
-        self.lanes = (LaneReceiver(config, remote_ranks, tag, header_words, rows, mailbox.bell)
+        self.lanes = (LaneReceiver(config, remote_ranks, tag, header_words, rows, mailbox.bell, link_of, lazy)
                       if remote_ranks else None)
         self.expect = [1] * len(peers)  # next seq of each local lane
+
+    def open(self, lane: int) -> None:
+        if lane in self.remote:
+            self.lanes.open(self.remote[lane])
 
     def ready(self, lane: int) -> bool:
         if lane in self.remote:
@@ -62,6 +69,13 @@ class _Inbox:
         self.expect[lane] = seq + 1
         return words, payload
 
+    def forget(self, lane: int) -> None:
+        """Lane ``lane``'s writer left: one that joins in its place writes from seq 1."""
+        if lane in self.remote:
+            self.lanes.drop(self.remote[lane])
+        else:
+            self.expect[lane], self.reader.streamed[lane] = 1, 0
+
     def close(self) -> None:
         if self.lanes is not None:
             self.lanes.close()
@@ -69,15 +83,17 @@ class _Inbox:
 
 
 class _Outbox:
-    """A sender's lanes: peers' mailboxes on this host, gloo lanes to the others."""
+    """A sender's lanes: peers' mailboxes on this host (attached at the first write to each), gloo
+    lanes to the others (``link_of``: how to reach one, None: the world)."""
 
     def __init__(self, config, me: int, peers: list[int], paths: list[str], layout, lane: int, tag: int,
-                 header_words: int, rows: int, stats):
+                 header_words: int, rows: int, stats, link_of=None):
         self.local, self.remote = split_peers(config, me, peers)
-        boxes = [Mailbox.attach(paths[i], layout, config.attach_timeout_s) for i in self.local]
-        self.writer = LaneWriter(boxes, lane, config, stats)
+        local_paths = [paths[i] for i in sorted(self.local, key=self.local.get)]
+        self.writer = LaneWriter([None] * len(local_paths), lane, config, stats,
+                                 lambda k: Mailbox.attach(local_paths[k], layout, config.attach_timeout_s))
         remote_ranks = [peers[i] for i in self.remote]
-        self.lanes = LaneSender(config, remote_ranks, tag, header_words, rows, stats) if remote_ranks else None
+        self.lanes = LaneSender(config, remote_ranks, tag, header_words, rows, stats, link_of) if remote_ranks else None
 
     def write(self, dst: int, words: list[int], payload) -> None:
         if dst in self.local:
@@ -85,36 +101,56 @@ class _Outbox:
         else:
             self.lanes.write(self.remote[dst], words, payload)
 
+    def detach(self, dst: int) -> None:
+        """``dst`` left: say goodbye (its receives end), and one that joins in its place starts afresh."""
+        if dst in self.local:
+            self.writer.detach(self.local[dst])
+        else:
+            self.lanes.goodbye(self.remote[dst])
+
     def close(self) -> None:
         self.writer.close()
         if self.lanes is not None:
             self.lanes.close()
 
 
+def world_links(config, me: int):
+    """How an endpoint of ``links`` reaches a peer on another host: a rank of the world (None)."""
+    return None
+
+
 class LinksDispatchSender(DispatchSender):
+    link_of = staticmethod(world_links)
+
     def __init__(self, config, region, lane):
         super().__init__(config, region, lane)
         s = self.spec
         self.out = _Outbox(config, self.lane_id, [s.expert_world_rank(e) for e in range(s.num_expert_ranks)],
                            [dispatch_path(config.deployment_id, e) for e in range(s.num_expert_ranks)],
                            dispatch_layout(s), self.lane_id, DISPATCH_TAG, s.dispatch_header_words, s.dispatch_rows,
-                           self.stats)
+                           self.stats, self.link_of(config, self.lane_id))
 
     def send(self, rank, payload, layer_id, batch_id, tokens_per_expert=None) -> None:
         self.out.write(rank, self.header(payload, layer_id, batch_id, tokens_per_expert), payload)
+
+    def detach(self, rank: int) -> None:
+        self.out.detach(rank)
 
     def close(self) -> None:
         self.out.close()
 
 
 class LinksDispatchReceiver(DispatchReceiver):
+    link_of = staticmethod(world_links)
+
     def __init__(self, config, rank):
         super().__init__(config, rank)
         s = self.spec
         mailbox = Mailbox.create(dispatch_path(config.deployment_id, rank), dispatch_layout(s))
         self.bell = mailbox.bell
-        self.inbox = _Inbox(config, mailbox, s.expert_world_rank(rank), list(range(s.num_lanes)), DISPATCH_TAG,
-                            s.dispatch_header_words, s.dispatch_rows)  # lane writers' world ranks = lane ids
+        me = s.expert_world_rank(rank)  # lane writers' world ranks = lane ids
+        self.inbox = _Inbox(config, mailbox, me, list(range(s.num_lanes)), DISPATCH_TAG, s.dispatch_header_words,
+                            s.dispatch_rows, self.link_of(config, me))
         self._private = private_rows(s, s.lanes_per_region, s.dispatch_rows, config.compute_device)  # [W, rows, H]
 
     def poll(self) -> DispatchMessage | None:
@@ -125,12 +161,16 @@ class LinksDispatchReceiver(DispatchReceiver):
 
 
 class LinksCombineSender(CombineSender):
+    link_of = staticmethod(world_links)
+
     def __init__(self, config, rank):
         super().__init__(config, rank)
         s = self.spec
-        self.out = _Outbox(config, s.expert_world_rank(rank), list(range(s.num_lanes)),
+        me = s.expert_world_rank(rank)
+        self.out = _Outbox(config, me, list(range(s.num_lanes)),
                            [combine_path(config.deployment_id, i) for i in range(s.num_lanes)], combine_layout(s),
-                           rank, COMBINE_TAG, s.combine_header_words, s.segment_rows, self.stats)
+                           rank, COMBINE_TAG, s.combine_header_words, s.segment_rows, self.stats,
+                           self.link_of(config, me))
 
     def send(self, region, lane, payload, layer_id, batch_id) -> None:
         self.out.write(self.spec.lane_id(region, lane), self.header(payload, layer_id, batch_id), payload)
@@ -140,17 +180,24 @@ class LinksCombineSender(CombineSender):
 
 
 class LinksCombineReceiver(CombineReceiver):
+    link_of = staticmethod(world_links)
+
     def __init__(self, config, region, lane):
         super().__init__(config, region, lane)
         s = self.spec
         mailbox = Mailbox.create(combine_path(config.deployment_id, self.lane_id), combine_layout(s))
         self.bell = mailbox.bell
+        link_of = self.link_of(config, self.lane_id)
+        # NOTE: with links of their own, a remote expert rank's lane opens when it is first polled: an
+        # elastic deployment's expert ranks may join later (and one that left, at its index again)
         self.inbox = _Inbox(config, mailbox, self.lane_id, [s.expert_world_rank(e) for e in range(s.num_expert_ranks)],
-                            COMBINE_TAG, s.combine_header_words, s.segment_rows)
+                            COMBINE_TAG, s.combine_header_words, s.segment_rows, link_of, lazy=link_of is not None)
         self._private = private_rows(s, s.num_expert_ranks, s.segment_rows, config.compute_device)  # [E, rows, H]
         self._seq = [0] * s.num_expert_ranks
 
     def poll(self, ranks: Sequence[int]) -> CombineMessage | None:
+        for e in ranks:
+            self.inbox.open(e)
         if not all(self.inbox.ready(e) for e in ranks):
             return None
         out = {}
@@ -159,6 +206,10 @@ class LinksCombineReceiver(CombineReceiver):
             self._seq[e] += 1
             out[e] = CombineSegment(e, self._seq[e], layer_id, batch_id, payload)
         return CombineMessage(out)
+
+    def forget(self, rank: int) -> None:
+        self.inbox.forget(rank)
+        self._seq[rank] = 0
 
     def close(self) -> None:
         self.inbox.close()

@@ -225,10 +225,11 @@ class ElasticExperts:
         lay = self.layout
         layout = dataclasses.replace(lay, **{lay.expert_count: len(join.layers[0])})
         role = lay.expert_kind
-        # NOTE: world None: an expert holder talks through shared memory only (check_elastic), and the
-        # attention side's TP world (asap attn_tp > 1) was formed without it
+        # NOTE: world None: an expert holder talks through shared memory, or pair links across hosts
+        # (check_elastic), and the attention side's TP world (asap attn_tp > 1) was formed without it
         rank = self.layout.num_processes - getattr(lay, lay.expert_count) + index  # after the attention side's
-        setup = dataclasses.replace(self._worker_setup(role, index, rank, 0),
+        nodes = self.deployment.setups[0].comm.rank_nodes
+        setup = dataclasses.replace(self._worker_setup(role, index, rank, nodes[rank] if nodes else 0),
                                     layout=layout, join=join, expert_layers=None, world=None)
         return self.deployment.join(setup)
 
@@ -252,11 +253,23 @@ def scale_event(e: ScaleEvent) -> dict:
 
 def check_elastic(config, layout) -> None:
     """Refuse an elastic layout where members cannot join, saying why (before anything starts)."""
-    options = [o for o in (layout.expert_max, "max_attn_dp") if getattr(layout, o, None) is not None]
+    options = [o for o in (layout.expert_max, getattr(layout, "attention_max", None))
+               if o is not None and getattr(layout, o, None) is not None]
     if not options:
         return
     if config.transport not in ("shm", "shm-handshake"):
         raise ConfigError(f"{options[0]}: workers join through host shared memory (transport shm), not "
                           f"{config.transport!r}")
-    if config.cluster.is_multinode:
-        raise ConfigError(f"{options[0]}: workers join on the engine's host; this deployment spans hosts")
+    cluster = config.cluster
+    if cluster.is_multinode:
+        if options[0] != layout.expert_max or len(options) > 1:
+            raise ConfigError(f"{[o for o in options if o != layout.expert_max][0]}: attention members join on the "
+                              f"engine's host only; this deployment spans hosts (its expert holders may scale: "
+                              f"{layout.expert_max})")
+        if config.transport != "shm":
+            raise ConfigError(f"{options[0]}: across hosts members join through shm and pair links (transport "
+                              f"shm), not {config.transport!r}")
+        if cluster.nnodes > 2:
+            raise ConfigError(f"{options[0]}: an elastic deployment's expert holders share one host (a joiner "
+                              f"reads its experts from its peers' shared memory); this cluster spreads them over "
+                              f"{cluster.nnodes - 1} hosts: run it on 2 nodes")

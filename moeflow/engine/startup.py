@@ -53,12 +53,14 @@ class Blueprint:
         t = self.attn_tp or 1
         return tuple(tuple(range(g * t, (g + 1) * t)) for g in range(self.side[1] // t)) if t > 1 else ()
 
-    def nodes(self, nnodes: int) -> tuple[int, ...]:
-        """The host of each world rank."""
+    def nodes(self, nnodes: int, expert_ranks: int | None = None) -> tuple[int, ...]:
+        """The host of each world rank; ``expert_ranks``: as many expert holders (an elastic layout's
+        capacity: where one that joins later runs), else the count it starts with."""
         n = self.side[1]
         if self.experts is None:
             return tuple(r % nnodes for r in range(n))
-        return (0,) * n + tuple(1 + i % (nnodes - 1) if nnodes > 1 else 0 for i in range(self.experts[1]))
+        count = self.experts[1] if expert_ranks is None else expert_ranks
+        return (0,) * n + tuple(1 + i % (nnodes - 1) if nnodes > 1 else 0 for i in range(count))
 
     def workers(self, nnodes: int) -> list[tuple[str, int, int, int]]:
         """(role, index, world rank, host) of each worker, in launch order: the expert side first,
@@ -100,9 +102,12 @@ class Startup(Engine):
         if bp.attn_tp is not None:
             check_tp(mc, bp.attn_tp)
         self.max_model_len = context_len(config, mc)
-        transport, rank_nodes = self._transport(bp.nodes(config.cluster.nnodes))
         spec = comm_spec(layout, mc.num_experts, mc.num_experts_per_tok, mc.hidden_size, config.dtype)
-        comm = CommConfig(spec, transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes)
+        transport, rank_nodes = self._transport(bp.nodes(config.cluster.nnodes, spec.num_expert_ranks
+                                                         if bp.experts and layout.elastic else None))
+        cluster = config.cluster
+        comm = CommConfig(spec, transport, self.deployment_id, WaitPolicy(), rank_nodes=rank_nodes,
+                          store=(cluster.master_addr, cluster.master_port) if transport == "pairs" else None)
         config = self._budget(config, model_path)
         self.scheduler = make_scheduler(layout, config, self.max_model_len)
         groups = bp.tp_groups
@@ -165,7 +170,8 @@ class Startup(Engine):
         host; across hosts shm or gloo per link (``links``), unless gloo everywhere was asked for."""
         check_cuda_ipc(c := self.config)
         if c.cluster.is_multinode and c.transport == "shm":
-            return "links", tuple(rank_nodes)
+            # members that join while serving cannot take a rank in a world: a gloo group per pair
+            return ("pairs" if getattr(self.layout, "elastic", False) else "links"), tuple(rank_nodes)
         return c.transport, ()
 
     def _launch(self, setups, published_shm_bytes: int = 0) -> None:

@@ -178,13 +178,19 @@ class Deployment:
     # -- membership while serving (elastic deployments) ------------------------------------------
 
     def join(self, setup: WorkerSetup) -> WorkerHandle:
-        """Start a worker that was not in the deployment (on this host). It is joining (watched by
-        whoever started it, not by ``recv_any``: its death fails its join, not the deployment)
-        until ``admit`` makes it a member; ``is_ready`` says when it has started. Its world, if any, is
-        its own group's (the deployment's was formed without it)."""
-        if setup.node != 0:
-            raise ValueError(f"{setup.role} {setup.index}: a worker joins on this host")
-        w = spawn(setup)
+        """Start a worker that was not in the deployment, on this host or by its node (``setup.node``).
+        It is joining (watched by whoever started it, not by ``recv_any``: its death fails its join,
+        not the deployment) until ``admit`` makes it a member; ``is_ready`` says when it has started.
+        Its world, if any, is its own group's (the deployment's was formed without it)."""
+        if setup.node == 0:
+            w = spawn(setup)
+        else:
+            nodes = {n.node: n for n in self.nodes}
+            if setup.node not in nodes:
+                raise ValueError(f"{setup.role} {setup.index}: node {setup.node} runs none of this deployment's "
+                                 f"workers (nodes {sorted(nodes)}): a member joins a node that runs some")
+            conn, process = nodes[setup.node].add(setup)
+            w = WorkerHandle(setup.role, setup.index, process, conn)
         self.joining.append((w, setup))
         return w
 

@@ -18,7 +18,7 @@ from multiprocessing.connection import wait
 
 from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
-from moeflow.messages import StartWorkers, StopWorkers, WorkerExited, WorkerReady, WorkerSetup
+from moeflow.messages import KillWorker, StartWorkers, StopWorkers, WorkerExited, WorkerReady, WorkerSetup
 from moeflow.workers.rendezvous import Channel, Heartbeat, RendezvousError, connect, node_inbox, node_outbox
 
 log = get_logger("moeflow.workers.remote")
@@ -48,7 +48,9 @@ class RemoteProcess:
         self._dead.wait(timeout)
 
     def kill(self) -> None:
-        self.node.stop(kill=True)
+        """This worker only (its node goes on serving the others); dead from now for the engine."""
+        self.node.kill(self.slot)
+        self.mark_dead(self.exitcode)
 
     def mark_dead(self, exitcode: int | None) -> None:
         if not self._dead.is_set():
@@ -83,18 +85,42 @@ class RemoteNode:
         self._stop_acked = threading.Event()
         self._lost = False
         self._down.put((deployment_id, None, StartWorkers(deployment_id, list(setups))))
+        self._added = 0  # workers added since the start: the down relay looks for their pipes
         self._threads = [threading.Thread(target=f, daemon=True, name=f"moeflow-node{node}-{f.__name__}")
                          for f in (self._relay_down, self._relay_up)]
         for t in self._threads:
             t.start()
 
+    def add(self, setup: WorkerSetup) -> tuple[mp.connection.Connection, RemoteProcess]:
+        """Start one more worker there (it joins the running deployment): its (engine end, process)."""
+        ours, theirs = mp.Pipe()
+        handle = (ours, RemoteProcess(self, len(self.handles), setup))
+        self.handles.append(handle)
+        self._relay_ends.append(theirs)
+        self._added += 1
+        self._down.put((self.deployment_id, None, StartWorkers(self.deployment_id, [setup])))
+        return handle
+
+    def kill(self, slot: int) -> None:
+        try:
+            self._down.put((self.deployment_id, slot, KillWorker()))
+        except RendezvousError:
+            pass  # the node is gone, and its workers with it
+
     def _relay_down(self) -> None:
         """Engine -> workers: whatever the engine writes into a worker's pipe goes to the node."""
-        by_conn = {c: slot for slot, c in enumerate(self._relay_ends)}
-        while not self._stopping.is_set() and by_conn:
+        by_conn, added = {c: slot for slot, c in enumerate(self._relay_ends)}, 0
+        while not self._stopping.is_set():
+            if self._added > added:  # workers that joined: their pipes too
+                added = self._added
+                by_conn |= {c: slot for slot, c in enumerate(list(self._relay_ends)) if c not in by_conn
+                            and not c.closed}
             # NOTE: _relay_up closes the pipe of a worker that exited, at any moment: drop it, keep
             # relaying to the others (dwdp goes on without a dead rank).
             by_conn = {c: slot for c, slot in by_conn.items() if not c.closed}
+            if not by_conn:  # every worker there left: joiners may come
+                self._stopping.wait(_POLL_S)
+                continue
             try:
                 ready = wait(list(by_conn), timeout=_POLL_S)
             except (OSError, ValueError):

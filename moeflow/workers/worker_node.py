@@ -17,7 +17,7 @@ from multiprocessing.connection import wait
 from moeflow.comm import cleanup
 from moeflow.config import ClusterConfig
 from moeflow.logs import get_logger
-from moeflow.messages import StartWorkers, StopWorkers, WorkerExited, WorkerFailed
+from moeflow.messages import KillWorker, StartWorkers, StopWorkers, WorkerExited, WorkerFailed
 from moeflow.workers.interface import choose
 from moeflow.workers.launch import WorkerHandle, spawn, stop_workers
 from moeflow.workers.rendezvous import (Channel, Heartbeat, RendezvousError, connect, is_closed, node_inbox,
@@ -35,24 +35,40 @@ class NodeWorkers:
     def __init__(self, start: StartWorkers, outbox: Channel):
         self.deployment_id, self.outbox = start.deployment_id, outbox
         self.workers: list[WorkerHandle] = []
-        for s in start.setups:
-            self.workers.append(spawn(s))
-        log.info("deployment %s: started %s", self.deployment_id,
-                 ", ".join(f"{w.role} {w.index} (pid {w.process.pid})" for w in self.workers))
         self._stop = threading.Event()
+        self._stopping = False  # stopping: the relay ends once every worker's exit is reported
+        self.add(start)
         self._thread = threading.Thread(target=self._relay_up, daemon=True, name="moeflow-relay-up")
         self._thread.start()
 
+    def add(self, start: StartWorkers) -> None:
+        """Start ``start``'s workers (at the deployment's start, or joining it while it serves)."""
+        mine = [spawn(s) for s in start.setups]
+        self.workers.extend(mine)
+        log.info("deployment %s: started %s", self.deployment_id,
+                 ", ".join(f"{w.role} {w.index} (pid {w.process.pid})" for w in mine))
+
     def send(self, slot: int, msg) -> None:
+        if isinstance(msg, KillWorker):  # for us: it did not stop when asked
+            self.workers[slot].process.kill()
+            return
         try:
             self.workers[slot].conn.send(msg)
         except OSError:
             pass  # it died: its exit is on its way up
 
     def _relay_up(self) -> None:
-        conns = {w.conn: slot for slot, w in enumerate(self.workers)}
-        sentinels = {w.process.sentinel: slot for slot, w in enumerate(self.workers)}
-        while not self._stop.is_set() and sentinels:
+        conns: dict = {}
+        sentinels: dict = {}
+        known = 0
+        while not self._stop.is_set() and (sentinels or not self._stopping):
+            for slot in range(known, len(self.workers)):  # those that joined since
+                w = self.workers[slot]
+                conns[w.conn], sentinels[w.process.sentinel] = slot, slot
+            known = len(self.workers)
+            if not sentinels:
+                self._stop.wait(_POLL_S)
+                continue
             for ready in wait(list(conns) + list(sentinels), timeout=_POLL_S):
                 if ready in conns:
                     slot = conns[ready]
@@ -82,6 +98,7 @@ class NodeWorkers:
             self._stop.set()
 
     def stop(self, kill: bool, grace_s: float = 5.0) -> None:
+        self._stopping = True
         stop_workers(self.workers, 0.0 if kill else grace_s)
         self._thread.join(timeout=2.0)  # reports the exits it has not yet
         self._stop.set()
@@ -138,6 +155,9 @@ def run_worker_node(cluster: ClusterConfig) -> int:
                 continue
             deployment_id, slot, msg = got
             if isinstance(msg, StartWorkers):
+                if current is not None and deployment_id == current.deployment_id:
+                    current.add(msg)  # members that join the running deployment
+                    continue
                 if current is not None:  # node 0 gave the last one up without a word
                     current.stop(kill=True)
                     current = None

@@ -45,6 +45,8 @@ class TPGroup:
 
 def init_world(setup: WorkerSetup) -> TPGroup | None:
     """Join the world (if the deployment has one); returns this process's TP group, if any."""
+    if setup.comm is not None and setup.comm.transport == "pairs":  # its pair links are gloo groups too
+        use_between_hosts(setup.comm.store[0])
     w = setup.world
     if w is None:
         return None

@@ -80,10 +80,10 @@ def check_against_reference(config: CommConfig, plan: Plan, results: dict) -> in
 
 
 def stress_config(transport: str, rank_nodes: tuple[int, ...] = (), arena: str = "host", device: str = "cpu",
-            **spec) -> CommConfig:
+                  store: tuple[str, int] | None = None, **spec) -> CommConfig:
     # 512 B chunks: payloads above 4 rows of H = 64 are streamed, so both read paths are exercised.
     return CommConfig(CommSpec(**spec), transport=transport, deployment_id=f"t{uuid.uuid4().hex[:12]}",
-                      stream_chunk_bytes=512, rank_nodes=rank_nodes, arena=arena, compute_device=device)
+                      stream_chunk_bytes=512, rank_nodes=rank_nodes, arena=arena, compute_device=device, store=store)
 
 
 SHM_STRESS = dict(num_regions=2, lanes_per_region=2, num_expert_ranks=3, num_experts=6, top_k=2, hidden_size=64,

@@ -2,7 +2,8 @@
 ``python multihost_node0.py <checkpoint> <request.json> <out.pkl>``.
 
 It builds the deployment across the two hosts, generates the parity prompts (``rounds`` times),
-then (``kill``) kills the MoE-side workers on the other host by pid (one pid namespace: network
+then (``scale``) changes the number of expert holders (``ep_size``) to each target in turn, generating while the
+change is under way and after it, then (``kill``) kills the MoE-side workers on the other host by pid (one pid namespace: network
 namespaces only separate the network), times how long a request takes to fail, and generates
 again on the deployment the restart rebuilt. Outputs are written as plain data for the test to compare.
 """
@@ -45,6 +46,15 @@ def main(argv: list[str]) -> int:
             result["generate_s"] = time.monotonic() - t0
             # more rounds of the same prompts (live rebalancing: each round across placements)
             result["rounds"] = [_plain(llm.generate(PROMPTS, PARAMS)) for _ in range(req.get("rounds", 1) - 1)]
+            # elastic: each change asked for while the prompts are in flight, then the prompts again
+            result["scaled"] = []
+            for target in req.get("scale", []):
+                llm.scale(ep_size=target, wait=False)
+                during = _plain(llm.generate(PROMPTS, PARAMS))
+                status = llm.scale(wait=True)
+                nodes = {f"{w.role} {w.index}": getattr(w.process, "node", None) is not None
+                         for w in llm.engine.deployment.workers}
+                result["scaled"].append((status, during, _plain(llm.generate(PROMPTS, PARAMS)), nodes))
             eplb = getattr(llm.engine, "eplb", None)
             result["rebalances"] = [] if eplb is None else [(r.retired_s is not None, r.moved_bytes, r.peer_bytes)
                                                             for r in eplb.history]

@@ -7,7 +7,8 @@ reordered within a lane. Together these tests move > 10,000 checksummed messages
 from __future__ import annotations
 
 import pytest
-from comm_deploy import SHM_STRESS, check_against_reference, run_deployment, stress_config
+import torch.distributed as dist
+from comm_deploy import SHM_STRESS, check_against_reference, free_port, run_deployment, stress_config
 from comm_harness import Plan
 
 from moeflow.comm import list_segments
@@ -60,3 +61,19 @@ def test_dist_transports_match_reference(tmp_path, transport, layout, plan, min_
     n = check_against_reference(config, plan, results)
     print(f"{transport} stress: {n} messages")
     assert n >= min_messages
+
+
+def test_pair_links_match_reference(tmp_path):
+    """``pairs``, the links of an elastic deployment across hosts: the layout of the ``links`` case
+    above, every cross-host lane over a gloo group of its two processes met in a store (no world)."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True)  # the cluster's rendezvous, as node 0 hosts it
+    config = stress_config("pairs", hidden_size=64, num_regions=2, lanes_per_region=2, num_expert_ranks=2,
+                           num_experts=4, top_k=2, max_batch_tokens=16, rank_nodes=(0, 0, 1, 1, 0, 1),
+                           store=("127.0.0.1", port))
+    plan = Plan(seed=6, num_batches=150, inflight=2, max_delay_s=1e-3)
+    results = run_deployment(config, plan, tmp_path)
+    del store
+    n = check_against_reference(config, plan, results)
+    print(f"pairs stress: {n} messages")
+    assert n >= 1000

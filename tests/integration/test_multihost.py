@@ -46,7 +46,7 @@ def _assert_same(outs: list, refs: list) -> None:
 
 
 def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, tag: str = "",
-                  rounds: int = 1) -> dict:
+                  rounds: int = 1, scale: tuple[int, ...] = ()) -> dict:
     """Node 0 (the engine) in host A and a worker node in host B; returns node 0's result."""
     port = 29400  # node 0 is in a namespace of its own: every port is free there
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -55,7 +55,8 @@ def run_two_hosts(tmp_path, checkpoint: str, layout: dict, kill: bool = False, t
         cluster = dict(nnodes=2, node_rank=0, master_addr=a.addr, master_port=port, connect_timeout_s=60.0,
                        heartbeat_timeout_s=3.0)
         req = tmp_path / "request.json"
-        req.write_text(json.dumps({"cluster": cluster, "layout": layout, "kill": kill, "rounds": rounds}))
+        req.write_text(json.dumps({"cluster": cluster, "layout": layout, "kill": kill, "rounds": rounds,
+                                   "scale": list(scale)}))
         out = tmp_path / "node0.pkl"
         procs = []
         try:
@@ -143,6 +144,31 @@ def test_afd_attention_on_one_host_ffn_daemons_on_the_other(checkpoints, referen
     print(f"afd on two hosts: start {r['start_s']:.1f} s, generate {r['generate_s']:.2f} s")
     assert sum(r["nodes"].values()) == 1, r["nodes"]  # the FFN daemon on host B
     _assert_same(r["outputs"], reference)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(mode="afd", attn_workers=2, ffn_workers=1, topology="all", max_ffn_workers=2, max_batch_tokens=64),
+    pytest.param(dict(mode="asap", attn_dp=2, moe_workers=1, max_moe_workers=2, min_batch_tokens=8,
+                      max_batch_tokens=64, max_batch_wait_s=0.005),
+                 marks=pytest.mark.slow),  # the same joins (engine/elastic.py), asap's attention side
+])
+def test_an_expert_holder_joins_and_leaves_on_the_second_host(checkpoints, reference, tmp_path, layout):
+    """Elastic across hosts: the attention side on host A, the expert holders (afd's FFN daemons,
+    asap's MoE workers) on host B; one forked there while serving reads its experts from its
+    host-mate and reaches the attention side over gloo groups of its own (the deployment has no
+    world to join), leaves, and joins again at the same index. Outputs equal colocated's during
+    and after every change."""
+    mode = layout["mode"]
+    kind = {"afd": "ffn", "asap": "moe"}[mode]
+    r = run_two_hosts(tmp_path, checkpoints("qwen3").path, layout, tag="e" + mode[1], scale=(2, 1, 2))
+    _assert_same(r["outputs"], reference)
+    for target, (status, during, after, nodes) in zip((2, 1, 2), r["scaled"], strict=True):
+        event = status["events"][-1]
+        print(f"{mode} on two hosts: {kind} -> {target} in {event['seconds']:.2f} s ({event['outcome']})")
+        assert status[kind] == target and event["outcome"] == "done", status
+        assert [on_b for name, on_b in nodes.items() if name.startswith(kind)] == [True] * target, nodes
+        _assert_same(during, reference)
+        _assert_same(after, reference)
 
 
 @pytest.mark.parametrize("dp", [pytest.param(2, marks=pytest.mark.slow), 4])  # 4: pulls from a host-mate (shm) and over gloo

@@ -29,3 +29,22 @@ def test_a_target_is_checked_against_capacity_experts_and_the_change_under_way()
     assert s["in_progress"] and s["events"][0]["seconds"] == 2.5 and s["events"][0]["outcome"] == "running"
     m.events[-1].outcome = "done"
     assert not m.status(3)["in_progress"] and m.status(3)["target"] == 3
+
+
+def test_across_hosts_only_the_expert_holders_scale_and_on_one_host_of_their_own():
+    """Across hosts the expert holders join through pair links (transport ``pairs``); attention
+    members join on the engine's host only, and the expert holders must share one host."""
+    from moeflow.cluster_config import ClusterConfig
+    from moeflow.config import EngineConfig
+    from moeflow.engine.elastic import check_elastic
+    from moeflow.layout import make_layout
+
+    two, three = (EngineConfig(cluster=ClusterConfig(nnodes=n)) for n in (2, 3))
+    afd = dict(attn_workers=2, ffn_workers=1, topology="all")
+    check_elastic(two, make_layout("afd", **afd, max_ffn_workers=2))  # accepted
+    with pytest.raises(ConfigError, match="max_attn_workers: attention members join on the engine's host only"):
+        check_elastic(two, make_layout("afd", **afd, max_ffn_workers=2, max_attn_workers=3))
+    with pytest.raises(ConfigError, match="max_attn_dp: attention members join on the engine's host only"):
+        check_elastic(two, make_layout("asap", attn_dp=1, moe_workers=1, max_attn_dp=2))
+    with pytest.raises(ConfigError, match="spreads them over 2 hosts: run it on 2 nodes"):
+        check_elastic(three, make_layout("asap", attn_dp=1, moe_workers=1, max_moe_workers=2))
