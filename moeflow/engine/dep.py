@@ -11,26 +11,83 @@ import time
 
 from moeflow.config import ONE_HOST_SHARED, ConfigError, EngineConfig
 from moeflow.engine.base import StepResult, clock
+from moeflow.engine.elastic import ElasticExperts
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import DepLayout
 from moeflow.messages import WorkDone
+from moeflow.scheduler import groups
 from moeflow.workers.launch import WorkerDied
 
 _IDLE_S = 0.002  # a step with nothing to schedule sleeps this long instead of spinning
 
 
-class DepEngine(ProcessEngine):
+class DepEngine(ElasticExperts, ProcessEngine):
     mode_name = "dep"
 
     def __init__(self, model_path: str, config: EngineConfig, layout: DepLayout):
         super().__init__(config, layout)
         # rank r holds the r-th 1/N of every layer, or what --init-expert-location places there
-        self.ranks = self._build(model_path, Blueprint(("dep", layout.dp)))
+        # NOTE: a list of its own: the placement's (eplb.attention_workers) takes a joiner at the switch,
+        # the global steps from the next boundary on (``_follow_ranks``)
+        self.ranks = list(self._build(model_path, Blueprint(("dep", layout.dp))))
         self._out = None  # the global step in flight: (its works, the ranks' answers so far)
+        self._elastic()  # --max-dp: ranks join and leave while serving (elastic.py), each an attention group too
+        if self.eplb.membership is not None:
+            self.eplb.membership.may_begin = self._drained
+
+    def scale(self, ffn: int | None = None, moe: int | None = None, attention: int | None = None,
+              ep_size: int | None = None, drain: bool | None = None) -> dict:
+        """A dep rank is an attention group and an expert holder at once: ``attention`` and ``ep_size``
+        (or SGLang's new_ep_size) name the same ranks. A rank that leaves drains: its requests finish
+        there (in the barrier) before its experts move to the others."""
+        if attention is not None and ep_size is not None and attention != ep_size:
+            raise ConfigError(f"scale: attention={attention} and ep_size={ep_size} disagree (a dep rank is both)")
+        if drain is False:
+            raise ConfigError("scale dep: a leaving rank's requests finish there (drain); handing them over is "
+                              "asap's and afd's")
+        return super().scale(ffn=ffn, moe=moe, ep_size=ep_size if ep_size is not None else attention)
+
+    def _drained(self, target: int) -> bool:
+        """Whether the change to ``target`` ranks may begin: the leaving ranks admit nothing new from the
+        ask on, and their experts move once they hold no request (they keep their place in the
+        barrier meanwhile, running empty steps)."""
+        pool, leaving = self.scheduler.pool, range(target, len(self.ranks))
+        for g in leaving:
+            if not pool.groups[g].draining:
+                groups.drain(self.scheduler, g)
+        return all(groups.settled(pool, g) for g in leaving)
+
+    def _experts_switched(self, n: int) -> None:
+        """The placement switched to ``n`` ranks (maybe inside a global step): a joiner is sent the
+        switch like every rank; the global steps follow from the next boundary (``_follow_ranks``),
+        which is now if none is in flight."""
+        super()._experts_switched(n)
+        e = self.eplb
+        e.attention_workers.extend(e.expert_workers[len(e.attention_workers):])  # admitted just now
+        if self._out is None:  # at a boundary now
+            self._follow_ranks()
+
+    def _follow_ranks(self) -> None:
+        """At a global step boundary: the ranks, and the scheduler's groups, those of the placement."""
+        n, ranks = self.layout.dp, self.ranks
+        if n > len(ranks):
+            for w in self.eplb.expert_workers[len(ranks):n]:
+                ranks.append(w)
+                groups.add_group(self.scheduler, self.config.num_kv_blocks, self.config.kv_block_size)
+                self._known.append(set())
+                self._freed.append([])
+        elif n < len(ranks):  # drained before the switch (``_drained``): they hold nothing
+            groups.remove_last(self.scheduler.pool, len(ranks) - n)
+            for w in ranks[n:]:
+                self.eplb.attention_workers.remove(w)
+            del ranks[n:], self._known[n:], self._freed[n:]
 
     def _refuse(self) -> None:
+        super()._refuse()
         layout, config = self.layout, self.config
+        if layout.elastic and config.cluster.is_multinode:
+            raise ConfigError("max_dp: dep ranks join on the engine's host only; this deployment spans hosts")
         if layout.tp != 1:
             raise ConfigError(f"dep layout tp={layout.tp}: the engine runs dep ranks of one process (tp 1); "
                               f"tensor-parallel ranks are the simulator's")
@@ -45,8 +102,12 @@ class DepEngine(ProcessEngine):
         engine beside others (pd's instances, their KV handoffs) turn meanwhile."""
         self._check_alive()
         if self._out is None:
+            self._follow_ranks()
             works = self.scheduler.schedule(clock())
             if not works:
+                m = self.eplb.membership
+                if m is not None and m.busy and (died := self.eplb.idle()) is not None:  # it goes on, idle
+                    return self._fail(died)
                 time.sleep(_IDLE_S)
                 return StepResult({}, [])
             try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import time
 from collections.abc import Callable
 
 from moeflow.comm.segment import SHM_DIR, segment_path
@@ -61,6 +62,9 @@ class Membership:
         layout follows the new count; ``option``: the layout's name for ``capacity``."""
         self.kind, self.capacity, self.spawn, self.on_switch, self.option = kind, capacity, spawn, on_switch, option
         self.pending: int | None = None  # a target asked for, not yet begun
+        self.asked_s: float | None = None  # when it was asked for
+        # whether the change to ``pending`` may begin now (dep: its leaving ranks have drained first)
+        self.may_begin: Callable[[int], bool] = lambda target: True
         self.joiners: list = []  # forked for the change under way
         self.ready: list = []  # of which started
         self.leavers: list = []
@@ -84,7 +88,7 @@ class Membership:
             raise ConfigError(f"scale {self.kind}: {target} {self.kind} workers of {slots[-1]} slots hold {held} "
                               f"experts, fewer than the model's {num_experts}")
         if target != current:
-            self.pending = target
+            self.pending, self.asked_s = target, time.monotonic()
 
     def fail(self, why: str) -> None:
         self.failed = self.failed or why
@@ -167,7 +171,7 @@ class ElasticExperts:
         if other:
             raise ConfigError(f"scale {other[0]}: mode {self.mode_name} has no {other[0]} workers; its expert "
                               f"holders are {kind} ({kind}, ep_size)")
-        target = asked[kind]
+        target = asked.get(kind)  # dep's ranks have no name of their own: ep_size
         if target is not None and ep_size is not None and target != ep_size:
             raise ConfigError(f"scale: {kind}={target} and ep_size={ep_size} disagree (they name the same workers)")
         target = target if target is not None else ep_size

@@ -113,7 +113,8 @@ class Eplb:
             self.phase = "serving"
             if self.membership is not None:
                 self._retire_leavers()
-        if self.phase == "serving" and self.membership is not None and self.membership.pending is not None:
+        m = self.membership
+        if self.phase == "serving" and m is not None and m.pending is not None and m.may_begin(m.pending):
             self._resize()
         elif self.phase == "serving" and self.rebalances and self.since >= self.config.step_interval:
             self.since = 0
@@ -194,7 +195,7 @@ class Eplb:
         load = self.window.window.tolist()
         new = resize(now, n, load)
         started = time.monotonic()
-        m.events.append(ScaleEvent(m.kind, cur, n, started))
+        m.events.append(ScaleEvent(m.kind, cur, n, m.asked_s or started))
         moved = sum(a != b for l in range(now.num_layers) for d in range(min(n, cur))
                     for a, b in zip(now.layers[l][d], new.layers[l][d])) + sum(new.slots_per_device[cur:]) * now.num_layers
         before, after = now.balancedness(load), new.balancedness(load)

@@ -84,8 +84,8 @@ def comm_spec(layout, num_experts: int, top_k: int, hidden_size: int, dtype: str
     """The dispatch/combine geometry of ``layout``'s deployment (None: a mode with no such buffers)."""
     mode = layout.mode
     common = dict(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, dtype=dtype)
-    if mode == "dep":  # each rank writes the one lane of its region in every rank's buffer, and owns one
-        return CommSpec(num_regions=layout.dp, lanes_per_region=1, num_expert_ranks=layout.dp,
+    if mode == "dep":  # each rank writes the one lane of its region in every rank's buffer, and owns one (up to the most)
+        return CommSpec(num_regions=layout.expert_capacity, lanes_per_region=1, num_expert_ranks=layout.expert_capacity,
                         max_batch_tokens=layout.max_batch_tokens, shared_ranks=True,
                         max_local_experts=max(len(ids) for ids in layout.experts_held(num_experts)), **common)
     if mode == "asap":  # a region per DP group, a lane per TP member, an expert rank per MoE worker (up to the most)

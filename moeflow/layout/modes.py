@@ -26,14 +26,24 @@ class DepLayout(Layout):
     max_batch_tokens: int = opt(16384, "S: most tokens of one rank's batch")
     tp: int = opt(1, "devices per rank (the simulator's; the engine runs tp 1)", cli=False)
     num_redundant_experts: int = redundant_opt()
+    # elastic: the most ranks this deployment may grow to while it serves (POST /scale); every rank's
+    # buffers are sized for them at start. A rank brings (or drains) a DP attention group with its experts.
+    max_dp: int | None = opt(None, "elastic: the most dep ranks the deployment may scale to while serving; "
+                                   "default: dp, fixed")
 
     def __post_init__(self) -> None:
         positive(self, "dp", "max_batch_tokens", "tp")
         check_dp_options(self)
         check_redundant(self)
+        check_capacity(self)
 
     num_processes = property(lambda self: self.dp * self.tp)
     num_groups = property(lambda self: self.dp)  # a rank is a group
+    # the expert holders that may join and leave (engine/elastic.py): the ranks themselves
+    expert_kind, expert_count, expert_max = "dep", "dp", "max_dp"
+    elastic = property(lambda self: self.max_dp is not None)
+    expert_capacity = property(lambda self: self.max_dp or self.dp)
+    attention_role, attention_count = "dep", "dp"
 
     def experts_held(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
         """Experts each rank holds: the r-th contiguous 1/N of every layer's E + R slots."""

@@ -13,6 +13,7 @@ import torch
 
 from moeflow.messages import BatchTiming, KvRecv, KvSend, MoveExperts, RunWork, UseExperts, WorkDone
 from moeflow.workers.control import LockedConn, serve_control
+from moeflow.workers.expert_slots import begin_join
 from moeflow.workers.kv_transfer import KvTransfers
 from moeflow.workers.schedule import LayerSchedule
 from moeflow.workers.stages import AttentionStages
@@ -46,6 +47,8 @@ class AttentionWorker:
                 self.expert_slots.begin(msg, pipe.send)
 
         s = self.stages
+        if self.expert_slots is not None:  # a dep rank joining a serving deployment: its slots from its peers
+            begin_join(self.expert_slots, s.setup, pipe.send)
         serve_control(pipe, s.setup.role, s.setup.index, s.tracer, on_message)
 
     def _copy(self, msg: KvSend | KvRecv) -> None:

@@ -11,7 +11,7 @@ from moeflow.messages import WorkerSetup
 from moeflow.model.weights import LoadSpec
 from moeflow.workers.afd_attention import AfdStages
 from moeflow.workers.attention import AttentionWorker
-from moeflow.workers.expert_slots import slots_for
+from moeflow.workers.expert_slots import worker_slots
 from moeflow.workers.ffn import FfnDaemon
 from moeflow.workers.moe import MoEWorker
 from moeflow.workers.prefetch import ExpertPrefetcher
@@ -52,12 +52,13 @@ def _asap_moe(setup: WorkerSetup, transport, tp: TPGroup | None) -> MoEWorker:
 @role("dep")
 def _dep_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWorker:
     """dep: attention for its own DP batch, 1/N of every layer's experts, lockstep all-to-all."""
-    rank = setup.index
+    rank, join = setup.index, setup.join  # joining a serving deployment: its experts come from its peers
     receiver = transport.dispatch_receiver(rank)  # our dispatch buffer, before anyone attaches to it
-    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.held_by(rank)),
-                             send_to=tuple(range(len(setup.experts_held))))
-    slots = slots_for(setup, transport, stages.weights.experts, stages.tracer)
-    stages.weights.experts = slots.for_word(0)[1]  # under live rebalancing: the published copy, not a second one
+    load = LoadSpec(experts=setup.held_by(rank)) if join is None else LoadSpec(experts=None, routed_experts=False)
+    stages = AttentionStages(setup, transport, tp, rank, 0, 1, load, send_to=tuple(range(len(setup.experts_held))))
+    slots = worker_slots(setup, transport, stages.cfg, stages.weights.experts, stages.tracer)
+    if join is None:
+        stages.weights.experts = slots.for_word(0)[1]  # under live rebalancing: the published copy, not a second one
     schedule = Lockstep(stages, receiver, transport.combine_sender(rank), len(setup.experts_held), slots)
     return AttentionWorker(stages, schedule, replies=True, expert_slots=slots)
 

@@ -60,11 +60,23 @@ class Lockstep(LayerSchedule):
     def run(self, flights: list[InFlight]) -> None:
         (f,) = flights  # one batch per rank per step (possibly empty: a dummy step)
         s = self.stages
+        if s.expert_devices != self.num_ranks:
+            self._ranks_changed(s.expert_devices)
         for layer in range(s.cfg.num_layers):
             s.attention_and_dispatch(layer, f)
             if s.cfg.sparse_layers[layer]:
                 self._serve_experts(layer, f)
             s.combine(layer, f)
+
+    def _ranks_changed(self, n: int) -> None:
+        """An elastic deployment's ranks changed with its placement (read between work items, and so
+        from the same global step on every rank): dispatch to all ``n``, wait for ``n`` regions; the
+        regions of ranks that left are forgotten (one that joins at their index starts afresh)."""
+        for j in range(n, self.num_ranks):
+            self.receiver.forget_region(j)
+            self.sender.detach_region(j)
+        self.num_ranks = n
+        self.stages.send_to = list(range(n))
 
     def _serve_experts(self, layer: int, f: InFlight) -> None:
         replies = []

@@ -34,16 +34,16 @@ def colocated_outputs(checkpoints, names) -> dict:
     return out
 
 
-def generate_while_draining(llm, monkeypatch, want) -> int:
-    """``PROMPTS`` generated while attention group 1 is asked to leave as soon as it holds requests
-    (they finish there, or are handed over where the deployment shares its KV caches); the outputs
-    equal ``want``. Returns how many it held then (> 0)."""
+def generate_while_draining(llm, monkeypatch, want, group: int = 1) -> int:
+    """``PROMPTS`` generated while attention group ``group`` (the last) is asked to leave as soon as
+    it holds requests (they finish there, or are handed over where the deployment shares its KV
+    caches); the outputs equal ``want``. Returns how many it held then (> 0)."""
     engine, step, resident = llm.engine, llm.engine.step, []
 
     def step_then_drain():
-        if not resident and engine.scheduler.pool.groups[1].requests:
-            resident.append(len(engine.scheduler.pool.groups[1].requests))
-            engine.scale(attention=1)
+        if not resident and engine.scheduler.pool.groups[group].requests:
+            resident.append(len(engine.scheduler.pool.groups[group].requests))
+            engine.scale(attention=group)
         return step()
 
     monkeypatch.setattr(engine, "step", step_then_drain)

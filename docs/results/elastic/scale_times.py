@@ -1,16 +1,18 @@
 """How long members take to join and leave while serving (docs/elastic.md).
 
     python docs/results/elastic/scale_times.py > docs/results/elastic/scale_times.txt
+    python docs/results/elastic/scale_times.py "dep ranks" > docs/results/elastic/scale_times_dep.txt
 
 The embedded model (fp32), no load, six changes each way of each kind: afd's FFN daemons 2 <-> 3
-(2 attention instances), asap's MoE workers 2 <-> 3, asap's attention groups 1 <-> 2 and afd's
-attention instances 1 <-> 2. Per change:
+(2 attention instances), asap's MoE workers 2 <-> 3, asap's attention groups 1 <-> 2, afd's
+attention instances 1 <-> 2 and dep's ranks 2 <-> 3. Per change:
 request -> the new membership serving (``switched``), -> the old member gone (``left``), the weights
 moved and the slowest copy; then the same prompts' greedy output against before the changes.
 """
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 from moeflow import LLM, SamplingParams
@@ -22,6 +24,7 @@ KINDS = [  # (label, the scale argument, the deployment, (up, down))
     ("asap attention", "attention", dict(mode="asap", attn_dp=1, max_attn_dp=2, moe_workers=2), (2, 1)),
     ("afd attention", "attention", dict(mode="afd", attn_workers=1, ffn_workers=2, topology="all",
                                         max_attn_workers=2, max_batch_tokens=64), (2, 1)),
+    ("dep ranks", "ep_size", dict(mode="dep", dp=2, max_dp=3), (3, 2)),
 ]
 
 
@@ -47,10 +50,12 @@ def measure(label: str, kind: str, deployment: dict, counts: tuple[int, int]) ->
               [o.outputs[0].token_ids for o in before])
 
 
-def main() -> None:
+def main(labels: list[str]) -> None:
+    """``labels``: the kinds to measure (e.g. "dep ranks"); none: every kind."""
     for kind in KINDS:
-        measure(*kind)
+        if not labels or kind[0] in labels:
+            measure(*kind)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

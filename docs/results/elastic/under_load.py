@@ -3,9 +3,11 @@
     python docs/results/elastic/under_load.py > docs/results/elastic/under_load.txt
     python docs/results/elastic/under_load.py --afd > docs/results/elastic/under_load_afd.txt
     python docs/results/elastic/under_load.py --handover > docs/results/elastic/under_load_handover.txt
+    python docs/results/elastic/under_load.py --dep > docs/results/elastic/under_load_dep.txt
 
 A real ``moeflow serve`` (asap, the embedded model in fp32, 1-2 attention groups, 2-3 MoE workers; with
-``--afd``: afd, 1-2 attention instances, 2-3 FFN daemons)
+``--afd``: afd, 1-2 attention instances, 2-3 FFN daemons; with ``--dep``: dep, 2-3 ranks, each an
+attention group and an expert holder, so every change is one of ranks: 2 -> 3, 3 -> 2 in turn)
 takes Poisson arrivals over HTTP (streamed completions, greedy) while another client asks for a
 change 4 s after the last one ended, in turn: expert holders 2 -> 3, attention 1 -> 2, expert holders 3 -> 2,
 attention 2 -> 1. One expert scale-up has its joining worker SIGKILLed before it switches, and
@@ -37,11 +39,13 @@ MODES = {  # the server's flags, and the name of its expert holders in POST /sca
               "3"], "moe"),
     "afd": (["--mode", "afd", "--topology", "all", "--attn-workers", "1", "--max-attn-workers", "2", "--ffn-workers",
              "2", "--max-ffn-workers", "3"], "ffn"),
+    "dep": (["--mode", "dep", "--dp", "2", "--max-dp", "3"], "ep_size"),
 }
-MODE = "afd" if "--afd" in sys.argv else "asap"
+MODE = next((m for m in ("afd", "dep") if f"--{m}" in sys.argv), "asap")
 FLAGS = MODES[MODE][0] + ["--dtype", "float32", "--served-model-name", "m"] + (
     ["--share-kv-cache"] if "--handover" in sys.argv else [])  # a leaving group's requests are handed over
-CHANGES = [(MODES[MODE][1], 3), ("attention", 2), (MODES[MODE][1], 2), ("attention", 1)] * 3
+CHANGES = ([(MODES[MODE][1], 3), ("attention", 2), (MODES[MODE][1], 2), ("attention", 1)] * 3 if MODE != "dep"
+           else [(MODES[MODE][1], 3), (MODES[MODE][1], 2)] * 6)  # a dep rank is both
 
 
 async def one(client, url: str, prompt: list[int], at: float, t0: float) -> dict:
