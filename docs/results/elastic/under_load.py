@@ -164,7 +164,7 @@ def report(results, want, status, metrics, log, left, workers, pid) -> None:
             print(f"{name}: {len(rs)} requests, TTFT median {statistics.median(ttft) * 1e3:.0f} ms "
                   f"p90 {np.percentile(ttft, 90) * 1e3:.0f} ms, TPOT median {statistics.median(tpot) * 1e3:.1f} ms "
                   f"p90 {np.percentile(tpot, 90) * 1e3:.1f} ms")
-    print(f"mode {MODE}; at the end:", {k: status[k] for k in ("attention", MODES[MODE][1])}, "; /metrics:", "; ".join(metrics))
+    print(f"mode {MODE}; at the end:", {k: v for k, v in status.items() if k in ("attention", "ffn", "moe", "dep")}, "; /metrics:", "; ".join(metrics))
     print(f"after the server stopped: /dev/shm files of pid {pid}: {left['files']}; worker processes alive: "
           f"{sum(os.path.exists(f'/proc/{w}') for w in workers)} of {len(workers)}")
 
