@@ -43,6 +43,7 @@ class AttentionWorker:
                 self._copy(msg)
             elif isinstance(msg, UseExperts):  # in order: before the next work item
                 self.stages.use_experts(msg.epoch, msg.layers)
+                self.schedule.experts_changed()
             elif isinstance(msg, MoveExperts):
                 self.expert_slots.begin(msg, pipe.send)
 

@@ -20,6 +20,9 @@ class LayerSchedule:
     def run(self, flights: list[InFlight]) -> None:
         raise NotImplementedError
 
+    def experts_changed(self) -> None:
+        """The stages route by another placement from the next work item (``UseExperts``)."""
+
     def memory(self) -> dict[str, int]:
         """Bytes the schedule holds beyond the stages' (buffers)."""
         return {}
@@ -60,18 +63,18 @@ class Lockstep(LayerSchedule):
     def run(self, flights: list[InFlight]) -> None:
         (f,) = flights  # one batch per rank per step (possibly empty: a dummy step)
         s = self.stages
-        if s.expert_devices != self.num_ranks:
-            self._ranks_changed(s.expert_devices)
         for layer in range(s.cfg.num_layers):
             s.attention_and_dispatch(layer, f)
             if s.cfg.sparse_layers[layer]:
                 self._serve_experts(layer, f)
             s.combine(layer, f)
 
-    def _ranks_changed(self, n: int) -> None:
-        """An elastic deployment's ranks changed with its placement (read between work items, and so
-        from the same global step on every rank): dispatch to all ``n``, wait for ``n`` regions; the
-        regions of ranks that left are forgotten (one that joins at their index starts afresh)."""
+    def experts_changed(self) -> None:
+        """An elastic deployment's ranks change with its placement (read between work items, and so
+        from the same global step on every rank): dispatch to all of them, wait for as many regions;
+        the regions of ranks that left are forgotten at once (one that joins at their index later,
+        maybe before this rank runs another item, writes from seq 1)."""
+        n = self.stages.expert_devices
         for j in range(n, self.num_ranks):
             self.receiver.forget_region(j)
             self.sender.detach_region(j)
