@@ -39,6 +39,10 @@ class FixedSlots:
         """(model layer, the weights to compute it with) for a dispatch header's layer word."""
         return untag_layer(word)[0], self.experts
 
+    def shape(self) -> ExpertWeights:
+        """Weights with the slots' shape and device (not to compute with)."""
+        return self.experts
+
     def nbytes(self) -> int:
         return self.experts.w13.nbytes + self.experts.w2.nbytes
 
@@ -70,6 +74,7 @@ class ExpertSlots:
         self.layer_ids = experts.layer_ids
         self.weights = [ExpertWeights(c[0], c[1], self.layer_ids, experts.slots) for c in self.compute]
         self.layers = [tuple(layers), tuple(layers)]  # the placement each buffer holds
+        self.filled = [True, True]  # whether each buffer holds its placement's experts (a joiner's: once moved)
         self.peers: dict[int, object] = {}
         self._thread: threading.Thread | None = None
         self._moving = False
@@ -89,11 +94,20 @@ class ExpertSlots:
         # NOTE: it holds nothing yet: its row of the live placement names no expert (-1), so every slot
         # is read from a holder; its weights of the live parity are never routed to (it joins at the next)
         live = tuple(tuple(layer) + ((-1,) * s,) * (index + 1 - len(layer)) for layer in join.live_layers)
-        return cls(role, index, ExpertWeights(w13, w2, tuple(layer_ids), mine), live, store, tracer, world_rank)
+        slots = cls(role, index, ExpertWeights(w13, w2, tuple(layer_ids), mine), live, store, tracer, world_rank)
+        slots.filled = [False, False]
+        return slots
 
     def for_word(self, word: int) -> tuple[int, ExpertWeights]:
         layer, parity = untag_layer(word)
+        if not self.filled[parity]:  # its zeros would be computed with, silently
+            raise RuntimeError(f"{self.role} {self.index}: a dispatch routed by a placement of parity {parity}, "
+                               f"whose experts this worker never received (it joined at the other parity)")
         return layer, self.weights[parity]
+
+    def shape(self) -> ExpertWeights:
+        """Weights with the slots' shape and device (not to compute with: a joiner's may be empty yet)."""
+        return self.weights[0]
 
     def nbytes(self) -> int:
         return 2 * sum(t.nbytes for t in self.host[0])
@@ -141,6 +155,7 @@ class ExpertSlots:
             torch.cuda.synchronize(dev)
         self.weights[target] = ExpertWeights(*self.compute[target], self.layer_ids, tuple(slots))
         self.layers[target] = layers
+        self.filled[target] = True
         for d in [d for d in self.peers if d >= len(layers[0])]:  # it left: one at its index later is another
             self.peers.pop(d).close()
         return total, from_peers

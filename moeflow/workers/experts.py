@@ -32,7 +32,7 @@ class ExpertCompute:
     def __init__(self, slots, tracer: Tracer):
         """``slots``: ``expert_slots.FixedSlots`` or ``ExpertSlots`` (which buffer a dispatch's layer word names)."""
         self.slots = slots if hasattr(slots, "for_word") else FixedSlots(slots)
-        self.num_local = self.slots.for_word(0)[1].num_local
+        self.num_local = self.slots.shape().num_local
         self.tracer = tracer
 
     @torch.inference_mode()

@@ -93,7 +93,7 @@ class FfnDaemon:
         i = self.moe_index[layer]
         held = self.setup.placement(i) if layers is None else layers[untag_layer(word)[1]][i]
         if held not in self._routes:
-            self._routes[held] = ExpertRoutes(held, self.num_experts, device=self.slots.for_word(0)[1].w13.device)
+            self._routes[held] = ExpertRoutes(held, self.num_experts, device=self.slots.shape().w13.device)
         return self._routes[held]
 
     @torch.inference_mode()

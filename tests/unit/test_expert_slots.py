@@ -70,3 +70,36 @@ def test_every_slot_holds_its_new_expert_after_each_move():
         for s in slots:
             s.close()
     assert list_segments(cfg.deployment_id) == []  # each published pair of buffers unlinked by its owner
+
+
+def test_a_joiner_fills_its_slots_from_its_peers_and_refuses_the_parity_it_never_held():
+    """A worker that joins (``ExpertSlots.joining``) reads its slots of the new placement from the live
+    workers' buffers; a dispatch routed by the old placement's parity would find its empty buffer,
+    so it is refused rather than computed with zeros."""
+    import pytest
+
+    from moeflow.membership_messages import JoinExperts
+    from moeflow.scheduler.eplb import resize
+    from moeflow.workers.dispatch import tag_layer
+
+    cfg = CommConfig(None, "shm", f"test-{uuid.uuid4().hex[:8]}")
+    start = ExpertMap.contiguous(E, 2, LAYERS)
+    live = [ExpertSlots("moe", d, _weights(start.layers[0][d]), start.layers, ShmWeightStore(cfg), Tracer("moe", d, False))
+            for d in range(2)]
+    new = resize(start, 3, [[float(e) for e in range(E)]] * LAYERS)  # the joiner holds replicas of the hottest
+    joiner = ExpertSlots.joining("moe", 2, tuple(range(LAYERS)), (len(new.layers[0][2]), 2 * F, H, F), torch.float32,
+                                 "cpu", JoinExperts(1, new.layers, start.layers), ShmWeightStore(cfg),
+                                 Tracer("moe", 2, False))
+    try:
+        _move([joiner], 1, new)
+        w = joiner.for_word(tag_layer(0, 1))[1]
+        for l in range(LAYERS):
+            for i, e in enumerate(new.layers[l][2]):
+                assert torch.all(w.w13[l, i] == _code(l, e)) and torch.all(w.w2[l, i] == -_code(l, e))
+        with pytest.raises(RuntimeError, match="never received"):
+            joiner.for_word(tag_layer(0, 0))
+        assert joiner.shape().num_local == len(new.layers[0][2])
+    finally:
+        for s in live + [joiner]:
+            s.close()
+    assert list_segments(cfg.deployment_id) == []
