@@ -146,11 +146,12 @@ def test_afd_attention_on_one_host_ffn_daemons_on_the_other(checkpoints, referen
     _assert_same(r["outputs"], reference)
 
 
+# make test-slow: ~20 s each; make test runs the pair links alone (test_comm_stress) and the joins on one host
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     dict(mode="afd", attn_workers=2, ffn_workers=1, topology="all", max_ffn_workers=2, max_batch_tokens=64),
-    pytest.param(dict(mode="asap", attn_dp=2, moe_workers=1, max_moe_workers=2, min_batch_tokens=8,
-                      max_batch_tokens=64, max_batch_wait_s=0.005),
-                 marks=pytest.mark.slow),  # the same joins (engine/elastic.py), asap's attention side
+    dict(mode="asap", attn_dp=2, moe_workers=1, max_moe_workers=2, min_batch_tokens=8, max_batch_tokens=64,
+         max_batch_wait_s=0.005),  # the same joins (engine/elastic.py), asap's attention side
 ])
 def test_an_expert_holder_joins_and_leaves_on_the_second_host(checkpoints, reference, tmp_path, layout):
     """Elastic across hosts: the attention side on host A, the expert holders (afd's FFN daemons,
