@@ -75,6 +75,7 @@ class _Inbox:
             self.lanes.drop(self.remote[lane])
         else:
             self.expect[lane], self.reader.streamed[lane] = 1, 0
+            self.mailbox.reset_lane(lane)
 
     def close(self) -> None:
         if self.lanes is not None:

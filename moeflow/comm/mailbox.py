@@ -187,6 +187,15 @@ class Mailbox:
         self.arena.release()
         self._words[self._flag0 + lane * _LANE_WORDS + slot] = 0
 
+    def reset_lane(self, lane: int) -> None:
+        """Forget ``lane``'s writer (it left an elastic deployment): its flags and progress words back to
+        0, so that a writer that joins at its index, numbering from seq 1 again, is not read through
+        the old one's words (a progress word left at seq 1 by a streamed first message would let a
+        reader copy the old payload's rows as the new message's)."""
+        i = self._flag0 + lane * _LANE_WORDS
+        for k in range(_LANE_WORDS):
+            self._words[i + k] = 0
+
     def progress(self, lane: int, slot: int, seq: int) -> int:
         """Rows of message ``seq`` already in the slot (0 if the slot holds another message)."""
         p = self._words[self._flag0 + lane * _LANE_WORDS + _FLAG_WORDS + slot]

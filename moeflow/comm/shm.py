@@ -189,6 +189,7 @@ class ShmDispatchReceiver(DispatchReceiver):
         w = self.spec.lanes_per_region
         for j in range(w):
             self.reader.streamed[region * w + j] = 0
+            self.mailbox.reset_lane(region * w + j)
         self._expect[region] = 1
 
     def _region_private(self, region: int) -> torch.Tensor:
@@ -263,6 +264,7 @@ class ShmCombineReceiver(CombineReceiver):
 
     def forget(self, rank: int) -> None:
         self._expect[rank], self.reader.streamed[rank] = 1, 0
+        self.mailbox.reset_lane(rank)
 
     def close(self) -> None:
         self.mailbox.close()
