@@ -26,53 +26,17 @@ receives), then its receivers (which wait for those goodbyes). One lane may also
 """
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.completer import Completer
 from moeflow.comm.doorbell import Doorbell, EventDoorbell
 from moeflow.comm.loopback import loopback
 from moeflow.comm.message import ProtocolError, SendStats
 from moeflow.comm.wait import POLICIES, wait_for
-
-
-class Completer:
-    """Waits on one peer's works, in posting order, in a daemon thread; ``done`` counts them."""
-
-    def __init__(self, bell: Doorbell | None, device: str = "cpu"):
-        self.bell, self.done, self.error, self.is_cuda = bell, 0, None, device.startswith("cuda")
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def post(self, work) -> None:
-        self._q.put(work)
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"torch.distributed transfer failed: {self.error}") from self.error
-
-    def _run(self) -> None:
-        while (work := self._q.get()) is not None:
-            try:
-                work.wait()
-                if self.is_cuda:
-                    torch.cuda.current_stream().synchronize()
-            except Exception as e:  # a peer died or the group was destroyed
-                self.error = e
-                return
-            self.done += 1  # only this thread writes it; readers see whole ints under the GIL
-            if self.bell is not None:
-                self.bell.ring()
-
-    def close(self, join_s: float = 5.0) -> None:
-        # joined: a thread inside gloo at group destruction aborts the exit (a stuck receive stays: no cancel)
-        self._q.put(None)
-        self._thread.join(join_s)
 
 
 class WorldLink:
