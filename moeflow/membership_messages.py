@@ -18,6 +18,15 @@ class JoinExperts:
 
 
 @dataclass
+class JoinReplica:
+    """A dwdp rank that joins while the deployment serves (``WorkerSetup.join``): its resident experts
+    are a copy of rank ``like``'s, read out of that rank's published segment, and it pulls the rest
+    as ``like`` does; it publishes nothing, so no peer depends on it and it may leave at any time."""
+
+    like: int
+
+
+@dataclass
 class ForgetRegion:
     """Engine -> every expert holder: attention group ``region`` left (every reply to it was sent);
     one that joins at its index later writes and reads new buffers from seq 1."""

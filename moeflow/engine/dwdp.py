@@ -7,6 +7,12 @@ A rank that dies (or stalls: it is killed) fails only its own requests; the othe
 degraded. ``heal`` starts the rank again from its setup (one host): it publishes its experts anew,
 maps its peers', and takes requests once it has reported ready, while the others never stopped.
 The deployment fails once no rank is left.
+
+With ``max_dp`` ranks join and leave while serving (``elastic_attention.py`` runs the change: a rank
+is an attention group). A joiner reads a copy of a starting rank's residents out of that rank's
+published segment and pulls what that rank pulls; it publishes nothing, so no peer reads from it and
+it may leave once its requests are done (or handed over, with shared KV caches). The starting ranks
+hold every expert between them and never leave: they are the floor.
 """
 from __future__ import annotations
 
@@ -16,10 +22,13 @@ from moeflow.comm.segment import SHM_DIR
 from moeflow.comm.space import ShmSpaceError, check_room
 from moeflow.config import ONE_HOST_SHARED, ConfigError, EngineConfig
 from moeflow.engine.base import EngineLoad, StepResult, clock
+from moeflow.engine.elastic import ElasticExperts
+from moeflow.engine.elastic_attention import AttentionGroups
 from moeflow.engine.eplb import start_placement
 from moeflow.engine.process_engine import ProcessEngine
 from moeflow.engine.startup import Blueprint
 from moeflow.layout import DwdpLayout
+from moeflow.membership_messages import JoinReplica
 from moeflow.messages import WorkDone
 from moeflow.model.footprint import weight_footprint
 from moeflow.model.weights import TORCH_DTYPES
@@ -27,17 +36,55 @@ from moeflow.workers.worker_handle import WorkerDied, WorkerHandle, WorkerStalle
 
 
 
-class DwdpEngine(ProcessEngine):
+class DwdpEngine(ElasticExperts, ProcessEngine):
     mode_name = "dwdp"
 
     def __init__(self, model_path: str, config: EngineConfig, layout: DwdpLayout):
         super().__init__(config, layout)
         # weight pulls only (no dispatch/combine buffers); peers on other hosts serve pulls over gloo
         self.ranks = self._build(model_path, Blueprint(("dwdp", layout.dp), computes=False))
+        self.attention = self.ranks  # the attention side (AttentionGroups): every rank
         self.dead: dict[int, str] = {}  # rank -> why it is gone (until its replacement is ready)
         self._respawning: dict[int, WorkerHandle] = {}  # rank -> its replacement, not yet ready
+        floor = (layout.dp, f"the {layout.dp} ranks the deployment started with hold every expert between them "
+                            f"(a rank added later holds a copy of one's)")
+        self._elastic(AttentionGroups(self, layout.attention_capacity, self.scheduler, floor) if layout.max_dp else None)
+
+    def scale(self, ffn: int | None = None, moe: int | None = None, attention: int | None = None,
+              ep_size: int | None = None, drain: bool | None = None) -> dict:
+        """A dwdp rank is an attention group and an expert holder at once: ``attention`` and ``ep_size``
+        (SGLang's new_ep_size) name the same ranks."""
+        if ffn is not None or moe is not None:
+            raise ConfigError(f"scale {'ffn' if ffn is not None else 'moe'}: mode dwdp has none; its ranks scale "
+                              f"(ep_size or attention)")
+        if attention is not None and ep_size is not None and attention != ep_size:
+            raise ConfigError(f"scale: attention={attention} and ep_size={ep_size} disagree (a dwdp rank is both)")
+        target = ep_size if ep_size is not None else attention
+        if target is not None and self.dead:
+            raise ConfigError(f"scale dwdp: {self.load().degraded}; ask again once it is back")
+        return super().scale(attention=target, drain=drain)
+
+    def scale_status(self) -> dict:
+        out = super().scale_status()
+        return out | {"capacity": out.get("attention_capacity", out["capacity"])}
+
+    def _attention_joiner(self, group: int, member: int, world):
+        return dataclasses.replace(self._worker_setup("dwdp", group, group, 0),
+                                   join=JoinReplica(group % len(self.experts_held)))  # a starting rank's
+
+    def _attention_segments(self) -> list[str]:
+        return ["kv-cache-dwdp0-*"]  # a joiner publishes no experts; its KV cache where shared
+
+    def _attention_admitted(self, w) -> None:
+        """No placement to send (its experts never move); its residents were read from a peer's segment."""
+        self.attention_groups.events[-1].moved_bytes += (w.memory or {}).get("routed_experts", 0)
+
+    def _regions_left(self, regions: list[int]) -> None:
+        for r in regions:  # a leaver that died while draining is gone now, not lost
+            self.dead.pop(r, None)
 
     def _refuse(self) -> None:
+        super()._refuse()
         if self.config.transport not in ONE_HOST_SHARED:
             raise ConfigError(f"mode 'dwdp' pulls experts one-sidedly out of shared memory, not over "
                               f"{self.config.transport!r}")
@@ -58,6 +105,8 @@ class DwdpEngine(ProcessEngine):
 
     def step(self) -> StepResult:
         self._check_alive()
+        if self.attention_groups is not None:
+            self.attention_groups.turn()
         finished = self._rejoin()
         if self.failed is not None:
             return StepResult({}, finished)
@@ -116,6 +165,8 @@ class DwdpEngine(ProcessEngine):
         ready rejoin."""
         if self.failed is not None:
             return StepResult({}, [])
+        if self.attention_groups is not None:
+            self.attention_groups.turn()
         finished = self._rejoin()
         for rank, w in enumerate(self.ranks):
             if rank not in self.dead and not w.process.is_alive():
@@ -134,7 +185,9 @@ class DwdpEngine(ProcessEngine):
         """Start a replacement for every lost rank; False when one cannot come back in place (its
         host is another, or /dev/shm lacks the room for its experts beside the old copy its peers
         still map)."""
-        for rank in sorted(set(self.dead) - set(self._respawning)):
+        ag = self.attention_groups
+        leaving = set(ag.leaving) if ag is not None else set()  # they go, not come back
+        for rank in sorted(set(self.dead) - set(self._respawning) - leaving):
             try:
                 check_room(SHM_DIR, self._published[rank], f"a replacement for rank {rank}")
                 self._respawning[rank] = self.deployment.respawn(rank)

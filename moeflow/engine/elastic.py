@@ -29,6 +29,7 @@ from moeflow.comm.segment import SHM_DIR, segment_path
 from moeflow.comm.space import check_room
 from moeflow.config import ConfigError
 from moeflow.membership_messages import ForgetRegion
+from moeflow.messages import UseExperts
 from moeflow.scheduler.eplb import resized_counts
 
 
@@ -126,6 +127,27 @@ class ElasticExperts:
         """Whether nothing of ``group``'s is on the workers beyond what ``_inflight`` says (afd: steps)."""
         return True
 
+    def _attention_segments(self) -> list[str]:
+        """What a live attention group publishes in /dev/shm (segment names): its combine buffers, and
+        its KV cache where shared; a joiner will too."""
+        spec = self.deployment.setups[0].comm.spec
+        return [f"combine{spec.lane_id(0, j)}" for j in range(spec.lanes_per_region)] + [
+            f"kv-cache-{self.layout.attention_role}0-*"]
+
+    def _attention_joiner(self, group: int, member: int, world):
+        """The setup of member ``member`` of attention group ``group``, joining (``world``: its group's
+        own, or None): the deployment's layout at that size and the placement routed by now."""
+        now, lay, t = self.eplb.window.map, self.layout, getattr(self.layout, "attn_tp", 1)
+        layout = dataclasses.replace(lay, **{lay.attention_count: group + 1, lay.expert_count: now.num_devices})
+        base = self._worker_setup(lay.attention_role, group * t + member, group * t + member, 0)
+        return dataclasses.replace(base, layout=layout, world=world, world_rank=member,
+                                   experts_held=now.layers[0], expert_layers=now.layers)
+
+    def _attention_admitted(self, w) -> None:
+        """A joined attention process is a member now: it is sent the placement routed by now, read
+        before its first work item (a switch from now on reaches it as every member)."""
+        self.deployment.send(w, UseExperts(self.eplb.epoch, self.eplb.window.map.layers))
+
     def _regions_left(self, regions: list[int]) -> None:
         """The expert holders forget the regions of groups that left (their workers have stopped: no
         reply to them is left to send)."""
@@ -158,11 +180,8 @@ class ElasticExperts:
                                                                  f"to scale it" if opt else ""))
             if any(x is not None for x in (ffn, moe, ep_size)):
                 raise ConfigError("scale: one change at a time; give attention or the expert holders, not both")
-            spec = self.deployment.setups[0].comm.spec  # a group publishes its combine buffers and its KV
             if not ag.busy and attention <= ag.capacity:  # else ask says why not
-                check_joiners_fit(self.deployment_id, [f"combine{spec.lane_id(0, j)}"
-                                                       for j in range(spec.lanes_per_region)]
-                                  + [f"kv-cache-{lay.attention_role}0-*"], attention - self.attention_count,
+                check_joiners_fit(self.deployment_id, self._attention_segments(), attention - self.attention_count,
                                   f"scale attention {self.attention_count} -> {attention}")
             ag.ask(attention, self.attention_count, m is not None and m.busy, drain)
             return self.scale_status()
@@ -268,8 +287,8 @@ def check_elastic(config, layout) -> None:
     if cluster.is_multinode:
         if options[0] != layout.expert_max or len(options) > 1:
             raise ConfigError(f"{[o for o in options if o != layout.expert_max][0]}: attention members join on the "
-                              f"engine's host only; this deployment spans hosts (its expert holders may scale: "
-                              f"{layout.expert_max})")
+                              f"engine's host only; this deployment spans hosts" + (
+                                  f" (its expert holders may scale: {layout.expert_max})" if layout.expert_max else ""))
         if config.transport != "shm":
             raise ConfigError(f"{options[0]}: across hosts members join through shm and pair links (transport "
                               f"shm), not {config.transport!r}")

@@ -32,7 +32,7 @@ from moeflow.comm.kv_pull import paired_runs, pull
 from moeflow.config import ConfigError
 from moeflow.engine.elastic import ScaleEvent
 from moeflow.logs import get_logger
-from moeflow.messages import UseExperts, World
+from moeflow.messages import World
 from moeflow.model.attention import attention_for
 from moeflow.scheduler import groups
 from moeflow.workers.kv_transfer import MappedCaches
@@ -42,9 +42,11 @@ log = get_logger("moeflow.elastic")
 
 
 class AttentionGroups:
-    def __init__(self, engine, capacity: int, sched):
-        """``sched``: the engine's own scheduler, whose groups follow the workers."""
+    def __init__(self, engine, capacity: int, sched, floor: tuple[int, str] = (1, "")):
+        """``sched``: the engine's own scheduler, whose groups follow the workers; ``floor``: the fewest
+        groups, and why (dwdp: the ranks of the start hold every expert between them)."""
         self.engine, self.capacity, self.sched, self.pool = engine, capacity, sched, sched.pool
+        self.floor = floor
         self.members = getattr(engine.layout, "attn_tp", 1)  # processes of one group
         self.pending: int | None = None
         self.joiners: list = []  # handles forked for the change under way, by group
@@ -76,6 +78,9 @@ class AttentionGroups:
         needs the KV caches shared; None: handed over where they are shared)."""
         if self.busy or other_busy:
             raise ConfigError("scale attention: a change is under way; ask again once GET /scale says it is done")
+        low, why = self.floor
+        if target < low:
+            raise ConfigError(f"scale attention: {target} is fewer than {low}: {why}")
         if not 1 <= target <= self.capacity:
             raise ConfigError(f"scale attention: {target} is outside [1, {self.capacity}] (the deployment was "
                               f"started for at most {self.capacity}: {self.engine.layout.attention_max})")
@@ -116,17 +121,13 @@ class AttentionGroups:
                 groups.drain(self.sched, g)
             self.events[-1].switched_s = time.monotonic()  # new requests go to the others from now
             return
-        now, lay, t = e.eplb.window.map, e.layout, self.members
+        t = self.members
         for g in range(cur, n):
-            layout = dataclasses.replace(lay, **{lay.attention_count: g + 1, lay.expert_count: now.num_devices})
             # NOTE: a group of several (asap attn_tp) meets in a torch.distributed world of its own: its
             # collectives are its members' only, and the deployment's world was formed without it
             world = World(t, free_port(), (tuple(range(t)),)) if t > 1 else None
             for member in range(t):
-                base = e._worker_setup(lay.attention_role, g * t + member, g * t + member, 0)
-                setup = dataclasses.replace(base, layout=layout, world=world, world_rank=member,
-                                            experts_held=now.layers[0], expert_layers=now.layers)
-                self.joiners.append(e.deployment.join(setup))
+                self.joiners.append(e.deployment.join(e._attention_joiner(g, member, world)))
 
     def _poll_joiners(self) -> None:
         e = self.engine
@@ -143,8 +144,7 @@ class AttentionGroups:
         pool = self.pool
         for k, w in enumerate(self.joiners):
             e.deployment.admit(w)
-            # the placement routed by now, read before its first work item; a switch from now on reaches it
-            e.deployment.send(w, UseExperts(e.eplb.epoch, e.eplb.window.map.layers))
+            e._attention_admitted(w)
             for members in self._lists():
                 members.append(w)
             if k % self.members == 0:

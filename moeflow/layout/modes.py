@@ -9,6 +9,10 @@ from moeflow.layout.base import (Layout, assign_experts, check_attention_capacit
                                  check_redundant, chunk_opt, placement_opt, positive, redundant_opt, require,
                                  spread_experts)
 
+MAX_DP_HELP = ("elastic: the most ranks the deployment may scale to while serving (dwdp: its starting dp is the "
+               "fewest); default: dp, fixed")
+
+
 @dataclass(frozen=True)
 class ColocatedLayout(Layout):
     mode = "colocated"
@@ -28,8 +32,7 @@ class DepLayout(Layout):
     num_redundant_experts: int = redundant_opt()
     # elastic: the most ranks this deployment may grow to while it serves (POST /scale); every rank's
     # buffers are sized for them at start. A rank brings (or drains) a DP attention group with its experts.
-    max_dp: int | None = opt(None, "elastic: the most dep ranks the deployment may scale to while serving; "
-                                   "default: dp, fixed")
+    max_dp: int | None = opt(None, MAX_DP_HELP)
 
     def __post_init__(self) -> None:
         positive(self, "dp", "max_batch_tokens", "tp")
@@ -127,10 +130,14 @@ class DwdpLayout(Layout):
     slice_bytes: int = opt(1 << 20, "slice size of the sliced copy plan (the paper's 1 MB)")
     merge: bool = opt(False, "ablation: copy resident and pulled experts into one buffer before the experts op",
                       flag="--merge-experts")
+    # elastic: ranks added while serving hold a copy of a starting rank's residents and publish
+    # nothing, so the starting ranks, which hold every expert between them, are the floor
+    max_dp: int | None = opt(None, MAX_DP_HELP)
 
     def __post_init__(self) -> None:
         positive(self, "dp", "max_batch_tokens", "slice_bytes")
         check_dp_options(self)
+        check_attention_capacity(self)
         require(self.copy_plan in COPY_PLANS, f"dwdp layout: copy_plan must be one of {COPY_PLANS}, "
                                               f"got {self.copy_plan!r}")
         require(self.experts_per_rank is None or (isinstance(self.experts_per_rank, int) and self.experts_per_rank > 0),
@@ -138,6 +145,11 @@ class DwdpLayout(Layout):
 
     num_processes = property(lambda self: self.dp)
     num_groups = property(lambda self: self.dp)
+    # a rank is an attention group (engine/elastic_attention.py joins and drains it) and an expert holder
+    # whose experts never move: the expert side itself is not elastic
+    expert_kind, expert_count, expert_max, elastic = "dwdp", "dp", None, False
+    attention_role, attention_count, attention_max = "dwdp", "dp", "max_dp"
+    attention_capacity = property(lambda self: self.max_dp or self.dp)
 
     def experts_held(self, num_experts: int) -> tuple[tuple[int, ...], ...]:
         """The experts each rank holds: ``experts_per_rank`` consecutive ids (mod E) from r*E/N, so

@@ -26,17 +26,20 @@ from moeflow.workers.tracer import Tracer
 class ExpertPrefetcher:
     def __init__(self, rank: int, placement: tuple[tuple[int, ...], ...], moe_layers: list[int],
                  resident: tuple[torch.Tensor, torch.Tensor], peers: dict[int, PeerWeights], kind: str,
-                 slice_bytes: int, tracer: Tracer):
+                 slice_bytes: int, tracer: Tracer, like: int | None = None):
+        """``like``: the rank whose residents this one holds a copy of (a dwdp rank that joined while
+        serving: it pulls what that rank pulls, from the same peers); default ``rank``."""
         self.rank, self.moe_layers, self.tracer = rank, list(moe_layers), tracer
+        me = rank if like is None else like
         self.resident = resident  # (w13 [Lm, El, 2F, H], w2 [Lm, El, H, F]) in this rank's shared memory
         w13, w2 = resident
         num_experts = 1 + max(e for ids in placement for e in ids)
-        self.missing = [e for e in range(num_experts) if e not in placement[rank]]
-        self.index = ExpertIndex(tuple(placement[rank]) + tuple(self.missing))  # resident first, then pulled
+        self.missing = [e for e in range(num_experts) if e not in placement[me]]
+        self.index = ExpertIndex(tuple(placement[me]) + tuple(self.missing))  # resident first, then pulled
         m = len(self.missing)
         self.slots = [(w13.new_empty(m, *w13.shape[2:]), w2.new_empty(m, *w2.shape[2:])) for _ in range(2)]
         unit_bytes = {"w13": w13[0, 0].numel() * w13.element_size(), "w2": w2[0, 0].numel() * w2.element_size()}
-        self.plan = copy_plan(placement, rank, num_experts, unit_bytes, kind, slice_bytes)
+        self.plan = copy_plan(placement, me, num_experts, unit_bytes, kind, slice_bytes)
         self.buffer_bytes = 2 * m * sum(unit_bytes.values())
         self._src_local = {(s, e): placement[s].index(e) for s, ids in enumerate(placement) for e in ids}
         self.peers = peers

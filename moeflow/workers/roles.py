@@ -8,6 +8,7 @@ import dataclasses
 from typing import Callable
 
 from moeflow.messages import WorkerSetup
+from moeflow.model.moe import ExpertWeights
 from moeflow.model.weights import LoadSpec
 from moeflow.workers.afd_attention import AfdStages
 from moeflow.workers.attention import AttentionWorker
@@ -67,20 +68,29 @@ def _dep_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWor
 def _dwdp_rank(setup: WorkerSetup, transport, tp: TPGroup | None) -> AttentionWorker:
     """dwdp: the whole model for its own requests; its resident experts published in shared memory
     for its peers to pull, theirs pulled one layer ahead of use."""
-    rank, layout = setup.index, setup.layout
-    stages = AttentionStages(setup, transport, tp, rank, 0, 1, LoadSpec(experts=setup.experts_held[rank]),
-                             dispatch=False)
+    rank, layout, like = setup.index, setup.layout, None if setup.join is None else setup.join.like
+    load = LoadSpec(experts=setup.experts_held[rank]) if like is None else LoadSpec(routed_experts=False)
+    stages = AttentionStages(setup, transport, tp, rank, 0, 1, load, dispatch=False)
     store = transport.weight_store()
-    w = stages.weights.experts
-    shared = store.publish(rank, {"w13": w.w13, "w2": w.w2})  # shared memory (cuda-ipc: device memory), for the peers
-    if shared["w13"].device == stages.device:  # compute from the published copy; drop ours
-        stages.weights.experts = dataclasses.replace(w, w13=shared["w13"], w2=shared["w2"])
-    # NOTE: an accelerator over the shm store keeps its own resident copy and each pull copies host -> device
+    if like is None:  # a starting rank publishes (before it waits for its peers' to appear)
+        w = stages.weights.experts
+        shared = store.publish(rank, {"w13": w.w13, "w2": w.w2})  # shared memory (cuda-ipc: device memory), for the peers
+        if shared["w13"].device == stages.device:  # compute from the published copy; drop ours
+            stages.weights.experts = dataclasses.replace(w, w13=shared["w13"], w2=shared["w2"])
     peers = {r: store.peer(r) for r in range(len(setup.experts_held)) if r != rank}
+    if like is not None:  # a joiner (``JoinReplica``): its residents, a copy of a starting rank's
+        stages.weights.experts = replica_experts(stages.cfg, setup.experts_held[like], peers[like].tensors, stages.device)
+    # NOTE: an accelerator over the shm store keeps its own resident copy and each pull copies host -> device
     w = stages.weights.experts
     prefetcher = ExpertPrefetcher(rank, setup.experts_held, list(w.layer_ids), (w.w13, w.w2), peers,
-                                  layout.copy_plan, layout.slice_bytes, stages.tracer)
+                                  layout.copy_plan, layout.slice_bytes, stages.tracer, like=like)
     return AttentionWorker(stages, Prefetching(stages, prefetcher, layout.merge, store), replies=True)
+
+
+def replica_experts(cfg, held: tuple[int, ...], published: dict, device) -> ExpertWeights:
+    """A copy of a peer's published resident experts (``held``, every MoE layer), in this process."""
+    return ExpertWeights(w13=published["w13"].to(device, copy=True), w2=published["w2"].to(device, copy=True),
+                         layer_ids=tuple(l for l in range(cfg.num_layers) if cfg.sparse_layers[l]), expert_ids=held)
 
 
 @role("afd_attention")

@@ -4,10 +4,12 @@
     python docs/results/elastic/under_load.py --afd > docs/results/elastic/under_load_afd.txt
     python docs/results/elastic/under_load.py --handover > docs/results/elastic/under_load_handover.txt
     python docs/results/elastic/under_load.py --dep > docs/results/elastic/under_load_dep.txt
+    python docs/results/elastic/under_load.py --dwdp > docs/results/elastic/under_load_dwdp.txt
 
 A real ``moeflow serve`` (asap, the embedded model in fp32, 1-2 attention groups, 2-3 MoE workers; with
 ``--afd``: afd, 1-2 attention instances, 2-3 FFN daemons; with ``--dep``: dep, 2-3 ranks, each an
-attention group and an expert holder, so every change is one of ranks: 2 -> 3, 3 -> 2 in turn)
+attention group and an expert holder, so every change is one of ranks: 2 -> 3, 3 -> 2 in turn; with
+``--dwdp``: dwdp, the same)
 takes Poisson arrivals over HTTP (streamed completions, greedy) while another client asks for a
 change 4 s after the last one ended, in turn: expert holders 2 -> 3, attention 1 -> 2, expert holders 3 -> 2,
 attention 2 -> 1. One expert scale-up has its joining worker SIGKILLed before it switches, and
@@ -40,12 +42,13 @@ MODES = {  # the server's flags, and the name of its expert holders in POST /sca
     "afd": (["--mode", "afd", "--topology", "all", "--attn-workers", "1", "--max-attn-workers", "2", "--ffn-workers",
              "2", "--max-ffn-workers", "3"], "ffn"),
     "dep": (["--mode", "dep", "--dp", "2", "--max-dp", "3"], "ep_size"),
+    "dwdp": (["--mode", "dwdp", "--dp", "2", "--max-dp", "3"], "ep_size"),
 }
-MODE = next((m for m in ("afd", "dep") if f"--{m}" in sys.argv), "asap")
+MODE = next((m for m in ("afd", "dep", "dwdp") if f"--{m}" in sys.argv), "asap")
 FLAGS = MODES[MODE][0] + ["--dtype", "float32", "--served-model-name", "m"] + (
     ["--share-kv-cache"] if "--handover" in sys.argv else [])  # a leaving group's requests are handed over
-CHANGES = ([(MODES[MODE][1], 3), ("attention", 2), (MODES[MODE][1], 2), ("attention", 1)] * 3 if MODE != "dep"
-           else [(MODES[MODE][1], 3), (MODES[MODE][1], 2)] * 6)  # a dep rank is both
+CHANGES = ([(MODES[MODE][1], 3), ("attention", 2), (MODES[MODE][1], 2), ("attention", 1)] * 3
+           if MODE not in ("dep", "dwdp") else [(MODES[MODE][1], 3), (MODES[MODE][1], 2)] * 6)  # a rank is both
 
 
 async def one(client, url: str, prompt: list[int], at: float, t0: float) -> dict:
@@ -164,7 +167,7 @@ def report(results, want, status, metrics, log, left, workers, pid) -> None:
             print(f"{name}: {len(rs)} requests, TTFT median {statistics.median(ttft) * 1e3:.0f} ms "
                   f"p90 {np.percentile(ttft, 90) * 1e3:.0f} ms, TPOT median {statistics.median(tpot) * 1e3:.1f} ms "
                   f"p90 {np.percentile(tpot, 90) * 1e3:.1f} ms")
-    print(f"mode {MODE}; at the end:", {k: v for k, v in status.items() if k in ("attention", "ffn", "moe", "dep")}, "; /metrics:", "; ".join(metrics))
+    print(f"mode {MODE}; at the end:", {k: v for k, v in status.items() if k in ("attention", "ffn", "moe", "dep", "dwdp")}, "; /metrics:", "; ".join(metrics))
     print(f"after the server stopped: /dev/shm files of pid {pid}: {left['files']}; worker processes alive: "
           f"{sum(os.path.exists(f'/proc/{w}') for w in workers)} of {len(workers)}")
 
