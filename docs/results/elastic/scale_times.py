@@ -41,8 +41,8 @@ def measure(label: str, kind: str, deployment: dict, counts: tuple[int, int]) ->
             e = llm.scale(**{kind: n})["events"][-1]
             times[n].append((e["seconds"], e["left_s"] - e["requested_s"]))
             print(f"{label} -> {n}: {e['outcome']}, serving after {e['seconds']:.3f} s, old member gone after "
-                  f"{e['left_s'] - e['requested_s']:.3f} s, moved {e['moved_bytes'] / 2**20:.1f} MiB in "
-                  f"{e['move_s']:.3f} s (call {time.monotonic() - t0:.3f} s)")
+                  f"{e['left_s'] - e['requested_s']:.3f} s, moved {e['moved_bytes'] / 2**20:.1f} MiB" +
+                  (f" in {e['move_s']:.3f} s" if e["move_s"] else "") + f" (call {time.monotonic() - t0:.3f} s)")
         after = llm.generate([[1, 2, 3, 4]] * 4, sp)
         for n, name in ((up, f"up {down} -> {up}"), (down, f"down {up} -> {down}")):
             print(f"{label} {name}: median serving after {statistics.median(s for s, _ in times[n]):.2f} s "
