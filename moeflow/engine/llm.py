@@ -258,15 +258,15 @@ class LLM:
               timeout_s: float = 300.0) -> dict:
         """Change the deployment's membership while it serves (afd: ``ffn`` FFN daemons, in a
         deployment started with ``max_ffn_workers``; asap: ``moe`` MoE workers, with
-        ``max_moe_workers``; ``ep_size``: either; ``attention`` groups, with ``max_attn_dp`` or
-        ``max_attn_workers``, ``drain``: a leaver's requests finish there rather than being handed
+        ``max_moe_workers``; ``ep_size``: either, or dep's and dwdp's ranks, with ``max_dp``;
+        ``attention`` groups, with ``max_attn_dp`` or ``max_attn_workers``, ``drain``: a leaver's requests finish there rather than being handed
         over); with ``wait``, return once the new membership
         serves and the old members have left. The status, as ``GET /scale`` gives it; a target the
         deployment cannot take raises ``ConfigError`` saying why."""
         scale = getattr(self.engine, "scale", None)
         if scale is None:
-            raise ConfigError(f"mode {self.mode!r}: its membership is fixed while serving (afd's FFN daemons and "
-                              f"asap's MoE workers scale)")
+            raise ConfigError(f"mode {self.mode!r}: its membership is fixed while serving (afd, asap, dep and "
+                              f"dwdp deployments started with room to grow scale)")
         status = scale(ffn=ffn, moe=moe, attention=attention, ep_size=ep_size, drain=drain)
         deadline = time.monotonic() + timeout_s
         while wait and status["in_progress"]:

@@ -42,3 +42,9 @@ def test_dwdp_ranks_join_and_leave_equal_to_colocated(checkpoints, monkeypatch, 
         deployment, dep_id = llm.engine.deployment, llm.engine.deployment_id
     assert list_segments(dep_id) == []
     assert all(not w.process.is_alive() for w in deployment.workers)
+
+
+def test_a_fixed_dwdp_deployment_refuses_to_scale(checkpoints):
+    with LLM(checkpoints("qwen3").path, dtype="float32", mode="dwdp", dp=2) as llm:
+        with pytest.raises(ConfigError, match=r"fixed while serving \(2\); start it with max_dp \(--max-dp\)"):
+            llm.scale(ep_size=3)
