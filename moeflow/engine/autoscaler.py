@@ -10,7 +10,8 @@ import logging
 import yaml
 
 from moeflow.config import ConfigError
-from moeflow.scheduler.autoscale import AutoscalePolicy, Controller, Sample
+from moeflow.scheduler.autoscale import AutoscalePolicy, Controller
+from moeflow.scheduler.load_window import LoadWindow
 
 log = logging.getLogger("moeflow.autoscale")
 
@@ -37,38 +38,25 @@ class Autoscaler:
         """``counter``: the /metrics counter of decisions, by reason (``refused`` for a change the
         deployment would not take)."""
         self.controller, self.sample_s, self.counter = Controller(policy), sample_s, counter
-        self._t0: float | None = None
-        self._busy = self._wait = 0.0
-        self._tpots: list[float] = []  # of the requests that finished in the window
-        self._live: dict[str, tuple[float, int, float]] = {}
+        self.window: LoadWindow | None = None
         self._todo: list[dict] = []  # the rest of a decision: one change at a time
 
     def turn(self, engine, result, now: float) -> None:
         """Account one step's result; every ``sample_s``, a window to the controller."""
-        if self._t0 is None:
-            self._t0 = now
-        self._busy += sum(result.busy_s.values())
-        self._wait += sum(result.wait_s.values())
+        w = self.window = self.window or LoadWindow(now)
+        w.step(sum(result.busy_s.values()), sum(result.wait_s.values()))
         for rid, out in result.outputs.items():
-            if out.token_id is not None:  # (first token's time, tokens, last token's time) of a live request
-                first, n, _ = self._live.get(rid, (now, 0, now))
-                self._live[rid] = (first, n + 1, now)
+            if out.token_id is not None:
+                w.token(rid, now)
         for r in result.finished:
-            first, n, last = self._live.pop(r.request_id, (now, 0, now))
-            if n > 1:
-                self._tpots.append((last - first) / (n - 1))
+            w.finished(r.request_id)
         status = engine.scale_status()
         if self._todo and not status["in_progress"]:
             self._apply(engine, self._todo.pop(0))
-        if now - self._t0 < self.sample_s:
+        if not w.due(now, self.sample_s):
             return
-        window, m, n = now - self._t0, engine.attention_count, status[engine.layout.expert_kind]
-        load = engine.load()
-        tpots = sorted(self._tpots)
-        sample = Sample(now, m, n, attn_busy=self._busy / (window * m), attn_wait=self._wait / (window * m),
-                        tpot_p90_s=tpots[int(0.9 * (len(tpots) - 1))] if tpots else None, queue=load.num_waiting,
-                        kv_free=load.num_free_kv_blocks / max(1, load.num_kv_blocks))
-        self._t0, self._busy, self._wait, self._tpots = now, 0.0, 0.0, []
+        m, n, load = engine.attention_count, status[engine.layout.expert_kind], engine.load()
+        sample = w.sample(now, m, n, load.num_waiting, load.num_free_kv_blocks, load.num_kv_blocks)
         if status["in_progress"] or self._todo:
             return  # a window with a change under way says nothing about either membership
         d = self.controller.observe(sample)

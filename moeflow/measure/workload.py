@@ -8,7 +8,7 @@ the gaps is 1/sqrt(burstiness), so < 1 is burstier). Prompt lengths come from on
 
 - ``production``: ASAP §2.3's heavy-tailed trace (mean ~5k, minimum 31, tail toward 100k) with
   requests above 32k left out (§5.1): a lognormal restricted to [31, 32768]; fit in
-  ``fit_production_lognormal`` and docs/bench_serve.md. ``production_mean`` says which mean is
+  ``production_lengths.py`` and docs/bench_serve.md. ``production_mean`` says which mean is
   5k: ``kept`` (the default, what every committed measurement used) fits the mean of the requests
   that remain after the 32k cut; ``raw`` fits the mean of the whole trace before it, which is how
   §2.3 states it (the kept mean is then ~4.2k).
@@ -28,24 +28,14 @@ import argparse
 import json
 import math
 from dataclasses import asdict, dataclass
-from statistics import NormalDist
 
 import numpy as np
 
+from moeflow.measure.drift import check_curve, curve_at, curve_integral, warp_arrivals
+from moeflow.measure.production_lengths import PRODUCTION_MEANS, restricted_draws, sample_production_lens
+
 KINDS = ("production", "uniform", "normal", "fixed", "trace")
 
-PRODUCTION_MIN_LEN = 31  # shortest prompt in ASAP's trace (§2.3)
-PRODUCTION_MAX_LEN = 32768  # ASAP §5.1 leaves out requests above 32k
-PRODUCTION_MEAN_LEN = 5000  # mean prompt length of ASAP's trace (§2.3)
-PRODUCTION_TAIL_LEN = 100_000  # "a heavy tail extending up to 100k" ...
-PRODUCTION_TAIL_QUANTILE = 0.999  # ... read as: 0.1% of the raw trace lies above it
-# ln(tokens) ~ Normal(mu, sigma) before the restriction to [31, 32768]; fitted by
-# fit_production_lognormal(mean_of) (a unit test re-runs both fits).
-PRODUCTION_LOG_MU = 8.052101  # "kept": the mean after the 32k cut is 5k; median e^mu = 3140 tokens
-PRODUCTION_LOG_SIGMA = 1.119924
-PRODUCTION_RAW_LOG_MU = 7.792208  # "raw": the mean of the whole trace is 5k (kept mean 4221); median e^mu = 2422
-PRODUCTION_RAW_LOG_SIGMA = 1.204025
-PRODUCTION_MEANS = ("kept", "raw")
 DEFAULT_DURATION_S = 60.0  # bench serve: arrivals per rate when neither a duration nor a count is given
 
 
@@ -73,6 +63,10 @@ class WorkloadConfig:
     output_len: int = 1  # trace lines may override it
     output_len_max: int | None = None  # output lengths uniform in [output_len, output_len_max] (None: all output_len)
     seed: int = 0
+    # a workload that drifts (drift.py): [(t_s, factor), ...] knots, linear between, flat beyond; the
+    # arrival rate is rate_rps x rate_curve(t), each prompt's length x length_curve(its arrival)
+    rate_curve: tuple[tuple[float, float], ...] = ()
+    length_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -105,6 +99,13 @@ class WorkloadConfig:
                  f"fixed needs fixed_len >= 1, got {self.fixed_len}")
         if self.kind == "trace":
             need(bool(self.trace_path), "trace needs trace_path")
+        for name in ("rate_curve", "length_curve"):
+            try:
+                object.__setattr__(self, name, check_curve(getattr(self, name), name))
+            except ValueError as e:
+                need(False, str(e))
+            need(not getattr(self, name) or self.kind != "trace", f"{name}: a trace keeps its own times and lengths")
+        need(not self.rate_curve or self.duration_s is not None, "rate_curve needs duration_s (the span it shapes)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,7 +118,11 @@ def generate_requests(cfg: WorkloadConfig) -> list[WorkloadRequest]:
     else:
         arrival_rng, length_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(2))
         arrivals = _arrivals(arrival_rng, cfg)
+        if cfg.rate_curve:  # drawn at rate_rps in the curve's own time, then mapped to the clock
+            arrivals = warp_arrivals(arrivals, cfg.rate_curve, cfg.duration_s)
         lens = _lengths(length_rng, cfg, len(arrivals))
+        if cfg.length_curve:
+            lens = np.maximum(1, np.rint(lens * curve_at(cfg.length_curve, arrivals))).astype(np.int64)
         outs = [cfg.output_len] * len(arrivals)
         if cfg.output_len_max is not None:  # its own stream: the arrivals and prompts stay those of output_len alone
             out_rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[2])
@@ -163,15 +168,16 @@ def scale_len(prompt_len: int, length_scale: float) -> int:
 def _arrivals(rng: np.random.Generator, cfg: WorkloadConfig) -> np.ndarray:
     mean_gap = 1.0 / cfg.rate_rps
     limit = cfg.num_requests
-    if limit is None:  # enough gaps to pass duration_s with overwhelming probability, then cut
-        limit = int(cfg.duration_s * cfg.rate_rps + 10 * math.sqrt(cfg.duration_s * cfg.rate_rps / cfg.burstiness) + 10)
+    span = cfg.duration_s if not cfg.rate_curve else curve_integral(cfg.rate_curve, cfg.duration_s)
+    if limit is None:  # enough gaps to pass the span with overwhelming probability, then cut
+        limit = int(span * cfg.rate_rps + 10 * math.sqrt(span * cfg.rate_rps / cfg.burstiness) + 10)
     if cfg.burstiness == 1.0:
         gaps = rng.exponential(mean_gap, limit)
     else:
         gaps = rng.gamma(cfg.burstiness, mean_gap / cfg.burstiness, limit)
     times = np.cumsum(gaps)
     if cfg.duration_s is not None:
-        times = times[times < cfg.duration_s]
+        times = times[times < span]
     return times
 
 
@@ -183,66 +189,8 @@ def _lengths(rng: np.random.Generator, cfg: WorkloadConfig, n: int) -> np.ndarra
         return rng.integers(lo, cfg.isl, n, endpoint=True)
     if cfg.kind == "normal":
         # outside [1, 2·ISL] redrawn: symmetric, so the mean stays ISL
-        return _restricted(lambda k: rng.normal(cfg.isl, cfg.isl_std, k), 1, 2 * cfg.isl, n)
+        return restricted_draws(lambda k: rng.normal(cfg.isl, cfg.isl_std, k), 1, 2 * cfg.isl, n)
     return sample_production_lens(rng, n, cfg.production_mean)
-
-
-def production_params(mean_of: str = "kept") -> tuple[float, float]:
-    """(mu, sigma) of the production lognormal whose ``mean_of`` mean is PRODUCTION_MEAN_LEN."""
-    if mean_of not in PRODUCTION_MEANS:
-        raise ValueError(f"production_mean must be one of {PRODUCTION_MEANS}, got {mean_of!r}")
-    return ((PRODUCTION_LOG_MU, PRODUCTION_LOG_SIGMA) if mean_of == "kept"
-            else (PRODUCTION_RAW_LOG_MU, PRODUCTION_RAW_LOG_SIGMA))
-
-
-def sample_production_lens(rng: np.random.Generator, n: int, mean_of: str = "kept") -> np.ndarray:
-    """``n`` lengths from the fitted lognormal, rounded; outside [31, 32768] redrawn (left out)."""
-    mu, sigma = production_params(mean_of)
-    return _restricted(lambda k: rng.lognormal(mu, sigma, k), PRODUCTION_MIN_LEN, PRODUCTION_MAX_LEN, n)
-
-
-def _restricted(draw, lo: int, hi: int, n: int) -> np.ndarray:
-    """``n`` rounded values of ``draw(k)`` (k samples at a time), those outside [lo, hi] redrawn."""
-    out = np.empty(0, dtype=np.int64)
-    while len(out) < n:
-        x = np.rint(draw(max(2 * (n - len(out)), 64)))
-        x = x[(x >= lo) & (x <= hi)].astype(np.int64)
-        out = np.concatenate([out, x[:n - len(out)]])
-    return out
-
-
-def restricted_lognormal_mean(mu: float, sigma: float, lo: float, hi: float) -> float:
-    """E[X | lo <= X <= hi] for ln X ~ Normal(mu, sigma) (closed form; hi may be math.inf)."""
-    phi = NormalDist().cdf
-    a, b = math.log(lo), math.log(hi)
-    num = phi((b - mu - sigma ** 2) / sigma) - phi((a - mu - sigma ** 2) / sigma)
-    den = phi((b - mu) / sigma) - phi((a - mu) / sigma)
-    return math.exp(mu + sigma ** 2 / 2) * num / den
-
-
-def fit_production_lognormal(mean_of: str = "kept") -> tuple[float, float]:
-    """(mu, sigma) with (1) the raw PRODUCTION_TAIL_QUANTILE at PRODUCTION_TAIL_LEN and (2) the mean
-    at PRODUCTION_MEAN_LEN: restricted to [PRODUCTION_MIN_LEN, PRODUCTION_MAX_LEN] (``kept``: the
-    requests §5.1 keeps) or to [PRODUCTION_MIN_LEN, inf) (``raw``: the whole trace of §2.3).
-
-    (1) fixes mu = ln(tail) - z·sigma; along that line the restricted mean falls monotonically
-    with sigma (more mass moves below the tail anchor; for the raw mean while sigma < z), so (2)
-    is one root, found by bisection.
-    """
-    production_params(mean_of)  # validates mean_of
-    z = NormalDist().inv_cdf(PRODUCTION_TAIL_QUANTILE)
-    top = math.log(PRODUCTION_TAIL_LEN)
-    upper = PRODUCTION_MAX_LEN if mean_of == "kept" else math.inf
-
-    def excess(sigma: float) -> float:
-        return restricted_lognormal_mean(top - z * sigma, sigma, PRODUCTION_MIN_LEN, upper) - PRODUCTION_MEAN_LEN
-
-    lo, hi = 0.3, (4.0 if mean_of == "kept" else z)  # excess(lo) > 0 > excess(hi)
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
-    sigma = (lo + hi) / 2
-    return top - z * sigma, sigma
 
 
 def _trace_requests(cfg: WorkloadConfig) -> list[WorkloadRequest]:

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from moeflow.measure import production_lengths as pl
 from moeflow.measure import workload as wl
 from moeflow.measure.workload import WorkloadConfig, generate_requests
 
@@ -62,25 +63,25 @@ def test_production_mean_and_bounds():
     lens = np.array([r.prompt_len for r in generate_requests(
         WorkloadConfig(kind="production", rate_rps=1.0, num_requests=20000, seed=0))])
     # sd ~5.4k, so the standard error of the mean is ~40 tokens: 3% of 5000 is > 3 sigma
-    assert lens.mean() == pytest.approx(wl.PRODUCTION_MEAN_LEN, rel=0.03)
-    assert lens.min() >= wl.PRODUCTION_MIN_LEN and lens.max() <= wl.PRODUCTION_MAX_LEN
+    assert lens.mean() == pytest.approx(pl.PRODUCTION_MEAN_LEN, rel=0.03)
+    assert lens.min() >= pl.PRODUCTION_MIN_LEN and lens.max() <= pl.PRODUCTION_MAX_LEN
     assert np.median(lens) < 0.7 * lens.mean()  # heavy right tail
     assert (lens > 16384).mean() > 0.02  # long prompts do occur
 
 
 def test_the_fitted_constants_are_what_the_fit_gives():
-    mu, sigma = wl.fit_production_lognormal()
-    assert mu == pytest.approx(wl.PRODUCTION_LOG_MU, abs=1e-5)
-    assert sigma == pytest.approx(wl.PRODUCTION_LOG_SIGMA, abs=1e-5)
-    mean = wl.restricted_lognormal_mean(mu, sigma, wl.PRODUCTION_MIN_LEN, wl.PRODUCTION_MAX_LEN)
-    assert mean == pytest.approx(wl.PRODUCTION_MEAN_LEN, rel=1e-4)
+    mu, sigma = pl.fit_production_lognormal()
+    assert mu == pytest.approx(pl.PRODUCTION_LOG_MU, abs=1e-5)
+    assert sigma == pytest.approx(pl.PRODUCTION_LOG_SIGMA, abs=1e-5)
+    mean = pl.restricted_lognormal_mean(mu, sigma, pl.PRODUCTION_MIN_LEN, pl.PRODUCTION_MAX_LEN)
+    assert mean == pytest.approx(pl.PRODUCTION_MEAN_LEN, rel=1e-4)
 
 
 def test_restricted_mean_formula_matches_sampling():
     rng = np.random.default_rng(0)
     x = rng.lognormal(6.0, 1.5, 400_000)
     x = x[(x >= 50) & (x <= 5000)]
-    assert wl.restricted_lognormal_mean(6.0, 1.5, 50, 5000) == pytest.approx(x.mean(), rel=0.01)
+    assert pl.restricted_lognormal_mean(6.0, 1.5, 50, 5000) == pytest.approx(x.mean(), rel=0.01)
 
 
 def test_length_scale_applies_after_the_cap_with_a_one_token_floor():
@@ -88,7 +89,7 @@ def test_length_scale_applies_after_the_cap_with_a_one_token_floor():
     small = generate_requests(WorkloadConfig(kind="production", rate_rps=1.0, num_requests=3000, seed=5,
                                              length_scale=0.01))
     assert [s.prompt_len for s in small] == [max(1, round(b.prompt_len * 0.01)) for b in base]
-    assert max(s.prompt_len for s in small) <= round(wl.PRODUCTION_MAX_LEN * 0.01)
+    assert max(s.prompt_len for s in small) <= round(pl.PRODUCTION_MAX_LEN * 0.01)
     assert min(s.prompt_len for s in small) >= 1
 
 
@@ -180,14 +181,14 @@ def test_the_measurement_library_does_not_import_torch():
 
 def test_raw_mean_fit():
     """§2.3's 5k is the whole trace's mean: fitted before §5.1's 32k cut, the kept mean is ~4.2k."""
-    mu, sigma = wl.fit_production_lognormal("raw")
-    assert (mu, sigma) == pytest.approx((wl.PRODUCTION_RAW_LOG_MU, wl.PRODUCTION_RAW_LOG_SIGMA), abs=1e-5)
-    assert wl.restricted_lognormal_mean(mu, sigma, wl.PRODUCTION_MIN_LEN, math.inf) == pytest.approx(5000, rel=1e-4)
-    kept = wl.restricted_lognormal_mean(mu, sigma, wl.PRODUCTION_MIN_LEN, wl.PRODUCTION_MAX_LEN)
+    mu, sigma = pl.fit_production_lognormal("raw")
+    assert (mu, sigma) == pytest.approx((pl.PRODUCTION_RAW_LOG_MU, pl.PRODUCTION_RAW_LOG_SIGMA), abs=1e-5)
+    assert pl.restricted_lognormal_mean(mu, sigma, pl.PRODUCTION_MIN_LEN, math.inf) == pytest.approx(5000, rel=1e-4)
+    kept = pl.restricted_lognormal_mean(mu, sigma, pl.PRODUCTION_MIN_LEN, pl.PRODUCTION_MAX_LEN)
     assert kept == pytest.approx(4221, abs=1)
     lens = np.array([r.prompt_len for r in generate_requests(WorkloadConfig(
         kind="production", rate_rps=1.0, num_requests=20000, seed=0, production_mean="raw"))])
-    assert lens.mean() == pytest.approx(kept, rel=0.03) and lens.max() <= wl.PRODUCTION_MAX_LEN
+    assert lens.mean() == pytest.approx(kept, rel=0.03) and lens.max() <= pl.PRODUCTION_MAX_LEN
     assert WorkloadConfig(kind="production", rate_rps=1.0, num_requests=1).production_mean == "kept"
     with pytest.raises(ValueError, match="production_mean"):
         WorkloadConfig(kind="production", rate_rps=1.0, num_requests=1, production_mean="median")

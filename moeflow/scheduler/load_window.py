@@ -1,0 +1,49 @@
+"""One window of a deployment's live load, accumulated step by step into the controller's ``Sample``
+(``autoscale.py``): the engine's autoscaler (``engine/autoscaler.py``) and the simulator's elastic
+systems (``sim/elastic_afd.py``) feed it the same way, so both hand the controller the same numbers
+for the same steps. Pure Python.
+
+TPOT is per request, as ``vllm bench serve`` reports it: (last token - first token) / (tokens - 1),
+for the requests that finished in the window with two or more tokens; the window's p90 of those.
+"""
+from __future__ import annotations
+
+from moeflow.scheduler.autoscale import Sample
+
+
+class LoadWindow:
+    def __init__(self, t0_s: float):
+        self.t0_s = t0_s
+        self.busy_s = self.wait_s = 0.0  # summed over the attention instances
+        self.tpots: list[float] = []  # of the requests that finished in the window
+        self._live: dict[str, tuple[float, int, float]] = {}  # request -> (first token, tokens, last token)
+
+    def step(self, busy_s: float, wait_s: float) -> None:
+        """The instances computed ``busy_s`` and were blocked on the FFN side ``wait_s`` (summed)."""
+        self.busy_s += busy_s
+        self.wait_s += wait_s
+
+    def token(self, request_id: str, now_s: float) -> None:
+        first, n, _ = self._live.get(request_id, (now_s, 0, now_s))
+        self._live[request_id] = (first, n + 1, now_s)
+
+    def finished(self, request_id: str) -> None:
+        first, n, last = self._live.pop(request_id, (0.0, 0, 0.0))
+        if n > 1:
+            self.tpots.append((last - first) / (n - 1))
+
+    def due(self, now_s: float, sample_s: float) -> bool:
+        return now_s - self.t0_s >= sample_s
+
+    def sample(self, now_s: float, attention: int, ffn: int, queue: int, free_kv_blocks: int,
+               kv_blocks: int) -> Sample:
+        """The window up to ``now_s`` with the deployment's members, queue and KV room now; the next
+        window starts here."""
+        window = max(now_s - self.t0_s, 1e-9)
+        tpots = sorted(self.tpots)
+        s = Sample(now_s, attention, ffn, attn_busy=self.busy_s / (window * attention),
+                   attn_wait=self.wait_s / (window * attention),
+                   tpot_p90_s=tpots[int(0.9 * (len(tpots) - 1))] if tpots else None, queue=queue,
+                   kv_free=free_kv_blocks / max(1, kv_blocks))
+        self.t0_s, self.busy_s, self.wait_s, self.tpots = now_s, 0.0, 0.0, []
+        return s
