@@ -10,7 +10,8 @@ import logging
 import yaml
 
 from moeflow.config import ConfigError
-from moeflow.scheduler.autoscale import AutoscalePolicy, Controller
+from moeflow.autoscale_config import AutoscalePolicy
+from moeflow.scheduler.autoscale import Controller
 from moeflow.scheduler.load_window import LoadWindow
 
 log = logging.getLogger("moeflow.autoscale")

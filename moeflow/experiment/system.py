@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
+from moeflow.autoscale_config import AutoscalePolicy
 from moeflow.config import DTYPES, ConfigError, EngineConfig
 from moeflow.layout import Layout, layout_from_dict, layout_to_dict
 
@@ -62,6 +63,10 @@ class SimOptions:
     # more worker processes than the profiled machine's cores: a compute stage waits for a free core
     # (sim/cores.py); False: every process computes as if it had a core of its own
     core_sharing: bool = True
+    # an elastic system (``autoscale:``): a member that joins serves this long after it is asked for,
+    # beyond copying its weights from its peers over the link. 3 s: vLLM's elastic EP scale-up once its
+    # topology is pre-built (55 s up before that; docs/elastic.md cites both): a published input, not ours
+    member_start_s: float = 3.0
     # choice -> the paper's text (or the engine's fact) that says this system differs from the others
     # of its run in that choice (sim/symmetry.py): a mapping in a config, kept as sorted pairs
     differs: tuple[tuple[str, str], ...] = ()
@@ -101,6 +106,8 @@ class SimOptions:
              f"compute_jitter_cv must be in [0, 1) or null (the hardware's), got {self.compute_jitter_cv!r}")
         need(self.resident_experts in ("layout", "memory"),
              f"resident_experts must be 'layout' or 'memory', got {self.resident_experts!r}")
+        need(isinstance(self.member_start_s, (int, float)) and not isinstance(self.member_start_s, bool)
+             and self.member_start_s >= 0, f"member_start_s must be a number >= 0, got {self.member_start_s!r}")
         need(self.a2a_bw_GBps is None or (isinstance(self.a2a_bw_GBps, (int, float)) and self.a2a_bw_GBps > 0),
              f"a2a_bw_GBps must be a number > 0, got {self.a2a_bw_GBps!r}")
 
@@ -115,8 +122,15 @@ class SystemSpec:
     sim: SimOptions = field(default_factory=SimOptions)
     # role -> hardware preset, for the roles that differ from the experiment's hardware (sorted pairs)
     hardware: tuple[tuple[str, str], ...] = ()
+    # afd: the controller's policy (scheduler/autoscale.py; POLICY.yaml's keys, sample_s included),
+    # sorted pairs; the deployment starts at the layout's members and follows the controller's decisions
+    autoscale: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
+        given = self.autoscale
+        object.__setattr__(self, "autoscale", tuple(sorted((given.items() if isinstance(given, dict) else given))))
+        if self.autoscale:
+            check_autoscale(self)
         given = self.hardware
         pairs = given.items() if isinstance(given, dict) else given
         if not all(isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, str) for x in p)
@@ -142,6 +156,34 @@ class SystemSpec:
         return self.engine.num_kv_blocks * self.engine.kv_block_size
 
 
+def autoscale_policy(spec: SystemSpec) -> tuple[AutoscalePolicy, float]:
+    """(the controller's policy, its sampling period) of an elastic system."""
+    d = dict(spec.autoscale)
+    sample_s = d.pop("sample_s", 2.0)
+    return AutoscalePolicy(**d), float(sample_s)
+
+
+def check_autoscale(spec: SystemSpec) -> None:
+    """An elastic system: afd (topology all), a valid policy whose range holds the layout's start."""
+    where, lay = f"systems.{spec.name}.autoscale", spec.layout
+    if lay.mode != "afd" or getattr(lay, "topology", None) != "all":
+        raise ConfigError(f"{where}: the controller resizes afd with topology all (A:F), not mode {lay.mode!r}")
+    known = field_names(AutoscalePolicy) | {"sample_s"}
+    unknown = sorted(set(dict(spec.autoscale)) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
+    try:
+        policy, sample_s = autoscale_policy(spec)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if not sample_s > 0:
+        raise ConfigError(f"{where}: sample_s must be > 0, got {sample_s!r}")
+    if not (policy.min_attention <= lay.attn_workers <= policy.max_attention
+            and policy.min_ffn <= lay.ffn_workers <= policy.max_ffn):
+        raise ConfigError(f"{where}: the layout's start ({lay.attn_workers} attention, {lay.ffn_workers} ffn) is "
+                          f"outside the policy's range")
+
+
 def field_names(cls) -> set[str]:
     return {f.name for f in fields(cls)}
 
@@ -165,8 +207,11 @@ def system_from_dict(name: str, d: dict, model: str = "tiny", dtype: str = "auto
     hardware = d.pop("hardware", None) or {}
     if not isinstance(hardware, dict):
         raise ConfigError(f"systems.{name}.hardware must map a role to a hardware preset, got {hardware!r}")
+    autoscale = d.pop("autoscale", None) or {}
+    if not isinstance(autoscale, dict):
+        raise ConfigError(f"systems.{name}.autoscale must be the controller's policy (a mapping), got {autoscale!r}")
     return SystemSpec(name, layout_from_dict(d, f"systems.{name}"), EngineConfig(model=model, dtype=dtype, **engine),
-                      SimOptions(**sim), tuple(hardware.items()))
+                      SimOptions(**sim), tuple(hardware.items()), tuple(autoscale.items()))
 
 
 def check_systems(where: str, dtype: str, systems: dict[str, SystemSpec], compare: tuple[tuple[str, str], ...]) -> None:
@@ -184,4 +229,5 @@ def check_systems(where: str, dtype: str, systems: dict[str, SystemSpec], compar
 def system_to_dict(spec: SystemSpec) -> dict:
     """The entry's settings as a result file records them."""
     engine = {k: v for k, v in dataclasses.asdict(spec.engine).items() if k not in ENGINE_KEYS_ELSEWHERE}
-    return {**layout_to_dict(spec.layout), "engine": engine, "sim": dataclasses.asdict(spec.sim)}
+    return {**layout_to_dict(spec.layout), "engine": engine, "sim": dataclasses.asdict(spec.sim),
+            **({"autoscale": dict(spec.autoscale)} if spec.autoscale else {})}

@@ -29,39 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class AutoscalePolicy:
-    """What the controller may do (``--autoscale POLICY.yaml``)."""
-
-    tpot_slo_s: float  # p90 TPOT the deployment must keep
-    min_attention: int = 1
-    max_attention: int = 1
-    min_ffn: int = 1
-    max_ffn: int = 1
-    max_processes: int | None = None  # attention + FFN; None: max_attention + max_ffn
-    interval_s: float = 10.0  # least time between two changes
-    window: int = 3  # samples a decision averages
-    band: float = 0.15  # hysteresis: the relative gain a change must predict
-    wait_eps: float = 0.02  # a wait share below this is none (the instances are attention-bound)
-
-    def __post_init__(self) -> None:
-        def bad(what: str) -> ValueError:
-            return ValueError(f"autoscale policy: {what}")
-        if not self.tpot_slo_s > 0:
-            raise bad(f"tpot_slo_s must be > 0, got {self.tpot_slo_s!r}")
-        for lo, hi in (("min_attention", "max_attention"), ("min_ffn", "max_ffn")):
-            a, b = getattr(self, lo), getattr(self, hi)
-            if not (isinstance(a, int) and isinstance(b, int) and 1 <= a <= b):
-                raise bad(f"need 1 <= {lo} <= {hi}, got {a!r} and {b!r}")
-        if self.max_processes is not None and self.max_processes < self.min_attention + self.min_ffn:
-            raise bad(f"max_processes {self.max_processes} is below min_attention + min_ffn")
-        if not (self.interval_s >= 0 and self.window >= 1 and 0 < self.band < 1 and self.wait_eps >= 0):
-            raise bad("need interval_s >= 0, window >= 1, 0 < band < 1, wait_eps >= 0")
-
-    @property
-    def budget(self) -> int:
-        return self.max_processes if self.max_processes is not None else self.max_attention + self.max_ffn
+from moeflow.autoscale_config import AutoscalePolicy
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,16 @@ class AfdSystem(StepSystem):
     def __init__(self, spec, cost, trace_until_s=0.0):
         super().__init__(spec, cost, trace_until_s)
         self.sched = self._scheduler()
-        lay, m = spec.layout, cost.model
+        self.busy_s = {"attention": 0.0, "ffn": 0.0}
+        self.members(spec.layout)
+
+    def members(self, lay) -> None:
+        """Who serves from the next step: ``lay``'s instances and daemons (an elastic system changes it)."""
+        self.layout, m = lay, self.model
         self.served = [lay.served_by(j) for j in range(lay.ffn_workers)]
         self.ffns = [lay.ffns_of(i) for i in range(lay.attn_workers)]
         self.local = [len(ids) for ids in lay.experts_held(m.num_experts)]
         self.num_entities = {"attention": lay.attn_workers, "ffn": lay.ffn_workers}
-        self.busy_s = {"attention": 0.0, "ffn": 0.0}
         # compute jitter (sim/jitter.py) as its expected cost, not drawn: a daemon takes (layer, u) once
         # every instance sent it, an instance goes on once its daemons answered; drawn factors would
         # walk every layer of every step (no periodic shortcut), too slow for serving runs
@@ -95,15 +99,22 @@ class AfdSystem(StepSystem):
         end = max(self.finish_at(end, max(c.head_s(s, 1) for s in ss)) for ss in shapes)
         if not self.layout.overlap_scheduling:
             end += c.host_step_s
+        owns = []
         for i, bs in enumerate(ubs):
             own = sum(m.num_dense_layers * dense[i][u] + m.num_moe_layers * attn[i][u] for u in range(nub))
+            owns.append(own)
             self.busy_s["attention"] += own
             self.started([s.request_id for b in bs for s in b.seqs], own, now)
+        self.stepped(owns, [max(inst[i], *ready[i]) for i in range(len(ubs))], now, end)
         self.busy_s["ffn"] += m.num_moe_layers * sum(map(sum, ffn))
         if now < self.trace_until_s:
             for i in range(len(ubs)):
                 self.span(f"attention{i}/main", "step", now, end)
         self.loop.at(end, self._step_done, works)
+
+    def stepped(self, owns: list[float], done_s: list[float], start_s: float, end_s: float) -> None:
+        """A step spans [start_s, end_s]; instance i computed ``owns[i]`` of it and had its last
+        micro-batch back at ``done_s[i]``."""
 
     def _sent_bytes(self, instance: int, num_tokens: int) -> float:
         """What ``instance`` sends its daemons for one micro-batch of one layer."""

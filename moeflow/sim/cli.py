@@ -118,6 +118,13 @@ def run(args: argparse.Namespace) -> int:
                 if "sim_split" in p:
                     print("  a rank's time: " + ", ".join(f"{SPLIT_NAMES.get(k, k)} {v:.0%}"
                                                           for k, v in p["sim_split"].items()))
+                if "goodput_per_process_s" in p:
+                    print(f"  goodput {p['goodput_rps']:.3g} rps ({p['slo_attainment']:.0%} of requests within both "
+                          f"SLOs); {p['process_s']:,.0f} process-seconds: {p['goodput_per_process_s']:.4g} good "
+                          f"requests per process-second")
+                for c in p.get("membership_changes", []):
+                    done = "not done by the end" if c["done_s"] is None else f"serving at {c['done_s']:.1f} s"
+                    print(f"  at {c['asked_s']:.1f} s {c['side']} {c['before']} -> {c['after']}: {done}")
         print(f"simulated {res.num_events:,} events in {wall:.1f} s ({res.num_events / wall:,.0f} events/s)")
     if find_slo:
         print_slo_table(out, names, metrics, cfg.slo_ttft_s)

@@ -20,6 +20,7 @@ from moeflow.sim.asap import AsapSystem
 from moeflow.sim.cost import AnalyticCost, CostModel
 from moeflow.sim.dep import DepSystem
 from moeflow.sim.dwdp import DwdpSystem
+from moeflow.sim.elastic_afd import ElasticAfdSystem
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset
 from moeflow.sim.pd import PdSystem
@@ -35,6 +36,8 @@ def make_system(spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0) -
                          f"simulated modes: {sorted(SYSTEMS)}")
     if spec.layout.mode == "pd":  # its instances are systems of their own modes
         return PdSystem(spec, cost, trace_until_s, make_system)
+    if spec.autoscale:  # afd under the controller (experiment/system.check_autoscale)
+        return ElasticAfdSystem(spec, cost, trace_until_s)
     return SYSTEMS[spec.layout.mode](spec, cost, trace_until_s)
 
 
@@ -69,7 +72,14 @@ def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float,
     sim = make_system(system, cost, trace_until_s)
     res = sim.run(generate_requests(workload), stop)
     p = summarize(rate, res.records, 0.0, cfg.workload.length_scale, num_failed=res.num_failed,
-                  num_aborted=res.num_pending)
+                  num_aborted=res.num_pending, slo=cfg.goodput_slo)
+    # what the deployment cost: every process from its start to its exit (an elastic one's members
+    # come and go), over the run; goodput per process-second where the experiment sets both SLOs
+    p["process_s"] = res.process_s if res.process_s is not None else system.layout.num_processes * res.end_s
+    if "goodput_rps" in p and p["process_s"] > 0:
+        p["goodput_per_process_s"] = p["goodput_rps"] * p["duration_s"] / p["process_s"]
+    if res.changes:
+        p["membership_changes"] = res.changes
     # the engine's benchmark reports these too (bench/probe.py): per process there, per device here
     p["output_tok_s"] = sum(r.num_output for r in res.records) / p["duration_s"] if p["duration_s"] > 0 else 0.0
     p["output_tok_s_per_process"] = p["output_tok_s"] / system.layout.num_processes

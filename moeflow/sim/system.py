@@ -40,6 +40,8 @@ class RunResult:
     # step systems that keep one (dep): per kind, the mean fraction of the run an entity's steps spent
     split: dict[str, float] = field(default_factory=dict)
     num_failed: int = 0  # requests that ended without a result (pd: a lease ran out under policy fail)
+    process_s: float | None = None  # an elastic system: members x seconds (None: every process all along)
+    changes: list = field(default_factory=list)  # an elastic system's membership changes
 
 
 @dataclass

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from moeflow.scheduler.autoscale import AutoscalePolicy, Controller, Sample, predicted_tpot
+from moeflow.autoscale_config import AutoscalePolicy
+from moeflow.scheduler.autoscale import Controller, Sample, predicted_tpot
 
 POLICY = AutoscalePolicy(tpot_slo_s=0.2, max_attention=4, max_ffn=4, interval_s=5.0, window=3)
 

@@ -1,0 +1,112 @@
+"""The simulator's elastic afd: the engine's controller on simulated windows. Oracle: a policy that may
+not move is the fixed system, request for request; a change is carried out as the engine does it
+(joiners serve once ready, leaving instances drain first) and every member is paid from its start to
+its exit."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moeflow.config import ConfigError
+from moeflow.experiment.serve import parse_experiment as parse_config
+from moeflow.experiment.system import system_from_dict
+from moeflow.scheduler.autoscale import Decision
+from moeflow.sim.elastic_afd import ElasticAfdSystem
+from moeflow.sim.run import build_cost, make_system, run_point
+
+AFD = {"mode": "afd", "attn_workers": 2, "ffn_workers": 2, "topology": "all", "micro_batches": 2,
+       "max_batch_tokens": 8192, "engine": {"num_kv_blocks": 4096, "kv_block_size": 256, "max_num_seqs": 1024}}
+STILL = {"tpot_slo_s": 0.05, "min_attention": 2, "max_attention": 2, "min_ffn": 2, "max_ffn": 2, "sample_s": 1.0,
+         "interval_s": 0.0, "window": 1}
+
+
+def _cfg(**systems):
+    return parse_config({"model": "qwen3-235b-a22b", "hardware": "h200", "rps": [4], "slo_ttft_s": 2.0,
+                         "slo_tpot_s": 0.05, "systems": systems,
+                         "workload": {"kind": "uniform", "isl": 2048, "output_len": 64, "duration_s": 20, "seed": 1}})
+
+
+def test_a_controller_that_may_not_move_is_the_fixed_system_request_for_request():
+    cfg = _cfg(fixed=AFD, elastic={**AFD, "autoscale": STILL})
+    cost = build_cost(cfg)
+    fixed, fres = run_point(cfg.systems["fixed"], cost, cfg, 4.0)
+    elastic, eres = run_point(cfg.systems["elastic"], cost, cfg, 4.0)
+    assert [dataclasses.astuple(r) for r in fres.records] == [dataclasses.astuple(r) for r in eres.records]
+    assert eres.process_s == pytest.approx(4 * eres.end_s) and elastic["process_s"] == pytest.approx(fixed["process_s"])
+    assert elastic["goodput_per_process_s"] == pytest.approx(fixed["goodput_per_process_s"])
+    assert eres.changes == [] and elastic["sim_busy"] == pytest.approx(fixed["sim_busy"])
+
+
+def _scripted(decisions: dict[float, tuple[int, int]], **policy):
+    """An elastic system whose controller decides ``decisions`` (sample time -> members)."""
+    cfg = _cfg(elastic={**AFD, "autoscale": {**STILL, "max_attention": 3, "max_ffn": 3, "min_attention": 1,
+                                             "min_ffn": 1, **policy}})
+    sim = make_system(cfg.systems["elastic"], build_cost(cfg))
+    assert isinstance(sim, ElasticAfdSystem)
+
+    def observe(s):
+        d = decisions.get(s.t_s)
+        return None if d is None else Decision(s.t_s, *d, "scripted", 0.0)
+
+    sim.controller.observe = observe
+    return cfg, sim
+
+
+def test_a_daemon_joins_once_its_experts_are_copied_and_is_paid_from_the_decision():
+    from moeflow.measure.workload import generate_requests
+
+    cfg, sim = _scripted({3.0: (2, 3)})
+    res = sim.run(generate_requests(cfg.point_workload(4.0, 1)))
+    (c,) = res.changes
+    m = sim.model
+    copy = sim.link_cost("ffn", "ffn").transfer_s(m.expert_bytes * m.num_experts * m.num_moe_layers / 3)
+    ready = 3.0 + sim.spec.sim.member_start_s + copy
+    assert (c["side"], c["before"], c["after"], c["asked_s"]) == ("ffn", 2, 3, 3.0)
+    assert ready <= c["done_s"] < ready + 0.5  # the first step boundary after it is ready
+    assert sim.layout.ffn_workers == 3 and len(sim.served) == 3
+    # 2 instances all along, 2 daemons, a third from the decision
+    assert res.process_s == pytest.approx(2 * res.end_s + 2 * res.end_s + (res.end_s - 3.0))
+
+
+def test_a_leaving_instance_admits_nothing_from_the_decision_and_goes_once_it_holds_nothing():
+    from moeflow.measure.workload import generate_requests
+
+    cfg, sim = _scripted({5.0: (1, 2)})
+    first_group, arrived = {}, {}
+    schedule, add = sim.sched.schedule, sim.sched.add
+
+    def spy_schedule(now):
+        works = schedule(now)
+        for w in works:
+            for b in w.batches:
+                for s in b.seqs:
+                    first_group.setdefault(s.request_id, w.group)
+        return works
+
+    def spy_add(r):
+        arrived[r.request_id] = sim.loop.now
+        add(r)
+
+    sim.sched.schedule, sim.sched.add = spy_schedule, spy_add
+    res = sim.run(generate_requests(cfg.point_workload(4.0, 1)))
+    (c,) = res.changes
+    assert (c["side"], c["before"], c["after"]) == ("attention", 2, 1) and c["done_s"] > 5.0
+    assert len(sim.sched.pool.groups) == 1 and sim.layout.attn_workers == 1
+    later = [rid for rid, t in arrived.items() if t > 5.0]
+    assert later and all(first_group[rid] == 0 for rid in later)  # none placed on the leaver
+    assert any(g == 1 for rid, g in first_group.items() if arrived[rid] <= 5.0)  # it held some before
+    assert len(res.records) == len(arrived)
+    leaver_s = c["done_s"]  # paid until it was gone
+    assert res.process_s == pytest.approx(res.end_s + leaver_s + 2 * res.end_s)
+
+
+@pytest.mark.parametrize("system,match", [
+    ({"mode": "dep", "dp": 2, "autoscale": STILL}, "resizes afd with topology all"),
+    ({**AFD, "autoscale": {**STILL, "bogus": 1}}, r"unknown keys \['bogus'\]"),
+    ({**AFD, "autoscale": {**STILL, "min_attention": 3, "max_attention": 4}}, "outside the policy's range"),
+    ({**AFD, "autoscale": {**STILL, "tpot_slo_s": 0}}, "tpot_slo_s must be > 0"),
+])
+def test_a_bad_autoscale_entry_is_refused_saying_why(system, match):
+    with pytest.raises(ConfigError, match=match):
+        system_from_dict("e", system, "qwen3-235b-a22b")
