@@ -11,6 +11,7 @@ class AutoscalePolicy:
     """What the controller may do (``--autoscale POLICY.yaml``)."""
 
     tpot_slo_s: float  # p90 TPOT the deployment must keep
+    ttft_slo_s: float | None = None  # p90 TTFT to keep too (None: TPOT and KV room alone decide)
     min_attention: int = 1
     max_attention: int = 1
     min_ffn: int = 1
@@ -26,6 +27,8 @@ class AutoscalePolicy:
             return ValueError(f"autoscale policy: {what}")
         if not self.tpot_slo_s > 0:
             raise bad(f"tpot_slo_s must be > 0, got {self.tpot_slo_s!r}")
+        if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
+            raise bad(f"ttft_slo_s must be > 0 or null, got {self.ttft_slo_s!r}")
         for lo, hi in (("min_attention", "max_attention"), ("min_ffn", "max_ffn")):
             a, b = getattr(self, lo), getattr(self, hi)
             if not (isinstance(a, int) and isinstance(b, int) and 1 <= a <= b):

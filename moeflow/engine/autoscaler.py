@@ -50,7 +50,7 @@ class Autoscaler:
             if out.token_id is not None:
                 w.token(rid, now)
         for r in result.finished:
-            w.finished(r.request_id)
+            w.finished(r.request_id, r.arrival_s)
         status = engine.scale_status()
         if self._todo and not status["in_progress"]:
             self._apply(engine, self._todo.pop(0))

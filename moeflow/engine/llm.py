@@ -119,6 +119,9 @@ class LLM:
     @classmethod
     def from_system(cls, spec) -> "LLM":
         """The deployment of one ``systems:`` entry of an experiment file (``moeflow.experiment``)."""
+        if spec.autoscale:  # it would run fixed: say so rather than measure the wrong thing
+            raise ConfigError(f"systems.{spec.name}.autoscale: the controller runs in `moeflow serve --autoscale` "
+                              f"and in the simulator, not in an in-process deployment")
         return cls(layout=spec.layout, **dataclasses.asdict(spec.engine))
 
     def get_tokenizer(self):

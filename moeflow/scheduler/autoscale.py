@@ -15,10 +15,12 @@ scales as max(A', F') / max(A, F).
 
 - **over the SLO** (p90 TPOT above it): the neighbour with the lowest predicted TPOT, if it gains
   more than ``band``;
-- **out of KV room** (requests queue while the instances' caches are full): one attention instance
-  more, whatever the step time says (they bring the cache);
+- **out of KV room** (requests queue while the instances' caches are full), or **over the TTFT SLO**
+  with requests queued (``ttft_slo_s``: the prompts wait for the instances, which run prefill): one
+  attention instance more, whatever the step time says (they bring the cache and the prefill);
 - **under the SLO** by more than ``band``: the neighbour with the fewest processes whose predicted
-  TPOT stays below the SLO by ``band`` / 2, if one has fewer processes than now;
+  TPOT stays below the SLO by ``band`` / 2, if one has fewer processes than now, and never while
+  the TTFT is within ``band`` of its SLO or over it;
 - **idle** (nothing decoded, nothing queued, the instances not computing): one member less per side,
   down to the minimums (a window with requests but none finished decides nothing);
 
@@ -45,6 +47,7 @@ class Sample:
     queue: int = 0  # waiting requests
     kv_free: float = 1.0  # share of the instances' KV blocks free
     ffn_busy: float | None = None  # the daemons' own busy share, when known
+    ttft_p90_s: float | None = None  # of the requests that finished in the window
 
 
 @dataclass(frozen=True)
@@ -99,14 +102,16 @@ class Controller:
             return self._decide(s, m, min(fewer, key=lambda o: (sum(o), -o[0])), "idle", float("nan"))
         tpot = {o: predicted_tpot(m, m.tpot_p90_s, *o, p.wait_eps) for o in options}
         pick, reason = None, ""
-        if m.queue > 0 and m.kv_free < 0.05:
+        ttft = m.ttft_p90_s if p.ttft_slo_s is not None else None
+        prompts_wait = ttft is not None and m.queue > 0 and ttft > p.ttft_slo_s
+        if m.queue > 0 and m.kv_free < 0.05 or prompts_wait:
             up = [o for o in options if o[0] == m.attention + 1 and o[1] == m.ffn]
-            pick, reason = (up[0], "kv_room") if up else (None, "")
+            pick, reason = (up[0], "kv_room" if m.kv_free < 0.05 else "ttft") if up else (None, "")
         elif m.tpot_p90_s > p.tpot_slo_s:
             best = min(options, key=lambda o: (tpot[o], sum(o)), default=None)
             if best is not None and tpot[best] < m.tpot_p90_s * (1 - p.band):
                 pick, reason = best, "over_slo"
-        elif m.tpot_p90_s < p.tpot_slo_s * (1 - p.band):
+        elif m.tpot_p90_s < p.tpot_slo_s * (1 - p.band) and (ttft is None or ttft < p.ttft_slo_s * (1 - p.band)):
             fits = [o for o in options if sum(o) < m.attention + m.ffn and tpot[o] <= p.tpot_slo_s * (1 - p.band / 2)]
             if fits:
                 pick, reason = min(fits, key=lambda o: (sum(o), tpot[o])), "under_slo"
@@ -117,7 +122,7 @@ class Controller:
     def _decide(self, s: Sample, m: Sample, pick: tuple[int, int], reason: str, predicted: float) -> Decision:
         d = Decision(s.t_s, pick[0], pick[1], reason, predicted,
                      {"attention": m.attention, "ffn": m.ffn, "attn_busy": m.attn_busy, "attn_wait": m.attn_wait,
-                      "tpot_p90_s": m.tpot_p90_s, "queue": m.queue, "kv_free": m.kv_free})
+                      "tpot_p90_s": m.tpot_p90_s, "ttft_p90_s": m.ttft_p90_s, "queue": m.queue, "kv_free": m.kv_free})
         self.decisions.append(d)
         self.last_change_s, self.samples = s.t_s, []
         return d
@@ -128,7 +133,8 @@ def _mean(samples: list[Sample]) -> Sample:
     tpots = [x.tpot_p90_s for x in samples if x.tpot_p90_s is not None]
     busy = [x.ffn_busy for x in samples if x.ffn_busy is not None]
     last = samples[-1]
+    ttfts = [x.ttft_p90_s for x in samples if x.ttft_p90_s is not None]
     return Sample(last.t_s, last.attention, last.ffn, sum(x.attn_busy for x in samples) / n,
                   sum(x.attn_wait for x in samples) / n, sum(tpots) / len(tpots) if tpots else None,
                   round(sum(x.queue for x in samples) / n), sum(x.kv_free for x in samples) / n,
-                  sum(busy) / len(busy) if busy else None)
+                  sum(busy) / len(busy) if busy else None, sum(ttfts) / len(ttfts) if ttfts else None)

@@ -4,7 +4,8 @@ systems (``sim/elastic_afd.py``) feed it the same way, so both hand the controll
 for the same steps. Pure Python.
 
 TPOT is per request, as ``vllm bench serve`` reports it: (last token - first token) / (tokens - 1),
-for the requests that finished in the window with two or more tokens; the window's p90 of those.
+for the requests that finished in the window with two or more tokens; TTFT first token - arrival,
+for those that finished in it; the window's p90 of each.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class LoadWindow:
         self.t0_s = t0_s
         self.busy_s = self.wait_s = 0.0  # summed over the attention instances
         self.tpots: list[float] = []  # of the requests that finished in the window
+        self.ttfts: list[float] = []
         self._live: dict[str, tuple[float, int, float]] = {}  # request -> (first token, tokens, last token)
 
     def step(self, busy_s: float, wait_s: float) -> None:
@@ -27,10 +29,15 @@ class LoadWindow:
         first, n, _ = self._live.get(request_id, (now_s, 0, now_s))
         self._live[request_id] = (first, n + 1, now_s)
 
-    def finished(self, request_id: str) -> None:
-        first, n, last = self._live.pop(request_id, (0.0, 0, 0.0))
+    def finished(self, request_id: str, arrival_s: float | None = None) -> None:
+        """``arrival_s``: on the same clock as the tokens' times (its TTFT counts)."""
+        if request_id not in self._live:
+            return
+        first, n, last = self._live.pop(request_id)
         if n > 1:
             self.tpots.append((last - first) / (n - 1))
+        if arrival_s is not None:
+            self.ttfts.append(first - arrival_s)
 
     def due(self, now_s: float, sample_s: float) -> bool:
         return now_s - self.t0_s >= sample_s
@@ -40,10 +47,12 @@ class LoadWindow:
         """The window up to ``now_s`` with the deployment's members, queue and KV room now; the next
         window starts here."""
         window = max(now_s - self.t0_s, 1e-9)
-        tpots = sorted(self.tpots)
         s = Sample(now_s, attention, ffn, attn_busy=self.busy_s / (window * attention),
-                   attn_wait=self.wait_s / (window * attention),
-                   tpot_p90_s=tpots[int(0.9 * (len(tpots) - 1))] if tpots else None, queue=queue,
-                   kv_free=free_kv_blocks / max(1, kv_blocks))
-        self.t0_s, self.busy_s, self.wait_s, self.tpots = now_s, 0.0, 0.0, []
+                   attn_wait=self.wait_s / (window * attention), tpot_p90_s=_p90(self.tpots), queue=queue,
+                   kv_free=free_kv_blocks / max(1, kv_blocks), ttft_p90_s=_p90(self.ttfts))
+        self.t0_s, self.busy_s, self.wait_s, self.tpots, self.ttfts = now_s, 0.0, 0.0, [], []
         return s
+
+
+def _p90(xs: list[float]) -> float | None:
+    return sorted(xs)[int(0.9 * (len(xs) - 1))] if xs else None

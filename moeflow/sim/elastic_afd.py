@@ -50,7 +50,7 @@ class ElasticAfdSystem(AfdSystem):
             if s.is_last_chunk:
                 self.window.token(s.request_id, now)
         for r in finished:
-            self.window.finished(r.request_id)
+            self.window.finished(r.request_id, r.arrival_s)
         super().sampled(batch, finished, now)
 
     def _tick(self) -> None:

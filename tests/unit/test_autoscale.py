@@ -124,3 +124,33 @@ def test_an_idle_deployment_gives_a_member_per_side_back_down_to_the_minimums():
     # requests running that have not finished yet, or queued, are not idle: no evidence, no change
     assert _run(_same(6, attention=3, ffn=3, attn_busy=0.3, tpot_p90_s=None)) == []
     assert _run(_same(6, attention=3, ffn=3, attn_busy=0.0, tpot_p90_s=None, queue=2)) == []
+
+
+def test_prompts_that_wait_past_the_ttft_slo_get_an_instance_and_hold_back_a_shrink():
+    ttft = AutoscalePolicy(tpot_slo_s=0.2, ttft_slo_s=1.0, max_attention=4, max_ffn=4, interval_s=5.0, window=3)
+    (d,) = _run(_same(3, queue=4, ttft_p90_s=3.0), ttft)
+    assert (d.attention, d.ffn, d.reason) == (3, 2, "ttft") and d.inputs["ttft_p90_s"] == 3.0
+    assert _run(_same(3, queue=0, ttft_p90_s=3.0), ttft) == []  # slow prompts, none waiting: not the instances
+    quiet = dict(attention=3, ffn=3, attn_busy=0.2, attn_wait=0.05, tpot_p90_s=0.05)
+    assert _run(_same(3, ttft_p90_s=0.95, **quiet), ttft) == []  # TPOT has room, TTFT within the band: stays
+    (d,) = _run(_same(3, ttft_p90_s=0.5, **quiet), ttft)
+    assert d.reason == "under_slo"
+    (d,) = _run(_same(3, ttft_p90_s=0.95, **quiet))  # without a TTFT SLO only TPOT decides
+    assert d.reason == "under_slo"
+
+
+def test_the_window_the_engine_and_the_simulator_feed():
+    from moeflow.scheduler.load_window import LoadWindow
+
+    w = LoadWindow(10.0)
+    w.step(busy_s=3.0, wait_s=1.0)
+    for t in (10.5, 10.7, 10.9):
+        w.token("a", t)
+    w.token("b", 11.0)
+    w.finished("a", arrival_s=10.0)
+    w.finished("b", arrival_s=10.2)  # one token: a TTFT, no TPOT
+    assert w.due(12.0, 2.0) and not w.due(11.9, 2.0)
+    s = w.sample(12.0, attention=2, ffn=1, queue=3, free_kv_blocks=25, kv_blocks=100)
+    assert (s.attn_busy, s.attn_wait, s.queue, s.kv_free) == (0.75, 0.25, 3, 0.25)
+    assert s.tpot_p90_s == pytest.approx(0.2) and s.ttft_p90_s == pytest.approx(0.5)  # p90 of [0.5, 0.8]: nearest rank
+    assert w.sample(14.0, 2, 1, 0, 100, 100).tpot_p90_s is None  # the next window starts empty

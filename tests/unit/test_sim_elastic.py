@@ -110,3 +110,10 @@ def test_a_leaving_instance_admits_nothing_from_the_decision_and_goes_once_it_ho
 def test_a_bad_autoscale_entry_is_refused_saying_why(system, match):
     with pytest.raises(ConfigError, match=match):
         system_from_dict("e", system, "qwen3-235b-a22b")
+
+
+def test_an_in_process_deployment_refuses_an_elastic_system_rather_than_run_it_fixed():
+    from moeflow import LLM
+
+    with pytest.raises(ConfigError, match="the controller runs in `moeflow serve --autoscale`"):
+        LLM.from_system(system_from_dict("e", {**AFD, "autoscale": STILL}))
