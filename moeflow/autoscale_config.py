@@ -12,6 +12,9 @@ class AutoscalePolicy:
 
     tpot_slo_s: float  # p90 TPOT the deployment must keep
     ttft_slo_s: float | None = None  # p90 TTFT to keep too (None: TPOT and KV room alone decide)
+    # instances one TTFT decision may add: in proportion to how far the prompts' wait is over the SLO
+    # (M x (wait / SLO - 1)), at most this many; 1: one at a time, as every other decision
+    max_step: int = 1
     min_attention: int = 1
     max_attention: int = 1
     min_ffn: int = 1
@@ -27,6 +30,8 @@ class AutoscalePolicy:
             return ValueError(f"autoscale policy: {what}")
         if not self.tpot_slo_s > 0:
             raise bad(f"tpot_slo_s must be > 0, got {self.tpot_slo_s!r}")
+        if not (isinstance(self.max_step, int) and self.max_step >= 1):
+            raise bad(f"max_step must be an int >= 1, got {self.max_step!r}")
         if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
             raise bad(f"ttft_slo_s must be > 0 or null, got {self.ttft_slo_s!r}")
         for lo, hi in (("min_attention", "max_attention"), ("min_ffn", "max_ffn")):

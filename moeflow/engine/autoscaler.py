@@ -57,7 +57,9 @@ class Autoscaler:
         if not w.due(now, self.sample_s):
             return
         m, n, load = engine.attention_count, status[engine.layout.expert_kind], engine.load()
-        sample = w.sample(now, m, n, load.num_waiting, load.num_free_kv_blocks, load.num_kv_blocks)
+        waiting = engine.scheduler.pool.waiting  # its head: the oldest request not yet admitted
+        sample = w.sample(now, m, n, load.num_waiting, load.num_free_kv_blocks, load.num_kv_blocks,
+                          waiting[0].arrival_s if waiting else None)
         if status["in_progress"] or self._todo:
             return  # a window with a change under way says nothing about either membership
         d = self.controller.observe(sample)

@@ -15,9 +15,12 @@ scales as max(A', F') / max(A, F).
 
 - **over the SLO** (p90 TPOT above it): the neighbour with the lowest predicted TPOT, if it gains
   more than ``band``;
-- **out of KV room** (requests queue while the instances' caches are full), or **over the TTFT SLO**
-  with requests queued (``ttft_slo_s``: the prompts wait for the instances, which run prefill): one
-  attention instance more, whatever the step time says (they bring the cache and the prefill);
+- **out of KV room** (requests queue while the instances' caches are full): one attention instance
+  more, whatever the step time says (they bring the cache);
+- **over the TTFT SLO** (``ttft_slo_s``) with requests queued, or the oldest queued prompt waiting
+  longer than it: prompts wait for the instances, which run prefill; M x (wait / SLO - 1) instances
+  more, at least one and at most ``max_step`` (the wait is the larger of the p90 TTFT and the oldest
+  queued prompt's age: finished requests tell of a queue late, by their whole decode);
 - **under the SLO** by more than ``band``: the neighbour with the fewest processes whose predicted
   TPOT stays below the SLO by ``band`` / 2, if one has fewer processes than now, and never while
   the TTFT is within ``band`` of its SLO or over it;
@@ -29,6 +32,7 @@ so a single noisy window does not move it. Every decision carries its inputs and
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from moeflow.autoscale_config import AutoscalePolicy
@@ -48,6 +52,7 @@ class Sample:
     kv_free: float = 1.0  # share of the instances' KV blocks free
     ffn_busy: float | None = None  # the daemons' own busy share, when known
     ttft_p90_s: float | None = None  # of the requests that finished in the window
+    queue_wait_s: float = 0.0  # how long the oldest queued request has waited, at the sample
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,13 @@ class Controller:
                    for f in (m.ffn - 1, m.ffn, m.ffn + 1)
                    if (a, f) != (m.attention, m.ffn) and p.min_attention <= a <= p.max_attention
                    and p.min_ffn <= f <= p.max_ffn and a + f <= p.budget]
+        ttft = m.ttft_p90_s if p.ttft_slo_s is not None else None
+        wait = max(m.queue_wait_s, ttft if m.queue > 0 and ttft is not None else 0.0)
+        if p.ttft_slo_s is not None and wait > p.ttft_slo_s and not (m.queue > 0 and m.kv_free < 0.05):
+            k = min(p.max_step, max(1, math.ceil(m.attention * (wait / p.ttft_slo_s - 1))))
+            a = min(m.attention + k, p.max_attention, p.budget - m.ffn)
+            if a > m.attention:
+                return self._decide(s, m, (a, m.ffn), "ttft", float("nan"))
         if m.tpot_p90_s is None:  # nothing decoded: idle, it gives back a member per side; else no evidence
             fewer = [o for o in options if sum(o) < m.attention + m.ffn]
             if m.queue > 0 or m.attn_busy > p.wait_eps or not fewer:
@@ -102,16 +114,15 @@ class Controller:
             return self._decide(s, m, min(fewer, key=lambda o: (sum(o), -o[0])), "idle", float("nan"))
         tpot = {o: predicted_tpot(m, m.tpot_p90_s, *o, p.wait_eps) for o in options}
         pick, reason = None, ""
-        ttft = m.ttft_p90_s if p.ttft_slo_s is not None else None
-        prompts_wait = ttft is not None and m.queue > 0 and ttft > p.ttft_slo_s
-        if m.queue > 0 and m.kv_free < 0.05 or prompts_wait:
+        if m.queue > 0 and m.kv_free < 0.05:
             up = [o for o in options if o[0] == m.attention + 1 and o[1] == m.ffn]
-            pick, reason = (up[0], "kv_room" if m.kv_free < 0.05 else "ttft") if up else (None, "")
+            pick, reason = (up[0], "kv_room") if up else (None, "")
         elif m.tpot_p90_s > p.tpot_slo_s:
             best = min(options, key=lambda o: (tpot[o], sum(o)), default=None)
             if best is not None and tpot[best] < m.tpot_p90_s * (1 - p.band):
                 pick, reason = best, "over_slo"
-        elif m.tpot_p90_s < p.tpot_slo_s * (1 - p.band) and (ttft is None or ttft < p.ttft_slo_s * (1 - p.band)):
+        elif m.tpot_p90_s < p.tpot_slo_s * (1 - p.band) and (
+                p.ttft_slo_s is None or max(ttft or 0.0, m.queue_wait_s) < p.ttft_slo_s * (1 - p.band)):
             fits = [o for o in options if sum(o) < m.attention + m.ffn and tpot[o] <= p.tpot_slo_s * (1 - p.band / 2)]
             if fits:
                 pick, reason = min(fits, key=lambda o: (sum(o), tpot[o])), "under_slo"
@@ -122,7 +133,8 @@ class Controller:
     def _decide(self, s: Sample, m: Sample, pick: tuple[int, int], reason: str, predicted: float) -> Decision:
         d = Decision(s.t_s, pick[0], pick[1], reason, predicted,
                      {"attention": m.attention, "ffn": m.ffn, "attn_busy": m.attn_busy, "attn_wait": m.attn_wait,
-                      "tpot_p90_s": m.tpot_p90_s, "ttft_p90_s": m.ttft_p90_s, "queue": m.queue, "kv_free": m.kv_free})
+                      "tpot_p90_s": m.tpot_p90_s, "ttft_p90_s": m.ttft_p90_s, "queue": m.queue,
+                      "queue_wait_s": m.queue_wait_s, "kv_free": m.kv_free})
         self.decisions.append(d)
         self.last_change_s, self.samples = s.t_s, []
         return d
@@ -137,4 +149,5 @@ def _mean(samples: list[Sample]) -> Sample:
     return Sample(last.t_s, last.attention, last.ffn, sum(x.attn_busy for x in samples) / n,
                   sum(x.attn_wait for x in samples) / n, sum(tpots) / len(tpots) if tpots else None,
                   round(sum(x.queue for x in samples) / n), sum(x.kv_free for x in samples) / n,
-                  sum(busy) / len(busy) if busy else None, sum(ttfts) / len(ttfts) if ttfts else None)
+                  sum(busy) / len(busy) if busy else None, sum(ttfts) / len(ttfts) if ttfts else None,
+                  last.queue_wait_s)  # the queue's age now, not an average of ages

@@ -58,7 +58,8 @@ class ElasticAfdSystem(AfdSystem):
         queue = len(pool.waiting) + sum(map(len, pool.held.values()))
         free = sum(g.allocator.num_free for g in pool.groups)
         sample = self.window.sample(now, self.layout.attn_workers, self.layout.ffn_workers, queue, free,
-                                    sum(g.allocator.num_blocks for g in pool.groups))
+                                    sum(g.allocator.num_blocks for g in pool.groups),
+                                    pool.waiting[0].arrival_s if pool.waiting else None)
         if self._change is None and not self._todo and (d := self.controller.observe(sample)) is not None:
             self._todo = ([("attention", d.attention)] if d.attention != self.layout.attn_workers else []) + (
                 [("ffn", d.ffn)] if d.ffn != self.layout.ffn_workers else [])

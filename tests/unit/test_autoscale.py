@@ -154,3 +154,14 @@ def test_the_window_the_engine_and_the_simulator_feed():
     assert (s.attn_busy, s.attn_wait, s.queue, s.kv_free) == (0.75, 0.25, 3, 0.25)
     assert s.tpot_p90_s == pytest.approx(0.2) and s.ttft_p90_s == pytest.approx(0.5)  # p90 of [0.5, 0.8]: nearest rank
     assert w.sample(14.0, 2, 1, 0, 100, 100).tpot_p90_s is None  # the next window starts empty
+
+
+def test_a_queue_that_ages_past_the_ttft_slo_adds_instances_in_proportion_before_any_finish():
+    p = AutoscalePolicy(tpot_slo_s=0.2, ttft_slo_s=1.0, max_attention=16, max_ffn=4, interval_s=5.0, window=1,
+                        max_step=4)
+    # nothing finished yet (no TPOT, no TTFT), the oldest prompt queued 2.5 s: 2 x (2.5 - 1) -> 3 more
+    (d,) = _run([Sample(0.0, 2, 2, attn_busy=0.9, attn_wait=0.0, tpot_p90_s=None, queue=40, queue_wait_s=2.5)], p)
+    assert (d.attention, d.ffn, d.reason) == (5, 2, "ttft")
+    (d,) = _run([Sample(0.0, 8, 2, attn_busy=0.9, attn_wait=0.0, tpot_p90_s=0.1, queue=9, queue_wait_s=3.0)], p)
+    assert d.attention == 12  # 8 x 2 = 16 wanted, at most max_step = 4
+    assert _run([Sample(0.0, 2, 2, attn_busy=0.9, attn_wait=0.0, tpot_p90_s=0.1, queue=1, queue_wait_s=0.5)], p) == []
