@@ -12,7 +12,7 @@ import yaml
 from moeflow.config import ConfigError
 from moeflow.autoscale_config import AutoscalePolicy
 from moeflow.scheduler.autoscale import Controller
-from moeflow.scheduler.load_window import LoadWindow
+from moeflow.scheduler.load_window import LoadWindow, oldest_unanswered
 
 log = logging.getLogger("moeflow.autoscale")
 
@@ -57,9 +57,8 @@ class Autoscaler:
         if not w.due(now, self.sample_s):
             return
         m, n, load = engine.attention_count, status[engine.layout.expert_kind], engine.load()
-        waiting = engine.scheduler.pool.waiting  # its head: the oldest request not yet admitted
         sample = w.sample(now, m, n, load.num_waiting, load.num_free_kv_blocks, load.num_kv_blocks,
-                          waiting[0].arrival_s if waiting else None)
+                          oldest_unanswered(engine.scheduler.pool))
         if status["in_progress"] or self._todo:
             return  # a window with a change under way says nothing about either membership
         d = self.controller.observe(sample)

@@ -17,10 +17,11 @@ scales as max(A', F') / max(A, F).
   more than ``band``;
 - **out of KV room** (requests queue while the instances' caches are full): one attention instance
   more, whatever the step time says (they bring the cache);
-- **over the TTFT SLO** (``ttft_slo_s``) with requests queued, or the oldest queued prompt waiting
-  longer than it: prompts wait for the instances, which run prefill; M x (wait / SLO - 1) instances
-  more, at least one and at most ``max_step`` (the wait is the larger of the p90 TTFT and the oldest
-  queued prompt's age: finished requests tell of a queue late, by their whole decode);
+- **over the TTFT SLO** (``ttft_slo_s``) with requests queued, or a request still without its first
+  token for longer than it (queued, or placed on an instance that has not reached its prompt):
+  prompts wait for the instances, which run prefill; M x (wait / SLO - 1) instances more, at least
+  one and at most ``max_step`` (the wait is the larger of the two: finished requests tell of a
+  backlog late, by their whole decode);
 - **under the SLO** by more than ``band``: the neighbour with the fewest processes whose predicted
   TPOT stays below the SLO by ``band`` / 2, if one has fewer processes than now, and never while
   the TTFT is within ``band`` of its SLO or over it;
@@ -52,7 +53,7 @@ class Sample:
     kv_free: float = 1.0  # share of the instances' KV blocks free
     ffn_busy: float | None = None  # the daemons' own busy share, when known
     ttft_p90_s: float | None = None  # of the requests that finished in the window
-    queue_wait_s: float = 0.0  # how long the oldest queued request has waited, at the sample
+    queue_wait_s: float = 0.0  # how long the oldest request without a first token has waited, at the sample
 
 
 @dataclass(frozen=True)

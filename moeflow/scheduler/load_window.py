@@ -43,16 +43,22 @@ class LoadWindow:
         return now_s - self.t0_s >= sample_s
 
     def sample(self, now_s: float, attention: int, ffn: int, queue: int, free_kv_blocks: int,
-               kv_blocks: int, oldest_waiting_s: float | None = None) -> Sample:
-        """The window up to ``now_s`` with the deployment's members, queue (``oldest_waiting_s``: the
-        arrival of the request at its head, None when empty) and KV room now; the next window starts here."""
+               kv_blocks: int, oldest_unanswered_s: float | None = None) -> Sample:
+        """The window up to ``now_s`` with the deployment's members, queue, KV room and the arrival of
+        its oldest request without a first token (``oldest_unanswered``) now; the next window starts here."""
         window = max(now_s - self.t0_s, 1e-9)
         s = Sample(now_s, attention, ffn, attn_busy=self.busy_s / (window * attention),
                    attn_wait=self.wait_s / (window * attention), tpot_p90_s=_p90(self.tpots), queue=queue,
                    kv_free=free_kv_blocks / max(1, kv_blocks), ttft_p90_s=_p90(self.ttfts),
-                   queue_wait_s=0.0 if oldest_waiting_s is None else max(0.0, now_s - oldest_waiting_s))
+                   queue_wait_s=0.0 if oldest_unanswered_s is None else max(0.0, now_s - oldest_unanswered_s))
         self.t0_s, self.busy_s, self.wait_s, self.tpots, self.ttfts = now_s, 0.0, 0.0, [], []
         return s
+
+
+def oldest_unanswered(pool) -> float | None:
+    """The arrival of the oldest request without a first token: queued, or placed on a group that has
+    not computed its prompt yet (a group's own backlog, which the pool's waiting queue does not show)."""
+    return min((r.arrival_s for r in pool.requests.values() if not r.output_token_ids), default=None)
 
 
 def _p90(xs: list[float]) -> float | None:

@@ -24,7 +24,7 @@ import dataclasses
 from moeflow.experiment.system import autoscale_policy
 from moeflow.scheduler import groups
 from moeflow.scheduler.autoscale import Controller
-from moeflow.scheduler.load_window import LoadWindow
+from moeflow.scheduler.load_window import LoadWindow, oldest_unanswered
 from moeflow.sim.afd import AfdSystem
 
 
@@ -59,7 +59,7 @@ class ElasticAfdSystem(AfdSystem):
         free = sum(g.allocator.num_free for g in pool.groups)
         sample = self.window.sample(now, self.layout.attn_workers, self.layout.ffn_workers, queue, free,
                                     sum(g.allocator.num_blocks for g in pool.groups),
-                                    pool.waiting[0].arrival_s if pool.waiting else None)
+                                    oldest_unanswered(pool))
         if self._change is None and not self._todo and (d := self.controller.observe(sample)) is not None:
             self._todo = ([("attention", d.attention)] if d.attention != self.layout.attn_workers else []) + (
                 [("ffn", d.ffn)] if d.ffn != self.layout.ffn_workers else [])

@@ -159,9 +159,25 @@ def test_the_window_the_engine_and_the_simulator_feed():
 def test_a_queue_that_ages_past_the_ttft_slo_adds_instances_in_proportion_before_any_finish():
     p = AutoscalePolicy(tpot_slo_s=0.2, ttft_slo_s=1.0, max_attention=16, max_ffn=4, interval_s=5.0, window=1,
                         max_step=4)
-    # nothing finished yet (no TPOT, no TTFT), the oldest prompt queued 2.5 s: 2 x (2.5 - 1) -> 3 more
-    (d,) = _run([Sample(0.0, 2, 2, attn_busy=0.9, attn_wait=0.0, tpot_p90_s=None, queue=40, queue_wait_s=2.5)], p)
+    # nothing finished yet (no TPOT, no TTFT), a prompt placed 2.5 s ago and not begun: 2 x (2.5 - 1) -> 3 more
+    (d,) = _run([Sample(0.0, 2, 2, attn_busy=0.9, attn_wait=0.0, tpot_p90_s=None, queue=0, queue_wait_s=2.5)], p)
     assert (d.attention, d.ffn, d.reason) == (5, 2, "ttft")
     (d,) = _run([Sample(0.0, 8, 2, attn_busy=0.9, attn_wait=0.0, tpot_p90_s=0.1, queue=9, queue_wait_s=3.0)], p)
     assert d.attention == 12  # 8 x 2 = 16 wanted, at most max_step = 4
     assert _run([Sample(0.0, 2, 2, attn_busy=0.9, attn_wait=0.0, tpot_p90_s=0.1, queue=1, queue_wait_s=0.5)], p) == []
+
+
+def test_the_oldest_unanswered_request_counts_a_groups_backlog_the_waiting_queue_does_not_show():
+    from moeflow.core import Request, SamplingParams
+    from moeflow.scheduler.load_window import oldest_unanswered
+
+    class Pool:  # what the function reads of a RequestPool
+        requests = {}
+
+    pool = Pool()
+    assert oldest_unanswered(pool) is None
+    a, b = (Request(i, range(4), SamplingParams(max_tokens=4), arrival_s=t) for i, t in (("a", 1.0), ("b", 2.0)))
+    pool.requests = {"a": a, "b": b}
+    assert oldest_unanswered(pool) == 1.0
+    a.output_token_ids.append(7)  # answered: its wait is over
+    assert oldest_unanswered(pool) == 2.0
