@@ -1,0 +1,44 @@
+"""The elastic-against-fixed table of docs/results/elastic.md from a `moeflow simulate --json` result
+of configs/elastic-afd-gb200.yaml (one row per system; with --repeats, the median over the seeds and
+their range).
+
+    python docs/results/elastic/sim_table.py docs/results/elastic/sim_gb200.json
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def runs(result: dict) -> list[dict]:
+    """Each seed's point (the config has one rate)."""
+    reps = result.get("repeats") or [{"sweep": result["points"]}]
+    return [r["sweep"][0] for r in reps]
+
+
+def cell(values: list[float], fmt: str) -> str:
+    med = statistics.median(values)
+    return format(med, fmt) if len(values) == 1 else f"{med:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        systems = json.load(f)["systems"]
+    print("| system | processes, mean | goodput per process-second | within both SLOs | TTFT p90 s | "
+          "TPOT p90 ms | membership changes |")
+    print("|---|---|---|---|---|---|---|")
+    best_fixed = max((statistics.median(p["goodput_per_process_s"] for p in runs(r)), n)
+                     for n, r in systems.items() if not r["config"].get("autoscale"))
+    for name, r in systems.items():
+        ps = runs(r)
+        end = [p["process_s"] / max(p["duration_s"], 1e-9) for p in ps]
+        print(f"| {name} | {cell(end, '.1f')} | {cell([p['goodput_per_process_s'] for p in ps], '.4f')} | "
+              f"{cell([p['slo_attainment'] for p in ps], '.0%')} | {cell([p['ttft_p90_s'] for p in ps], '.2f')} | "
+              f"{cell([p['tpot_p90_s'] * 1e3 for p in ps], '.0f')} | "
+              f"{cell([len(p.get('membership_changes', [])) for p in ps], 'd')} |")
+    print(f"\nbest fixed by median goodput per process-second: {best_fixed[1]} ({best_fixed[0]:.4f})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
