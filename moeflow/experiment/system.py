@@ -63,6 +63,10 @@ class SimOptions:
     # more worker processes than the profiled machine's cores: a compute stage waits for a free core
     # (sim/cores.py); False: every process computes as if it had a core of its own
     core_sharing: bool = True
+    # requests arrive with their prompt's KV and first token, as on pd's decode side (the prefill ran
+    # elsewhere and is not modelled); each waits, first come first served, for a group with KV room
+    # (dep and afd: the step systems)
+    decode_side: bool = False
     # an elastic system (``autoscale:``): a member that joins serves this long after it is asked for,
     # beyond copying its weights from its peers over the link. 3 s: vLLM's elastic EP scale-up once its
     # topology is pre-built (55 s up before that; docs/elastic.md cites both): a published input, not ours
@@ -86,7 +90,7 @@ class SimOptions:
             need(k in options, f"differs: {k!r} is not a modelling choice (those: {sorted(options)})")
             need(isinstance(v, str) and v.strip() != "", f"differs.{k}: give the text that says why, got {v!r}")
 
-        for f in ("super_kernel", "comm_overlap", "tp_replicates", "dedup_dispatch", "core_sharing"):
+        for f in ("super_kernel", "comm_overlap", "tp_replicates", "dedup_dispatch", "core_sharing", "decode_side"):
             need(isinstance(getattr(self, f), bool), f"{f} must be true or false, got {getattr(self, f)!r}")
         need(self.expert_load_cv is None or (isinstance(self.expert_load_cv, (int, float))
                                              and not isinstance(self.expert_load_cv, bool)

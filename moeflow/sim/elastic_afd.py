@@ -55,11 +55,14 @@ class ElasticAfdSystem(AfdSystem):
 
     def _tick(self) -> None:
         now, pool = self.loop.now, self.sched.pool
-        queue = len(pool.waiting) + sum(map(len, pool.held.values()))
+        # a request that arrived with its KV (sim.decode_side) waits for room outside the pool: queued too,
+        # and its wait is one for a first token here
+        queue = len(pool.waiting) + sum(map(len, pool.held.values())) + len(self.handed)
         free = sum(g.allocator.num_free for g in pool.groups)
+        oldest = min([t for t in (oldest_unanswered(pool),) if t is not None]
+                     + ([self.handed[0].arrival_s] if self.handed else []), default=None)
         sample = self.window.sample(now, self.layout.attn_workers, self.layout.ffn_workers, queue, free,
-                                    sum(g.allocator.num_blocks for g in pool.groups),
-                                    oldest_unanswered(pool))
+                                    sum(g.allocator.num_blocks for g in pool.groups), oldest)
         if self._change is None and not self._todo and (d := self.controller.observe(sample)) is not None:
             self._todo = ([("attention", d.attention)] if d.attention != self.layout.attn_workers else []) + (
                 [("ffn", d.ffn)] if d.ffn != self.layout.ffn_workers else [])

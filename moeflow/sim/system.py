@@ -7,6 +7,7 @@ and records per-request times in ``bench serve``'s ``RequestRecord`` form.
 from __future__ import annotations
 
 import abc
+from collections import deque
 from dataclasses import dataclass, field
 
 from moeflow.core import Batch, Request, SamplingParams
@@ -135,6 +136,9 @@ class System(abc.ABC):
 
     def run(self, workload: list[WorkloadRequest], stop: StopRule | None = None) -> RunResult:
         """Replay ``workload`` to the end (or until it has certainly missed ``stop``'s SLO)."""
+        if self.spec.sim.decode_side and not isinstance(self, StepSystem):
+            raise ValueError(f"system {self.spec.name!r}: sim.decode_side (requests arriving with their KV) is "
+                             f"modelled for dep and afd, not mode {self.layout.mode!r}")
         if self.spec.sim.expert_load_cv and not self.models_skew():
             raise ValueError(f"system {self.spec.name!r}: mode {self.layout.mode!r} does not model expert-load "
                              f"skew (sim.expert_load_cv); the modes that do: dep, asap")
@@ -237,14 +241,40 @@ class StepSystem(System):
     split_s: dict[str, float] = {}  # summed over entities: step time by kind, where a system keeps it
 
     def add(self, request: Request) -> None:
-        self.sched.add(request)
+        if self.spec.sim.decode_side:  # its prompt's KV and first token arrive with it (pd's decode side)
+            request.output_token_ids.append(0)
+            t = self.track[request.request_id]
+            t.first_scheduled_s = t.first_token_s = self.loop.now
+            self.handed.append(request)
+        else:
+            self.sched.add(request)
         self.poke()
 
     def poke(self) -> None:
         if not self.busy:
             self._step()
 
+    @property
+    def handed(self) -> deque:
+        """Requests that arrived with their KV, waiting for a group with room (``sim.decode_side``)."""
+        if "_handed" not in self.__dict__:
+            self._handed = deque()
+        return self._handed
+
+    def _admit_handed(self) -> None:
+        """First come first served: each waiting request that a group has room for lands there."""
+        port = self.handoff_port()
+        while self.handed:
+            gid = port.room(self.handed[0])
+            if gid is None:
+                return
+            r = self.handed.popleft()
+            port.reserve(gid, r)
+            port.arrive(r)
+
     def _step(self) -> None:
+        if self.spec.sim.decode_side:
+            self._admit_handed()
         works = self.sched.schedule(self.loop.now)
         self.busy = bool(works)
         if works:

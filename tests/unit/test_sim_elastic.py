@@ -117,3 +117,57 @@ def test_an_in_process_deployment_refuses_an_elastic_system_rather_than_run_it_f
 
     with pytest.raises(ConfigError, match="the controller runs in `moeflow serve --autoscale`"):
         LLM.from_system(system_from_dict("e", {**AFD, "autoscale": STILL}))
+
+
+def test_decode_side_arrivals_land_with_their_kv_and_wait_for_room_first_come_first_served():
+    """sim.decode_side: no prefill runs; a request's first token came with it; with room for few, the
+    rest wait in arrival order and the wait shows in their TPOT."""
+    from moeflow.measure.workload import generate_requests
+
+    small = {**AFD, "sim": {"decode_side": True},
+             "engine": {"num_kv_blocks": 24, "kv_block_size": 256, "max_num_seqs": 1024}}  # 3 prompts of 2K a group
+    cfg = _cfg(small=small)
+    cost = build_cost(cfg)
+    sim = make_system(cfg.systems["small"], cost)
+    admitted = []
+    arrive = sim.handoff_port
+
+    def port():
+        p = arrive()
+        real = p.arrive
+
+        def spy(r):
+            admitted.append((sim.loop.now, r.arrival_s, r.request_id))
+            real(r)
+        p.arrive = spy
+        return p
+
+    sim.handoff_port = port
+    work = generate_requests(cfg.point_workload(4.0, 1))
+    res = sim.run(work)
+    assert len(res.records) == len(work) and all(r.ttft_s == 0.0 for r in res.records)  # the token came with it
+    assert [a for _, a, _ in admitted] == sorted(a for _, a, _ in admitted)  # first come, first served
+    assert max(now - a for now, a, _ in admitted) > 1.0  # some waited for room
+    by_arrival = {r.arrival_s: r for r in res.records}
+    for now, a, _ in admitted:  # the wait for room is in TPOT: its first token came at arrival
+        rec = by_arrival[a]
+        assert rec.tpot_s >= (now - a) / (rec.num_output - 1)
+    with pytest.raises(ValueError, match="modelled for dep and afd"):
+        asap = _cfg(a={"mode": "asap", "sim": {"decode_side": True},
+                       "engine": {"num_kv_blocks": 4096, "kv_block_size": 256, "max_num_seqs": 1024}})
+        run_point(asap.systems["a"], cost, asap, 4.0)
+
+
+def test_a_handed_over_request_never_lands_on_a_group_that_drains():
+    from moeflow.core import Request, SamplingParams
+    from moeflow.scheduler import groups
+
+    cfg = _cfg(e={**AFD, "sim": {"decode_side": True}})
+    sim = make_system(cfg.systems["e"], build_cost(cfg))
+    port = sim.handoff_port()
+    r = Request("x", range(100), SamplingParams(max_tokens=4), output_token_ids=[0])
+    assert port.room(r) in (0, 1)
+    groups.drain(sim.sched, 0)
+    assert port.room(r) == 1
+    groups.drain(sim.sched, 1)
+    assert port.room(r) is None

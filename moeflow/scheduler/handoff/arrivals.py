@@ -24,12 +24,13 @@ class Arrivals:
 
     def best_group(self, r: Request) -> int | None:
         """The live group with the most free blocks that has room for ``r`` (its known tokens, or its
-        whole life under ``reserve`` admission) and a sequence slot (None: no group has)."""
+        whole life under ``reserve`` admission) and a sequence slot (None: no group has); never one
+        that drains (it is leaving: ``scheduler/groups.drain``)."""
         pool, best = self.pool, None
         num_tokens = pool.admit_tokens(r)
         for gid, g in enumerate(pool.groups):
             a = g.allocator
-            if g.dead or len(g.requests) + self.count(gid) >= pool.max_num_seqs or a.blocks_for(num_tokens) > a.num_free:
+            if g.dead or g.draining or len(g.requests) + self.count(gid) >= pool.max_num_seqs or a.blocks_for(num_tokens) > a.num_free:
                 continue
             if best is None or a.num_free > pool.groups[best].allocator.num_free:
                 best = gid
