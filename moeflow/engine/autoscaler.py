@@ -12,7 +12,7 @@ import yaml
 from moeflow.config import ConfigError
 from moeflow.autoscale_config import AutoscalePolicy
 from moeflow.scheduler.autoscale import Controller
-from moeflow.scheduler.load_window import LoadWindow, oldest_unanswered
+from moeflow.scheduler.load_window import LoadWindow
 
 log = logging.getLogger("moeflow.autoscale")
 
@@ -58,7 +58,7 @@ class Autoscaler:
             return
         m, n, load = engine.attention_count, status[engine.layout.expert_kind], engine.load()
         sample = w.sample(now, m, n, load.num_waiting, load.num_free_kv_blocks, load.num_kv_blocks,
-                          oldest_unanswered(engine.scheduler.pool))
+                          load.oldest_unanswered_s)
         if status["in_progress"] or self._todo:
             return  # a window with a change under way says nothing about either membership
         d = self.controller.observe(sample)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from moeflow.config import ConfigError, EngineConfig, ModelConfig
 from moeflow.core import Request, RequestError
+from moeflow.scheduler.load_window import oldest_unanswered
 from moeflow.scheduler.handoff.port import KvPort
 
 
@@ -63,6 +64,9 @@ class EngineLoad:
     # an elastic deployment: its members by role now, and its scale events so far, (kind, outcome, count)
     members: tuple[tuple[str, int], ...] = ()
     scale_events: tuple[tuple[str, str, int], ...] = ()
+    # the arrival (engine clock) of the oldest request still without a first token: queued, or on a
+    # group that has not reached its prompt (the autoscaler's TTFT signal); None: there is none
+    oldest_unanswered_s: float | None = None
 
 
 class Engine(abc.ABC):
@@ -120,7 +124,7 @@ class Engine(abc.ABC):
         return EngineLoad(waiting, sum(len(g.requests) for g in pool.groups),
                           sum(g.allocator.num_free for g in pool.groups),
                           sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups),
-                          tuple(g.preemptions for g in pool.groups))
+                          tuple(g.preemptions for g in pool.groups), oldest_unanswered_s=oldest_unanswered(pool))
 
     # -- a KV handoff's side on this deployment (scheduler/handoff/) -----------------------------
 

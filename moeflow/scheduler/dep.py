@@ -168,7 +168,9 @@ class DepScheduler(Scheduler):
             if len(blocked) == len(pool.groups):
                 break
             n = self._step_tokens(r)
-            candidates = self.placement.candidates(r)
+            # a preempted request goes back to its own rank only, even one the placement left (it drains)
+            pinned = pool.pinned.get(r.request_id)
+            candidates = [pinned] if pinned is not None else self.placement.candidates(r)
             # the least loaded rank that can take it (tried in that order: room_for is the dear test)
             i = next((i for i in sorted(candidates, key=lambda j: (load[j], j)) if i in ranks and i not in blocked
                       and load[i] + n <= self.max_batch_tokens and pool.room_for(i, [r])), None)

@@ -171,3 +171,25 @@ def test_a_handed_over_request_never_lands_on_a_group_that_drains():
     assert port.room(r) == 1
     groups.drain(sim.sched, 1)
     assert port.room(r) is None
+
+
+@pytest.mark.parametrize("mode", ["dep", "afd"])
+def test_a_request_preempted_on_a_draining_group_comes_back_to_it(mode):
+    """Its state is on that group's workers, so it may only return there; the placement leaves a
+    draining group, and before the fix nothing readmitted it: the group never settled."""
+    from moeflow.config import EngineConfig
+    from moeflow.core import Request, SamplingParams
+    from moeflow.layout import make_layout
+    from moeflow.scheduler import groups, make_scheduler
+
+    layout = make_layout(mode, **({"dp": 2} if mode == "dep" else {"attn_workers": 2, "ffn_workers": 1}))
+    sched = make_scheduler(layout, EngineConfig(num_kv_blocks=64, kv_block_size=16), 4096)
+    for i in range(4):
+        sched.add(Request(f"r{i}", range(32), SamplingParams(max_tokens=8)))
+    sched.schedule()
+    pool = sched.pool
+    victim = pool.groups[1].requests[0]
+    pool.preempt(victim)
+    groups.drain(sched, 1)
+    sched.schedule()
+    assert pool.group_of[victim.request_id] == 1 and victim.request_id not in pool.pinned
