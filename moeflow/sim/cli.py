@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                           f"requests per process-second")
                 for c in p.get("membership_changes", []):
                     done = "not done by the end" if c["done_s"] is None else f"serving at {c['done_s']:.1f} s"
-                    print(f"  at {c['asked_s']:.1f} s {c['side']} {c['before']} -> {c['after']}: {done}")
+                    print(f"  at {c['asked_s']:.1f} s {c['side']} {c['before']} -> {c['after']} ({c['reason']}): {done}")
         print(f"simulated {res.num_events:,} events in {wall:.1f} s ({res.num_events / wall:,.0f} events/s)")
     if find_slo:
         print_slo_table(out, names, metrics, cfg.slo_ttft_s)

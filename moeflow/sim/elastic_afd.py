@@ -33,9 +33,9 @@ class ElasticAfdSystem(AfdSystem):
         super().__init__(spec, cost, trace_until_s)
         policy, self.sample_s = autoscale_policy(spec)
         self.controller, self.window = Controller(policy), LoadWindow(0.0)
-        self._todo: list[tuple[str, int]] = []  # the rest of a decision
+        self._todo: list[tuple[str, int, str]] = []  # the rest of a decision: (side, target, its reason)
         self._change: tuple[str, int, float | None] | None = None  # (side, target, ready at; None: draining)
-        self.changes: list[dict] = []  # every change: side, before, after, asked_s, done_s
+        self.changes: list[dict] = []  # every change: side, before, after, reason, asked_s, done_s
         self.warming = {"attention": 0, "ffn": 0}  # joiners started, not yet serving
         self.member_s = {"attention": 0.0, "ffn": 0.0}  # members x seconds, joiners and leavers included
         self._since = 0.0
@@ -64,8 +64,8 @@ class ElasticAfdSystem(AfdSystem):
         sample = self.window.sample(now, self.layout.attn_workers, self.layout.ffn_workers, queue, free,
                                     sum(g.allocator.num_blocks for g in pool.groups), oldest)
         if self._change is None and not self._todo and (d := self.controller.observe(sample)) is not None:
-            self._todo = ([("attention", d.attention)] if d.attention != self.layout.attn_workers else []) + (
-                [("ffn", d.ffn)] if d.ffn != self.layout.ffn_workers else [])
+            self._todo = ([("attention", d.attention, d.reason)] if d.attention != self.layout.attn_workers else []) + (
+                [("ffn", d.ffn, d.reason)] if d.ffn != self.layout.ffn_workers else [])
             self._begin()
         self.loop.timer(now + self.sample_s, self._tick)  # a timer: it never keeps the run going alone
 
@@ -80,10 +80,11 @@ class ElasticAfdSystem(AfdSystem):
     def _begin(self) -> None:
         if not self._todo:
             return
-        side, target = self._todo.pop(0)
+        side, target, reason = self._todo.pop(0)
         now, lay, m = self.loop.now, self.layout, self.model
         cur = lay.attn_workers if side == "attention" else lay.ffn_workers
-        self.changes.append({"side": side, "before": cur, "after": target, "asked_s": now, "done_s": None})
+        self.changes.append({"side": side, "before": cur, "after": target, "reason": reason, "asked_s": now,
+                             "done_s": None})
         ready = None
         if target > cur:
             self._account()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections import Counter
 
 
 def runs(result: dict) -> list[dict]:
@@ -38,6 +39,12 @@ def main(path: str) -> None:
               f"{cell([p['tpot_p90_s'] * 1e3 for p in ps], '.0f')} | "
               f"{cell([len(p.get('membership_changes', [])) for p in ps], 'd')} |")
     print(f"\nbest fixed by median goodput per process-second: {best_fixed[1]} ({best_fixed[0]:.4f})")
+    for name, r in systems.items():
+        for k, p in enumerate(runs(r)):
+            if p.get("membership_changes"):
+                reasons = Counter(f"{c['side']} {'up' if c['after'] > c['before'] else 'down'} ({c['reason']})"
+                                  for c in p["membership_changes"])
+                print(f"{name}, seed {k}: " + ", ".join(f"{n} x {why}" for why, n in sorted(reasons.items())))
 
 
 if __name__ == "__main__":
