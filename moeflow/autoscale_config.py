@@ -3,7 +3,9 @@
 experiment files and the simulator read one definition; the controller is ``scheduler/autoscale.py``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from moeflow.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -46,3 +48,20 @@ class AutoscalePolicy:
     @property
     def budget(self) -> int:
         return self.max_processes if self.max_processes is not None else self.max_attention + self.max_ffn
+
+
+def policy_from(raw: dict, where: str) -> tuple[AutoscalePolicy, float]:
+    """(the policy, its sampling period ``sample_s``) of a mapping of their fields (a POLICY.yaml, a
+    simulated system's ``autoscale:``), refused naming ``where`` and the key that is wrong."""
+    d = dict(raw)
+    sample_s = d.pop("sample_s", 2.0)
+    known = {f.name for f in fields(AutoscalePolicy)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; known: {sorted(known | {'sample_s'})}")
+    if isinstance(sample_s, bool) or not isinstance(sample_s, (int, float)) or not sample_s > 0:
+        raise ConfigError(f"{where}: sample_s must be a number > 0, got {sample_s!r}")
+    try:
+        return AutoscalePolicy(**d), float(sample_s)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None

@@ -4,13 +4,12 @@ through the scale interface, one change at a time (an attention change first, th
 holders'); every decision is logged with its inputs and counted in ``/metrics``. Runs between steps."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import yaml
 
 from moeflow.config import ConfigError
-from moeflow.autoscale_config import AutoscalePolicy
+from moeflow.autoscale_config import AutoscalePolicy, policy_from
 from moeflow.scheduler.autoscale import Controller
 from moeflow.scheduler.load_window import LoadWindow
 
@@ -23,15 +22,7 @@ def load_policy(path: str) -> tuple[AutoscalePolicy, float]:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--autoscale {path}: a mapping of the policy's fields, got {type(raw).__name__}")
-    sample_s = raw.pop("sample_s", 2.0)
-    known = {f.name for f in dataclasses.fields(AutoscalePolicy)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"--autoscale {path}: unknown keys {unknown}; known: {sorted(known | {'sample_s'})}")
-    try:
-        return AutoscalePolicy(**raw), float(sample_s)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"--autoscale {path}: {e}") from None
+    return policy_from(raw, f"--autoscale {path}")
 
 
 class Autoscaler:

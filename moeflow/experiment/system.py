@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from moeflow.autoscale_config import AutoscalePolicy
+from moeflow.autoscale_config import AutoscalePolicy, policy_from
 from moeflow.config import DTYPES, ConfigError, EngineConfig
 from moeflow.layout import Layout, layout_from_dict, layout_to_dict
 
@@ -162,9 +162,7 @@ class SystemSpec:
 
 def autoscale_policy(spec: SystemSpec) -> tuple[AutoscalePolicy, float]:
     """(the controller's policy, its sampling period) of an elastic system."""
-    d = dict(spec.autoscale)
-    sample_s = d.pop("sample_s", 2.0)
-    return AutoscalePolicy(**d), float(sample_s)
+    return policy_from(dict(spec.autoscale), f"systems.{spec.name}.autoscale")
 
 
 def check_autoscale(spec: SystemSpec) -> None:
@@ -172,16 +170,7 @@ def check_autoscale(spec: SystemSpec) -> None:
     where, lay = f"systems.{spec.name}.autoscale", spec.layout
     if lay.mode != "afd" or getattr(lay, "topology", None) != "all":
         raise ConfigError(f"{where}: the controller resizes afd with topology all (A:F), not mode {lay.mode!r}")
-    known = field_names(AutoscalePolicy) | {"sample_s"}
-    unknown = sorted(set(dict(spec.autoscale)) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
-    try:
-        policy, sample_s = autoscale_policy(spec)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from None
-    if not sample_s > 0:
-        raise ConfigError(f"{where}: sample_s must be > 0, got {sample_s!r}")
+    policy, _ = autoscale_policy(spec)
     if not (policy.min_attention <= lay.attn_workers <= policy.max_attention
             and policy.min_ffn <= lay.ffn_workers <= policy.max_ffn):
         raise ConfigError(f"{where}: the layout's start ({lay.attn_workers} attention, {lay.ffn_workers} ffn) is "
