@@ -49,7 +49,7 @@ class Autoscaler:
             return
         m, n, load = engine.attention_count, status[engine.layout.expert_kind], engine.load()
         sample = w.sample(now, m, n, load.num_waiting, load.num_free_kv_blocks, load.num_kv_blocks,
-                          load.oldest_unanswered_s)
+                          engine._oldest_unanswered_s())
         if status["in_progress"] or self._todo:
             return  # a window with a change under way says nothing about either membership
         d = self.controller.observe(sample)

@@ -64,9 +64,6 @@ class EngineLoad:
     # an elastic deployment: its members by role now, and its scale events so far, (kind, outcome, count)
     members: tuple[tuple[str, int], ...] = ()
     scale_events: tuple[tuple[str, str, int], ...] = ()
-    # the arrival (engine clock) of the oldest request still without a first token: queued, or on a
-    # group that has not reached its prompt (the autoscaler's TTFT signal); None: there is none
-    oldest_unanswered_s: float | None = None
 
 
 class Engine(abc.ABC):
@@ -124,7 +121,13 @@ class Engine(abc.ABC):
         return EngineLoad(waiting, sum(len(g.requests) for g in pool.groups),
                           sum(g.allocator.num_free for g in pool.groups),
                           sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups),
-                          tuple(g.preemptions for g in pool.groups), oldest_unanswered_s=oldest_unanswered(pool))
+                          tuple(g.preemptions for g in pool.groups))
+
+    def _oldest_unanswered_s(self) -> float | None:
+        """The arrival (engine clock) of the oldest request still without a first token: queued, or on
+        a group that has not reached its prompt; None: there is none. For the autoscaler, which asks
+        once a window: a scan of every request, kept out of ``load`` (the server reads that every turn)."""
+        return oldest_unanswered(self.scheduler.pool)
 
     # -- a KV handoff's side on this deployment (scheduler/handoff/) -----------------------------
 

@@ -42,7 +42,6 @@ class Snapshot:
     eplb_hottest: tuple[tuple[int, int, float], ...] = ()  # (layer, expert, share of the layer's tokens)
     members: tuple[tuple[str, int], ...] = ()  # an elastic deployment's processes by role now
     scale_events: tuple[tuple[str, str, int], ...] = ()  # (kind, outcome, count) of its ended changes
-    oldest_unanswered_s: float | None = None  # arrival of the oldest request without a first token
 
 
 class Overloaded(Exception):

@@ -59,8 +59,8 @@ class ElasticAfdSystem(AfdSystem):
         # and its wait is one for a first token here
         queue = len(pool.waiting) + sum(map(len, pool.held.values())) + len(self.handed)
         free = sum(g.allocator.num_free for g in pool.groups)
-        oldest = min([t for t in (oldest_unanswered(pool),) if t is not None]
-                     + ([self.handed[0].arrival_s] if self.handed else []), default=None)
+        oldest = min((t for t in (oldest_unanswered(pool), self.handed[0].arrival_s if self.handed else None)
+                      if t is not None), default=None)
         sample = self.window.sample(now, self.layout.attn_workers, self.layout.ffn_workers, queue, free,
                                     sum(g.allocator.num_blocks for g in pool.groups), oldest)
         if self._change is None and not self._todo and (d := self.controller.observe(sample)) is not None:

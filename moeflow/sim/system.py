@@ -80,6 +80,7 @@ class System(abc.ABC):
         self.spans: list[Span] = []
         self.records: list[RequestRecord] = []
         self.track: dict[str, _Track] = {}
+        self.handed: deque[Request] = deque()  # arrived with their KV, waiting for room (sim.decode_side)
         self._pending = 0
         self.busy_s: dict[str, float] = {}  # per role: compute seconds summed over its entities
         self.num_entities: dict[str, int] = {}
@@ -253,13 +254,6 @@ class StepSystem(System):
     def poke(self) -> None:
         if not self.busy:
             self._step()
-
-    @property
-    def handed(self) -> deque:
-        """Requests that arrived with their KV, waiting for a group with room (``sim.decode_side``)."""
-        if "_handed" not in self.__dict__:
-            self._handed = deque()
-        return self._handed
 
     def _admit_handed(self) -> None:
         """First come first served: each waiting request that a group has room for lands there."""
