@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from moeflow.experiment.serve import load_experiment
+from moeflow.measure.provenance import provenance
 from moeflow.measure.workload import generate_requests
 from moeflow.sim.run import build_cost, make_system
 
@@ -18,7 +19,9 @@ CONFIG = "configs/elastic-afd-gb200.yaml"
 def main() -> None:
     cfg = load_experiment(CONFIG)
     cost = build_cost(cfg)
-    print(f"{CONFIG}, seed {cfg.workload.seed}, base rate {cfg.rps[0]} rps")
+    prov = provenance()
+    print(f"{CONFIG}, seed {cfg.workload.seed}, base rate {cfg.rps[0]} rps; commit {prov['commit'][:7]}"
+          f"{' (dirty)' if prov['dirty'] else ''}; analytic costs (no machine enters the numbers)")
     for name, spec in cfg.systems.items():
         if spec.autoscale:
             continue
