@@ -23,8 +23,9 @@ scales as max(A', F') / max(A, F).
   one and at most ``max_step`` (the wait is the larger of the two: finished requests tell of a
   backlog late, by their whole decode);
 - **under the SLO** by more than ``band``: the neighbour with the fewest processes whose predicted
-  TPOT stays below the SLO by ``band`` / 2, if one has fewer processes than now, and never while
-  the TTFT is within ``band`` of its SLO or over it;
+  TPOT stays below the SLO by ``band`` / 2 and whose instances still hold the KV in use with
+  ``band`` to spare (the used share grows as M/M'), if one has fewer processes than now; never
+  while requests wait, nor while the TTFT is within ``band`` of its SLO or over it;
 - **idle** (nothing decoded, nothing queued, the instances not computing): one member less per side,
   down to the minimums (a window with requests but none finished decides nothing);
 
@@ -81,6 +82,12 @@ def predicted_tpot(s: Sample, tpot_s: float, attention: int, ffn: int, wait_eps:
     return tpot_s * max(a * s.attention / attention, f * s.ffn / ffn) / now
 
 
+def predicted_kv_used(s: Sample, attention: int) -> float:
+    """The share of the instances' KV blocks in use at ``attention`` instances, the requests now resident
+    spread over them (each instance brings the same cache)."""
+    return (1.0 - s.kv_free) * s.attention / attention
+
+
 class Controller:
     def __init__(self, policy: AutoscalePolicy):
         self.policy = policy
@@ -109,7 +116,7 @@ class Controller:
             if a > m.attention:
                 return self._decide(s, m, (a, m.ffn), "ttft", float("nan"))
         if m.tpot_p90_s is None:  # nothing decoded: idle, it gives back a member per side; else no evidence
-            fewer = [o for o in options if sum(o) < m.attention + m.ffn]
+            fewer = [o for o in options if sum(o) < m.attention + m.ffn and predicted_kv_used(m, o[0]) <= 1 - p.band]
             if m.queue > 0 or m.attn_busy > p.wait_eps or not fewer:
                 return None
             return self._decide(s, m, min(fewer, key=lambda o: (sum(o), -o[0])), "idle", float("nan"))
@@ -122,9 +129,10 @@ class Controller:
             best = min(options, key=lambda o: (tpot[o], sum(o)), default=None)
             if best is not None and tpot[best] < m.tpot_p90_s * (1 - p.band):
                 pick, reason = best, "over_slo"
-        elif m.tpot_p90_s < p.tpot_slo_s * (1 - p.band) and (
+        elif m.tpot_p90_s < p.tpot_slo_s * (1 - p.band) and m.queue == 0 and (
                 p.ttft_slo_s is None or max(ttft or 0.0, m.queue_wait_s) < p.ttft_slo_s * (1 - p.band)):
-            fits = [o for o in options if sum(o) < m.attention + m.ffn and tpot[o] <= p.tpot_slo_s * (1 - p.band / 2)]
+            fits = [o for o in options if sum(o) < m.attention + m.ffn and tpot[o] <= p.tpot_slo_s * (1 - p.band / 2)
+                    and predicted_kv_used(m, o[0]) <= 1 - p.band]
             if fits:
                 pick, reason = min(fits, key=lambda o: (sum(o), tpot[o])), "under_slo"
         if pick is None:
@@ -135,7 +143,8 @@ class Controller:
         d = Decision(s.t_s, pick[0], pick[1], reason, predicted,
                      {"attention": m.attention, "ffn": m.ffn, "attn_busy": m.attn_busy, "attn_wait": m.attn_wait,
                       "tpot_p90_s": m.tpot_p90_s, "ttft_p90_s": m.ttft_p90_s, "queue": m.queue,
-                      "queue_wait_s": m.queue_wait_s, "kv_free": m.kv_free})
+                      "queue_wait_s": m.queue_wait_s, "kv_free": m.kv_free,
+                   "kv_used_after": predicted_kv_used(m, pick[0])})
         self.decisions.append(d)
         self.last_change_s, self.samples = s.t_s, []
         return d

@@ -181,3 +181,14 @@ def test_the_oldest_unanswered_request_counts_a_groups_backlog_the_waiting_queue
     assert oldest_unanswered(pool) == 1.0
     a.output_token_ids.append(7)  # answered: its wait is over
     assert oldest_unanswered(pool) == 2.0
+
+
+def test_a_shrink_keeps_the_kv_in_use_within_the_instances_left_and_waits_for_an_empty_queue():
+    fast = dict(attention=3, ffn=3, attn_busy=0.2, attn_wait=0.05, tpot_p90_s=0.05)
+    # 60% of three caches in use: two would hold 90%, over 1 - band (85%); the daemons may still go
+    (d,) = _run(_same(3, **fast, kv_free=0.4))
+    assert (d.attention, d.ffn, d.reason) == (3, 2, "under_slo")
+    assert d.inputs["kv_used_after"] == pytest.approx(0.6)
+    (d,) = _run(_same(3, **fast, kv_free=0.5))  # 50%: two hold 75%
+    assert (d.attention, d.reason) == (2, "under_slo") and d.inputs["kv_used_after"] == pytest.approx(0.75)
+    assert _run(_same(3, **fast, kv_free=0.5, queue=2)) == []  # requests wait: capacity is short, not spare
