@@ -12,7 +12,7 @@ import dataclasses
 import json
 
 from moeflow.config import DTYPES, KV_ADMISSIONS, TRANSPORTS, ClusterConfig, ConfigError
-from moeflow.layout import LAYOUTS, nested, parse_parts
+from moeflow.layout import LAYOUTS, is_layout_field, nested, parse_parts
 from moeflow.settings import launcher_env
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float}
@@ -183,3 +183,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     if foreign:
         raise ConfigError(f"{', '.join(foreign)}: not an option of mode {args.mode!r}")
     return {**kw, **given}
+
+
+def layout_flags(layout) -> list[str]:
+    """The flags that start a deployment with ``layout`` (``moeflow serve --mode M ...``): each field that
+    differs from its default (a sub-config's flat), so that parsing them gives ``layout`` back."""
+    if any(is_layout_field(f) for f in dataclasses.fields(layout)):
+        raise ConfigError(f"mode {layout.mode!r}: its sides are given as --prefill/--decode strings, not flags")
+    out = ["--mode", layout.mode]
+    subs = nested(type(layout))
+    for owner in [layout] + [getattr(layout, name) for name in subs]:
+        for f in dataclasses.fields(owner):
+            if f.name in subs or not f.metadata.get("cli", False):
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            value = getattr(owner, f.name)
+            if value != default:
+                flag = _flag(f, default)
+                out += [flag] if isinstance(default, bool) else [flag, str(value)]
+    return out

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from moeflow.config import ConfigError, SchedulerConfig
-from moeflow.engine.args import add_engine_args, engine_kwargs
+from moeflow.engine.args import add_engine_args, engine_kwargs, layout_flags, layout_kwargs
 from moeflow.experiment.serve import parse_experiment
 from moeflow.layout import LAYOUTS, AsapLayout, DepLayout, layout_from_dict, layout_to_dict, make_layout
 
@@ -67,6 +67,21 @@ def test_the_command_line_is_generated_from_the_layouts():
     with pytest.raises(ConfigError, match="--attn-dp: not an option of mode 'dep'"):
         _cli(["--mode", "dep", "--attn-dp", "2"])
     assert "tp" not in _cli(["--mode", "dep"])  # the simulator's field stays off the command line
+
+
+@pytest.mark.parametrize("entry", [
+    {"mode": "afd", "attn_workers": 2, "ffn_workers": 3, "topology": "all", "router": "ffn", "max_ffn_workers": 4,
+     "max_attn_workers": 3, "overlap_scheduling": False, "chunked_prefill_size": 256},
+    {"mode": "asap", "attn_dp": 2, "moe_workers": 3, "comm_threads": False, "min_batch_tokens": 64, "dual_batch": False},
+    {"mode": "dep", "dp": 2, "placement": "round_robin", "max_batch_tokens": 4096},
+    {"mode": "dwdp", "dp": 3, "max_dp": 4},
+    {"mode": "colocated"}])
+def test_a_layouts_flags_start_that_layout(entry):
+    layout = layout_from_dict(entry)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(layout_flags(layout))
+    assert layout_from_dict({"mode": args.mode, **layout_kwargs(args)}) == layout
 
 
 def test_the_engine_and_the_simulator_build_the_same_layout_from_one_entry(checkpoints, tmp_path):
