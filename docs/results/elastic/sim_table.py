@@ -45,6 +45,26 @@ def main(path: str) -> None:
                 reasons = Counter(f"{c['side']} {'up' if c['after'] > c['before'] else 'down'} ({c['reason']})"
                                   for c in p["membership_changes"])
                 print(f"{name}, seed {k}: " + ", ".join(f"{n} x {why}" for why, n in sorted(reasons.items())))
+                cfg, n_best = r["config"], _processes(systems[best_fixed[1]]["config"])
+                above = _above(_processes(cfg), p["membership_changes"], p["duration_s"], n_best)
+                print(f"    process-seconds above {best_fixed[1]}'s {n_best} processes: {above:.0f} of "
+                      f"{p['process_s']:.0f} ({above / p['process_s']:.0%})")
+
+
+def _processes(cfg: dict) -> int:
+    return cfg["attn_workers"] + cfg["ffn_workers"]
+
+
+def _above(start: int, changes: list[dict], end_s: float, n: int) -> float:
+    """Process-seconds spent above ``n`` processes: a joiner counts from the ask, a leaver to its exit
+    (``done_s``), as the simulator's own accounting."""
+    steps = sorted([(c["asked_s"], c["after"] - c["before"]) for c in changes if c["after"] > c["before"]]
+                   + [(c["done_s"], c["after"] - c["before"]) for c in changes if c["after"] < c["before"]])
+    total, t, members = 0.0, 0.0, start
+    for at, d in steps + [(end_s, 0)]:
+        total += max(0, members - n) * (min(at, end_s) - t)
+        t, members = min(at, end_s), members + d
+    return total
 
 
 if __name__ == "__main__":
