@@ -25,6 +25,10 @@ class AutoscalePolicy:
     interval_s: float = 10.0  # least time between two changes
     window: int = 3  # samples a decision averages
     band: float = 0.15  # hysteresis: the relative gain a change must predict
+    # a membership the controller left because it fell short (over an SLO, out of KV room) is not shrunk
+    # back to for this long: its measured shortfall outweighs a prediction that it would now do
+    # (Kubernetes' HPA holds scale-downs for a 300 s stabilization window for the same reason)
+    hold_s: float = 60.0
     wait_eps: float = 0.02  # a wait share below this is none (the instances are attention-bound)
 
     def __post_init__(self) -> None:
@@ -42,8 +46,9 @@ class AutoscalePolicy:
                 raise bad(f"need 1 <= {lo} <= {hi}, got {a!r} and {b!r}")
         if self.max_processes is not None and self.max_processes < self.min_attention + self.min_ffn:
             raise bad(f"max_processes {self.max_processes} is below min_attention + min_ffn")
-        if not (self.interval_s >= 0 and self.window >= 1 and 0 < self.band < 1 and self.wait_eps >= 0):
-            raise bad("need interval_s >= 0, window >= 1, 0 < band < 1, wait_eps >= 0")
+        if not (self.interval_s >= 0 and self.window >= 1 and 0 < self.band < 1 and self.wait_eps >= 0
+                and self.hold_s >= 0):
+            raise bad("need interval_s >= 0, window >= 1, 0 < band < 1, wait_eps >= 0, hold_s >= 0")
 
     @property
     def budget(self) -> int:

@@ -74,10 +74,12 @@ class Experiment:
 
     def point_workload(self, rate: float, seed: int, num_requests: int | None = None) -> WorkloadConfig:
         """The workload of one point at ``rate`` with ``seed``, for the engine and the simulator alike:
-        the configured window, grown to hold ``min_requests`` where the rate is too low for it."""
+        the configured window, grown to hold ``min_requests`` where the rate is too low for it (not a
+        drifting one's: its curves are laid on that window)."""
         w = dataclasses.replace(self.workload, rate_rps=rate, seed=seed)
         n = num_requests or w.num_requests
-        if n is None and w.duration_s is not None and rate * w.duration_s < self.min_requests:
+        drifts = bool(w.rate_curve or w.length_curve)
+        if n is None and w.duration_s is not None and not drifts and rate * w.duration_s < self.min_requests:
             n = self.min_requests
         return dataclasses.replace(w, num_requests=n, duration_s=None) if n else w
 

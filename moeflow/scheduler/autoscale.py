@@ -30,7 +30,11 @@ scales as max(A', F') / max(A, F).
   down to the minimums (a window with requests but none finished decides nothing);
 
 never before ``interval_s`` since the last change, and on the mean of the last ``window`` samples,
-so a single noisy window does not move it. Every decision carries its inputs and its prediction.
+so a single noisy window does not move it; and no shrink (under the SLO, idle) goes back to a
+membership it left for falling short (over an SLO, out of KV room) within ``hold_s``, nor to one
+with no more members on either side, so a
+prediction that a smaller membership would now do cannot undo what was measured there (on a load
+that drifts upward, the prediction lags the measurement, and the two alternate). Every decision carries its inputs and its prediction.
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ class Decision:
     t_s: float
     attention: int
     ffn: int
-    reason: str  # over_slo | kv_room | under_slo | idle
+    reason: str  # over_slo | kv_room | ttft | under_slo | idle
     predicted_tpot_s: float
     inputs: dict = field(default_factory=dict)
 
@@ -94,6 +98,7 @@ class Controller:
         self.samples: list[Sample] = []
         self.last_change_s: float | None = None
         self.decisions: list[Decision] = []
+        self.short: dict[tuple[int, int], float] = {}  # membership -> when it was left for falling short
 
     def observe(self, s: Sample) -> Decision | None:
         """Take one window; the change to make now, or None."""
@@ -108,6 +113,8 @@ class Controller:
                    for f in (m.ffn - 1, m.ffn, m.ffn + 1)
                    if (a, f) != (m.attention, m.ffn) and p.min_attention <= a <= p.max_attention
                    and p.min_ffn <= f <= p.max_ffn and a + f <= p.budget]
+        short = [o for o, t in self.short.items() if s.t_s - t < p.hold_s]
+        held = {o for o in options if any(o[0] <= a and o[1] <= f for a, f in short)}  # no fewer on either side
         ttft = m.ttft_p90_s if p.ttft_slo_s is not None else None
         wait = max(m.queue_wait_s, ttft if m.queue > 0 and ttft is not None else 0.0)
         if p.ttft_slo_s is not None and wait > p.ttft_slo_s and not (m.queue > 0 and m.kv_free < 0.05):
@@ -116,7 +123,8 @@ class Controller:
             if a > m.attention:
                 return self._decide(s, m, (a, m.ffn), "ttft", float("nan"))
         if m.tpot_p90_s is None:  # nothing decoded: idle, it gives back a member per side; else no evidence
-            fewer = [o for o in options if sum(o) < m.attention + m.ffn and predicted_kv_used(m, o[0]) <= 1 - p.band]
+            fewer = [o for o in options if sum(o) < m.attention + m.ffn and predicted_kv_used(m, o[0]) <= 1 - p.band
+                     and o not in held]
             if m.queue > 0 or m.attn_busy > p.wait_eps or not fewer:
                 return None
             return self._decide(s, m, min(fewer, key=lambda o: (sum(o), -o[0])), "idle", float("nan"))
@@ -132,7 +140,7 @@ class Controller:
         elif m.tpot_p90_s < p.tpot_slo_s * (1 - p.band) and m.queue == 0 and (
                 p.ttft_slo_s is None or max(ttft or 0.0, m.queue_wait_s) < p.ttft_slo_s * (1 - p.band)):
             fits = [o for o in options if sum(o) < m.attention + m.ffn and tpot[o] <= p.tpot_slo_s * (1 - p.band / 2)
-                    and predicted_kv_used(m, o[0]) <= 1 - p.band]
+                    and predicted_kv_used(m, o[0]) <= 1 - p.band and o not in held]
             if fits:
                 pick, reason = min(fits, key=lambda o: (sum(o), tpot[o])), "under_slo"
         if pick is None:
@@ -146,6 +154,8 @@ class Controller:
                       "queue_wait_s": m.queue_wait_s, "kv_free": m.kv_free,
                    "kv_used_after": predicted_kv_used(m, pick[0])})
         self.decisions.append(d)
+        if reason in ("over_slo", "kv_room", "ttft"):
+            self.short[(m.attention, m.ffn)] = s.t_s
         self.last_change_s, self.samples = s.t_s, []
         return d
 

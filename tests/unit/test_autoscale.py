@@ -192,3 +192,17 @@ def test_a_shrink_keeps_the_kv_in_use_within_the_instances_left_and_waits_for_an
     (d,) = _run(_same(3, **fast, kv_free=0.5))  # 50%: two hold 75%
     assert (d.attention, d.reason) == (2, "under_slo") and d.inputs["kv_used_after"] == pytest.approx(0.75)
     assert _run(_same(3, **fast, kv_free=0.5, queue=2)) == []  # requests wait: capacity is short, not spare
+
+
+def test_a_membership_left_for_falling_short_is_not_shrunk_back_to_within_the_hold():
+    # 2:1 is over the SLO (the daemon the bound): a daemon more; at 2:2 the TPOT halves and the model
+    # predicts 2:1 would do again, which the drift makes false: the hold keeps 2:2
+    short = dict(attention=2, ffn=1, attn_busy=0.3, attn_wait=0.3, tpot_p90_s=0.3)
+    fine = dict(attention=2, ffn=2, attn_busy=0.5, attn_wait=0.0, tpot_p90_s=0.1, ffn_busy=0.3)
+    trace = [Sample(float(t), **short) for t in range(3)] + [Sample(float(t), **fine) for t in range(3, 62)]
+    ds = _run(trace)
+    assert [(d.attention, d.ffn, d.reason) for d in ds] == [(2, 2, "over_slo")]
+    later = trace + [Sample(float(t), **fine) for t in range(62, 70)]  # past hold_s (60 s): it may go, and
+    assert [(d.attention, d.ffn) for d in _run(later)][-1] == (2, 1)  # predicted 0.12 s (1:2 and 1:1 0.2 s)
+    no_hold = AutoscalePolicy(**{**POLICY.__dict__, "hold_s": 0.0})
+    assert [(d.attention, d.ffn) for d in _run(trace, no_hold)][1] == (2, 1)  # without it: back at once

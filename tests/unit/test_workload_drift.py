@@ -53,3 +53,16 @@ def test_the_same_seed_draws_the_same_requests_under_every_curve():
 def test_a_bad_curve_is_refused_saying_why(kw, match):
     with pytest.raises(ValueError, match=match):
         _cfg(**kw)
+
+
+def test_an_experiment_keeps_a_drifting_windows_span_at_a_low_rate():
+    from moeflow.experiment.serve import parse_experiment
+    raw = {"model": "tiny", "workload": {"kind": "fixed", "fixed_len": 8, "duration_s": 60, "seed": 0,
+                                         "rate_curve": [[0, 1], [60, 3]]},
+           "systems": {"a": {"mode": "colocated"}}}
+    w = parse_experiment(raw).point_workload(0.5, 0)  # ~60 requests: below min_requests, the curve still spans 60 s
+    assert (w.duration_s, w.num_requests) == (60, None)
+    reqs = generate_requests(w)
+    assert reqs[-1].arrival_s < 60 and len(reqs) < 100
+    steady = parse_experiment(raw | {"workload": {"kind": "fixed", "fixed_len": 8, "duration_s": 60, "seed": 0}})
+    assert steady.point_workload(0.5, 0).num_requests == 100  # a steady one grows to hold them

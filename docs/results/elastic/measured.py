@@ -1,0 +1,158 @@
+"""The elastic afd deployment against fixed A:F ratios, measured on this machine (docs/results/elastic.md,
+"Measured here"), and set beside the simulator's run of the same experiment file.
+
+    python docs/results/elastic/measured.py configs/elastic-afd-here.yaml docs/results/elastic/measured_here.json \
+        > docs/results/elastic/measured_here.txt
+    python docs/results/elastic/measured.py --table docs/results/elastic/measured_here.json \
+        docs/results/elastic/sim_here.json
+
+For each repeat r (the workload's seed + r, as ``moeflow simulate --repeats`` draws them, so both see
+the same arrivals and lengths) and each system in turn (interleaved, so drift in the machine's speed
+falls on every system alike): a real ``moeflow serve`` with the system's layout (``--autoscale`` with
+its policy for the elastic one), one short request to pay the one-time costs, then the workload over
+HTTP (bench serve's client: streamed completions, ignore_eos). A member costs from its start to its
+exit (``measure/membership_cost.py``, from GET /scale's events on the server's monotonic clock, which
+is this process's), from the workload's start to the last answer. Goodput: requests within both SLOs (TTFT, and TPOT as
+bench serve computes it) per process-second. The decisions' reasons come from the server's log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import httpx
+import yaml
+
+from moeflow.bench.http_client import HttpClientConfig, run_requests, token_prompts
+from moeflow.bench.server_process import ServeProcess
+from moeflow.engine.args import layout_flags
+from moeflow.experiment.serve import load_experiment
+from moeflow.measure.membership_cost import process_seconds
+from moeflow.measure.provenance import provenance
+from moeflow.measure.workload import WorkloadRequest, generate_requests
+
+ENGINE_FLAGS = ("num_kv_blocks", "max_num_seqs", "memory_budget_gib", "max_model_len")
+DECISION = re.compile(r"autoscale: (\w+) -> attention (\d+), (\w+) (\d+)")
+
+
+def serve_flags(spec, dtype: str, policy_path: str | None) -> list[str]:
+    """``moeflow serve``'s flags for one system of the file (its layout, the engine keys it sets)."""
+    flags = layout_flags(spec.layout) + ["--dtype", dtype, "--served-model-name", "m"]
+    default = type(spec.engine)()
+    for f in dataclasses.fields(spec.engine):
+        value = getattr(spec.engine, f.name)
+        if value == getattr(default, f.name) or f.name in ("model", "dtype", "mode"):
+            continue
+        if f.name not in ENGINE_FLAGS:
+            raise SystemExit(f"systems.{spec.name}.engine.{f.name}: not passed to moeflow serve by this script")
+        flags += [f"--{f.name.replace('_', '-')}", str(value)]
+    if spec.autoscale:
+        policy = dict(spec.autoscale)
+        flags += ["--autoscale", policy_path, "--max-attn-workers", str(policy["max_attention"]),
+                  "--max-ffn-workers", str(policy["max_ffn"])]
+    return flags
+
+
+def one_run(exp, name: str, seed: int, log_path: str) -> dict:
+    spec = exp.systems[name]
+    reqs = generate_requests(exp.point_workload(exp.rps[0], seed))  # the simulator's very requests
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(dict(spec.autoscale), f)
+    server = ServeProcess(exp.model, serve_flags(spec, exp.dtype, f.name), log_path)
+    with server as url:
+        client = HttpClientConfig(url, model="m", progress=False)
+        probe = [WorkloadRequest(0.0, 16, 2)]
+        assert run_requests(client, probe, token_prompts(probe, seed + 1)).outcomes[0].success
+        start = httpx.get(url + "/scale", timeout=30).json()
+        start = {"attention": spec.layout.attn_workers} | start  # a fixed afd's lists no attention
+        t0 = time.monotonic()
+        run = run_requests(client, reqs, token_prompts(reqs, seed))
+        t1 = time.monotonic()
+        status = httpx.get(url + "/scale", timeout=30).json()
+    with open(log_path) as f:
+        decisions = [m.groups() for m in DECISION.finditer(f.read())]
+    ok = [o for o in run.outcomes if o.success]
+    good = [o for o in ok if o.ttft_s <= exp.slo_ttft_s and (o.tpot_s or 0.0) <= exp.slo_tpot_s]
+    proc_s = process_seconds(start["attention"] + start["ffn"], status["events"], t0, t1)
+    tpots = [o.tpot_s for o in ok if o.tpot_s is not None]
+    return {"system": name, "seed": seed, "requests": len(reqs), "answered": len(ok), "good": len(good),
+            "duration_s": t1 - t0, "process_s": proc_s, "goodput_per_process_s": len(good) / proc_s,
+            "ttft_p90_s": _p90([o.ttft_s for o in ok]), "tpot_p90_s": _p90(tpots),
+            "members_at_end": {"attention": status.get("attention", spec.layout.attn_workers), "ffn": status["ffn"]},
+            "decisions": [{"reason": r, "attention": int(a), "ffn": int(n)} for r, a, _, n in decisions],
+            "events": [{"kind": e["kind"], "before": e["before"], "after": e["after"], "outcome": e["outcome"],
+                        "asked_s": e["requested_s"] - t0,
+                        "serving_s": None if e["switched_s"] is None else e["switched_s"] - t0}
+                       for e in status["events"] if e["requested_s"] >= t0]}
+
+
+def _p90(xs: list[float]) -> float | None:
+    return statistics.quantiles(xs, n=10)[-1] if len(xs) > 1 else (xs[0] if xs else None)
+
+
+def main(config: str, out: str) -> None:
+    exp = load_experiment(config)
+    runs = []
+    for r in range(exp.repeats):
+        for name in exp.systems:
+            res = one_run(exp, name, exp.workload.seed + r, f"/tmp/moeflow-elastic-{name}-{r}.log")
+            runs.append(res)
+            print(f"[seed {res['seed']}] {name}: {res['answered']}/{res['requests']} answered, {res['good']} within "
+                  f"both SLOs, {res['process_s']:.1f} process-s over {res['duration_s']:.1f} s: "
+                  f"{res['goodput_per_process_s']:.4f} good requests per process-second; TTFT p90 "
+                  f"{res['ttft_p90_s']:.2f} s, TPOT p90 {1e3 * res['tpot_p90_s']:.0f} ms", flush=True)
+            for e in res["events"]:
+                print(f"    {e['kind']} {e['before']} -> {e['after']} asked at {e['asked_s']:.1f} s, serving at "
+                      f"{'-' if e['serving_s'] is None else format(e['serving_s'], '.1f')} s ({e['outcome']})")
+            if res["decisions"]:
+                print("    reasons: " + ", ".join(d["reason"] for d in res["decisions"]))
+    with open(out, "w") as f:
+        json.dump({"provenance": provenance(sys.argv), "config": config, "runs": runs}, f, indent=1)
+    table(out)
+
+
+def table(measured: str, simulated: str | None = None) -> None:
+    """Per system: the median over the seeds (min-max), measured and, given, simulated."""
+    with open(measured) as f:
+        runs = json.load(f)["runs"]
+    sim = {}
+    if simulated:
+        with open(simulated) as f:
+            for name, s in json.load(f)["systems"].items():
+                sim[name] = [rep["sweep"][0] for rep in s.get("repeats") or [{"sweep": s["points"]}]]
+    print("| system | where | processes, mean | goodput per process-second | within both SLOs | TTFT p90 s | "
+          "TPOT p90 ms | changes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in dict.fromkeys(r["system"] for r in runs):
+        mine = [r for r in runs if r["system"] == name]
+        print(f"| {name} | measured | {_cell([r['process_s'] / r['duration_s'] for r in mine], '.2f')} | "
+              f"{_cell([r['goodput_per_process_s'] for r in mine], '.4f')} | "
+              f"{_cell([100 * r['good'] / r['requests'] for r in mine], '.0f')}% | "
+              f"{_cell([r['ttft_p90_s'] for r in mine], '.2f')} | {_cell([1e3 * r['tpot_p90_s'] for r in mine], '.0f')} | "
+              f"{_cell([len(r['events']) for r in mine], 'd')} |")
+        if name in sim:
+            pts = sim[name]
+            print(f"| {name} | simulated | {_cell([p['process_s'] / p['duration_s'] for p in pts], '.2f')} | "
+                  f"{_cell([p['goodput_per_process_s'] for p in pts], '.4f')} | "
+                  f"{_cell([100 * p['slo_attainment'] for p in pts], '.0f')}% | "
+                  f"{_cell([p['ttft_p90_s'] for p in pts], '.2f')} | {_cell([1e3 * p['tpot_p90_s'] for p in pts], '.0f')} | "
+                  f"{_cell([len(p.get('membership_changes') or []) for p in pts], 'd')} |")
+
+
+def _cell(values: list, fmt: str) -> str:
+    med = statistics.median(values)
+    med = int(med) if fmt == "d" else med
+    return format(med, fmt) if len(values) == 1 or min(values) == max(values) else \
+        f"{med:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--table":
+        table(*sys.argv[2:4])
+    else:
+        main(*sys.argv[1:3])
