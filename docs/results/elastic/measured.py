@@ -28,6 +28,7 @@ import time
 import httpx
 import yaml
 
+from moeflow.autoscale_config import policy_from
 from moeflow.bench.http_client import HttpClientConfig, run_requests, token_prompts
 from moeflow.bench.server_process import ServeProcess
 from moeflow.engine.args import layout_flags
@@ -119,7 +120,9 @@ def main(config: str, out: str) -> None:
 def table(measured: str, simulated: str | None = None) -> None:
     """Per system: the median over the seeds (min-max), measured and, given, simulated."""
     with open(measured) as f:
-        runs = json.load(f)["runs"]
+        result = json.load(f)
+    runs, exp = result["runs"], load_experiment(result["config"])
+    holds = {n: policy_from(dict(x.autoscale), n)[0].hold_s for n, x in exp.systems.items() if x.autoscale}
     sim = {}
     if simulated:
         with open(simulated) as f:
@@ -142,6 +145,31 @@ def table(measured: str, simulated: str | None = None) -> None:
                   f"{_cell([100 * p['slo_attainment'] for p in pts], '.0f')}% | "
                   f"{_cell([p['ttft_p90_s'] for p in pts], '.2f')} | {_cell([1e3 * p['tpot_p90_s'] for p in pts], '.0f')} | "
                   f"{_cell([len(p.get('membership_changes') or []) for p in pts], 'd')} |")
+
+
+    for name in holds:
+        for r in (r for r in runs if r["system"] == name):
+            print(f"\n{name}, seed {r['seed']}, measured: {r['answered']} of {r['requests']} answered; "
+                  f"{reversals(r['events'], holds[name])} changes undone within hold_s ({holds[name]:g} s); "
+                  + "; ".join(f"{e['kind']} {e['before']} -> {e['after']} asked at {e['asked_s']:.1f} s, serving "
+                              f"{'-' if e['serving_s'] is None else format(e['serving_s'] - e['asked_s'], '.1f')} s later"
+                              for e in r["events"]) + " (reasons: " + ", ".join(d["reason"] for d in r["decisions"]) + ")")
+        for k, p in enumerate(sim.get(name, [])):
+            print(f"{name}, seed {k}, simulated: " + "; ".join(
+                f"{c['side']} {c['before']} -> {c['after']} asked at {c['asked_s']:.1f} s, serving "
+                f"{c['done_s'] - c['asked_s']:.1f} s later ({c['reason']})" for c in p.get("membership_changes") or []))
+
+
+def reversals(events: list[dict], hold: float) -> int:
+    """Changes that undo the one before on the same side within ``hold`` seconds (flapping)."""
+    n, last = 0, {}
+    for e in events:
+        prev = last.get(e["kind"])
+        if prev is not None and (prev["after"] - prev["before"]) * (e["after"] - e["before"]) < 0 \
+                and e["asked_s"] - prev["asked_s"] < hold:
+            n += 1
+        last[e["kind"]] = e
+    return n
 
 
 def _cell(values: list, fmt: str) -> str:
