@@ -171,7 +171,8 @@ def _sweep(name: str, v) -> tuple:
 
 def load_experiment(path: str, overrides: tuple[str, ...] = ()) -> Experiment:
     """``overrides``: ``KEY=VALUE`` (a top-level key), ``workload.KEY=VALUE``, ``sim.KEY=VALUE``
-    (every system's simulator option) or ``systems.NAME.KEY=VALUE`` (one system's), each VALUE
+    (every system's simulator option), ``systems.NAME.KEY=VALUE`` (one system's) or
+    ``systems.NAME.autoscale.KEY=VALUE`` (its controller's policy), each VALUE
     read as YAML; applied before validation."""
     with open(path) as f:
         d = yaml.safe_load(f)
@@ -198,9 +199,14 @@ def apply_overrides(d: dict, overrides: tuple[str, ...]) -> dict:
         elif scope.startswith("systems.") and scope[len("systems."):] in (d.get("systems") or {}):
             n = scope[len("systems."):]
             d["systems"] = {**d["systems"], n: {**d["systems"][n], name: v}}
+        elif (scope.startswith("systems.") and scope.endswith(".autoscale")
+              and isinstance((d.get("systems") or {}).get(n := scope[len("systems."):-len(".autoscale")]), dict)):
+            s = d["systems"][n]
+            d["systems"] = {**d["systems"], n: {**s, "autoscale": {**(s.get("autoscale") or {}), name: v}}}
         else:
-            raise ConfigError(f"override {text!r}: the key must be KEY, workload.KEY, sim.KEY or "
-                              f"systems.NAME.KEY with NAME among {list(d.get('systems') or {})}")
+            raise ConfigError(f"override {text!r}: the key must be KEY, workload.KEY, sim.KEY, "
+                              f"systems.NAME.KEY or systems.NAME.autoscale.KEY with NAME among "
+                              f"{list(d.get('systems') or {})}")
     return d
 
 

@@ -206,3 +206,13 @@ def test_a_membership_left_for_falling_short_is_not_shrunk_back_to_within_the_ho
     assert [(d.attention, d.ffn) for d in _run(later)][-1] == (2, 1)  # predicted 0.12 s (1:2 and 1:1 0.2 s)
     no_hold = AutoscalePolicy(**{**POLICY.__dict__, "hold_s": 0.0})
     assert [(d.attention, d.ffn) for d in _run(trace, no_hold)][1] == (2, 1)  # without it: back at once
+
+
+def test_one_systems_policy_key_is_overridden_from_the_command_line():
+    from moeflow.config import ConfigError
+    from moeflow.experiment.serve import apply_overrides, load_experiment
+    exp = load_experiment("configs/elastic-afd-here.yaml", ("systems.elastic.autoscale.hold_s=0",))
+    assert dict(exp.systems["elastic"].autoscale)["hold_s"] == 0
+    assert dict(exp.systems["elastic"].autoscale)["interval_s"] == 10  # the rest as the file has it
+    with pytest.raises(ConfigError, match="systems.NAME.autoscale.KEY"):
+        apply_overrides({"systems": {"a": {"mode": "afd"}}}, ("systems.b.autoscale.hold_s=0",))
