@@ -52,6 +52,7 @@ class Autoscaler:
                           engine._oldest_unanswered_s())
         if status["in_progress"] or self._todo:
             return  # a window with a change under way says nothing about either membership
+        log.debug("autoscale: window %s", sample)  # what a decision (or none) was made on
         d = self.controller.observe(sample)
         if d is None:
             return
