@@ -36,6 +36,7 @@ class ElasticAfdSystem(AfdSystem):
         self._todo: list[tuple[str, int, str]] = []  # the rest of a decision: (side, target, its reason)
         self._change: tuple[str, int, float | None] | None = None  # (side, target, ready at; None: draining)
         self.changes: list[dict] = []  # every change: side, before, after, reason, asked_s, done_s
+        self.windows: list[dict] = []  # the windows the controller decided on (the engine logs its own)
         self.warming = {"attention": 0, "ffn": 0}  # joiners started, not yet serving
         self.member_s = {"attention": 0.0, "ffn": 0.0}  # members x seconds, joiners and leavers included
         self._since = 0.0
@@ -63,6 +64,8 @@ class ElasticAfdSystem(AfdSystem):
                       if t is not None), default=None)
         sample = self.window.sample(now, self.layout.attn_workers, self.layout.ffn_workers, queue, free,
                                     sum(g.allocator.num_blocks for g in pool.groups), oldest)
+        if self._change is None and not self._todo:  # as the engine: a window under a change decides nothing
+            self.windows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in vars(sample).items()})
         if self._change is None and not self._todo and (d := self.controller.observe(sample)) is not None:
             self._todo = ([("attention", d.attention, d.reason)] if d.attention != self.layout.attn_workers else []) + (
                 [("ffn", d.ffn, d.reason)] if d.ffn != self.layout.ffn_workers else [])
@@ -141,7 +144,7 @@ class ElasticAfdSystem(AfdSystem):
     def run(self, workload, stop=None):
         self.loop.timer(self.sample_s, self._tick)
         res = super().run(workload, stop)
-        res.process_s, res.changes = sum(self.member_s.values()), self.changes
+        res.process_s, res.changes, res.windows = sum(self.member_s.values()), self.changes, self.windows
         return res
 
     def totals(self):

@@ -80,6 +80,8 @@ def run_point(system: SystemSpec, cost: CostModel, cfg: Experiment, rate: float,
         p["goodput_per_process_s"] = p["goodput_rps"] * p["duration_s"] / p["process_s"]
     if res.changes:
         p["membership_changes"] = res.changes
+    if res.windows:
+        p["autoscale_windows"] = res.windows
     # the engine's benchmark reports these too (bench/probe.py): per process there, per device here
     p["output_tok_s"] = sum(r.num_output for r in res.records) / p["duration_s"] if p["duration_s"] > 0 else 0.0
     p["output_tok_s_per_process"] = p["output_tok_s"] / system.layout.num_processes

@@ -43,6 +43,7 @@ class RunResult:
     num_failed: int = 0  # requests that ended without a result (pd: a lease ran out under policy fail)
     process_s: float | None = None  # an elastic system: members x seconds (None: every process all along)
     changes: list = field(default_factory=list)  # an elastic system's membership changes
+    windows: list = field(default_factory=list)  # and the load windows its controller saw (Sample's fields)
 
 
 @dataclass

@@ -67,6 +67,9 @@ def test_a_daemon_joins_once_its_experts_are_copied_and_is_paid_from_the_decisio
     assert sim.layout.ffn_workers == 3 and len(sim.served) == 3
     # 2 instances all along, 2 daemons, a third from the decision
     assert res.process_s == pytest.approx(2 * res.end_s + 2 * res.end_s + (res.end_s - 3.0))
+    # the windows the controller was handed, none while the change was under way (as the engine)
+    assert res.windows and all(not (3.0 < w["t_s"] < c["done_s"]) for w in res.windows)
+    assert {(w["attention"], w["ffn"]) for w in res.windows} == {(2, 2), (2, 3)}
 
 
 def test_a_leaving_instance_admits_nothing_from_the_decision_and_goes_once_it_holds_nothing():

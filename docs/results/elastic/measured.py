@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import statistics
 import sys
@@ -64,6 +65,8 @@ def one_run(exp, name: str, seed: int, log_path: str) -> dict:
     reqs = generate_requests(exp.point_workload(exp.rps[0], seed))  # the simulator's very requests
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(dict(spec.autoscale), f)
+    # the controller's windows in the log (windows.py reads them), for the elastic system
+    os.environ["MOEFLOW_LOGGING_LEVEL"] = "DEBUG" if spec.autoscale else "INFO"
     server = ServeProcess(exp.model, serve_flags(spec, exp.dtype, f.name), log_path)
     with server as url:
         client = HttpClientConfig(url, model="m", progress=False)
@@ -81,7 +84,8 @@ def one_run(exp, name: str, seed: int, log_path: str) -> dict:
     good = [o for o in ok if o.ttft_s <= exp.slo_ttft_s and (o.tpot_s or 0.0) <= exp.slo_tpot_s]
     proc_s = process_seconds(start["attention"] + start["ffn"], status["events"], t0, t1)
     tpots = [o.tpot_s for o in ok if o.tpot_s is not None]
-    return {"system": name, "seed": seed, "requests": len(reqs), "answered": len(ok), "good": len(good),
+    return {"system": name, "seed": seed, "log": log_path, "t0_s": t0, "requests": len(reqs), "answered": len(ok),
+            "good": len(good),
             "duration_s": t1 - t0, "process_s": proc_s, "goodput_per_process_s": len(good) / proc_s,
             "ttft_p90_s": _p90([o.ttft_s for o in ok]), "tpot_p90_s": _p90(tpots),
             "members_at_end": {"attention": status.get("attention", spec.layout.attn_workers), "ffn": status["ffn"]},
