@@ -56,8 +56,8 @@ class Autoscaler:
         d = self.controller.observe(sample)
         if d is None:
             return
-        log.info("autoscale: %s -> attention %d, %s %d (predicted TPOT %.3f s) from %s", d.reason, d.attention,
-                 engine.layout.expert_kind, d.ffn, d.predicted_tpot_s, d.inputs)
+        log.info("autoscale: %s -> attention %d, %s %d (predicted TPOT %.3f s) at %.3f from %s", d.reason, d.attention,
+                 engine.layout.expert_kind, d.ffn, d.predicted_tpot_s, d.t_s, d.inputs)
         if self.counter is not None:
             self.counter.labels(d.reason).inc()
         self._todo = ([{"attention": d.attention}] if d.attention != m else []) + (
