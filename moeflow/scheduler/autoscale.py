@@ -32,9 +32,9 @@ scales as max(A', F') / max(A, F).
 never before ``interval_s`` since the last change, and on the mean of the last ``window`` samples,
 so a single noisy window does not move it; and no shrink (under the SLO, idle) goes back to a
 membership it left for falling short (over an SLO, out of KV room) within ``hold_s``, nor to one
-with no more members on either side, so a
-prediction that a smaller membership would now do cannot undo what was measured there (on a load
-that drifts upward, the prediction lags the measurement, and the two alternate). Every decision carries its inputs and its prediction.
+with no more members on either side, so a prediction that a smaller membership would now do cannot
+undo what was measured there (on a load that drifts upward, the prediction lags the measurement, and
+the two alternate). Every decision carries its inputs and its prediction.
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ class Controller:
                      {"attention": m.attention, "ffn": m.ffn, "attn_busy": m.attn_busy, "attn_wait": m.attn_wait,
                       "tpot_p90_s": m.tpot_p90_s, "ttft_p90_s": m.ttft_p90_s, "queue": m.queue,
                       "queue_wait_s": m.queue_wait_s, "kv_free": m.kv_free,
-                   "kv_used_after": predicted_kv_used(m, pick[0])})
+                      "kv_used_after": predicted_kv_used(m, pick[0])})
         self.decisions.append(d)
         if reason in ("over_slo", "kv_room", "ttft"):
             self.short[(m.attention, m.ffn)] = s.t_s

@@ -66,10 +66,10 @@ class ElasticAfdSystem(AfdSystem):
                                     sum(g.allocator.num_blocks for g in pool.groups), oldest)
         if self._change is None and not self._todo:  # as the engine: a window under a change decides nothing
             self.windows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in vars(sample).items()})
-        if self._change is None and not self._todo and (d := self.controller.observe(sample)) is not None:
-            self._todo = ([("attention", d.attention, d.reason)] if d.attention != self.layout.attn_workers else []) + (
-                [("ffn", d.ffn, d.reason)] if d.ffn != self.layout.ffn_workers else [])
-            self._begin()
+            if (d := self.controller.observe(sample)) is not None:
+                self._todo = ([("attention", d.attention, d.reason)] if d.attention != self.layout.attn_workers
+                              else []) + ([("ffn", d.ffn, d.reason)] if d.ffn != self.layout.ffn_workers else [])
+                self._begin()
         self.loop.timer(now + self.sample_s, self._tick)  # a timer: it never keeps the run going alone
 
     # -- carrying a change out ---------------------------------------------------------------------

@@ -2,6 +2,7 @@
 shrinks, and that it does not flap."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -204,7 +205,7 @@ def test_a_membership_left_for_falling_short_is_not_shrunk_back_to_within_the_ho
     assert [(d.attention, d.ffn, d.reason) for d in ds] == [(2, 2, "over_slo")]
     later = trace + [Sample(float(t), **fine) for t in range(62, 70)]  # past hold_s (60 s): it may go, and
     assert [(d.attention, d.ffn) for d in _run(later)][-1] == (2, 1)  # predicted 0.12 s (1:2 and 1:1 0.2 s)
-    no_hold = AutoscalePolicy(**{**POLICY.__dict__, "hold_s": 0.0})
+    no_hold = dataclasses.replace(POLICY, hold_s=0.0)
     assert [(d.attention, d.ffn) for d in _run(trace, no_hold)][1] == (2, 1)  # without it: back at once
 
 

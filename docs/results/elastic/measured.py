@@ -63,21 +63,14 @@ def serve_flags(spec, dtype: str, policy_path: str | None) -> list[str]:
 def one_run(exp, name: str, seed: int, log_path: str) -> dict:
     spec = exp.systems[name]
     reqs = generate_requests(exp.point_workload(exp.rps[0], seed))  # the simulator's very requests
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(dict(spec.autoscale), f)
-    # the controller's windows in the log (windows.py reads them), for the elastic system
-    os.environ["MOEFLOW_LOGGING_LEVEL"] = "DEBUG" if spec.autoscale else "INFO"
-    server = ServeProcess(exp.model, serve_flags(spec, exp.dtype, f.name), log_path)
-    with server as url:
-        client = HttpClientConfig(url, model="m", progress=False)
-        probe = [WorkloadRequest(0.0, 16, 2)]
-        assert run_requests(client, probe, token_prompts(probe, seed + 1)).outcomes[0].success
-        start = httpx.get(url + "/scale", timeout=30).json()
-        start = {"attention": spec.layout.attn_workers} | start  # a fixed afd's lists no attention
-        t0 = time.monotonic()
-        run = run_requests(client, reqs, token_prompts(reqs, seed))
-        t1 = time.monotonic()
-        status = httpx.get(url + "/scale", timeout=30).json()
+    with tempfile.TemporaryDirectory() as tmp:
+        policy_path = os.path.join(tmp, "policy.yaml")
+        if spec.autoscale:
+            with open(policy_path, "w") as f:
+                yaml.safe_dump(dict(spec.autoscale), f)
+        # the controller's windows in the log (windows.py reads them), for the elastic system
+        os.environ["MOEFLOW_LOGGING_LEVEL"] = "DEBUG" if spec.autoscale else "INFO"
+        run, start, status, t0, t1 = _serve(exp, spec, serve_flags(spec, exp.dtype, policy_path), reqs, seed, log_path)
     with open(log_path) as f:
         decisions = [m.groups() for m in DECISION.finditer(f.read())]
     ok = [o for o in run.outcomes if o.success]
@@ -96,7 +89,23 @@ def one_run(exp, name: str, seed: int, log_path: str) -> dict:
                        for e in status["events"] if e["requested_s"] >= t0]}
 
 
+def _serve(exp, spec, flags: list[str], reqs, seed: int, log_path: str):
+    """One server's run: the probe request, then the workload; its members before and its events after."""
+    with ServeProcess(exp.model, flags, log_path) as url:
+        client = HttpClientConfig(url, model="m", progress=False)
+        probe = [WorkloadRequest(0.0, 16, 2)]
+        assert run_requests(client, probe, token_prompts(probe, seed + 1)).outcomes[0].success
+        start = httpx.get(url + "/scale", timeout=30).json()
+        start = {"attention": spec.layout.attn_workers} | start  # a fixed afd's lists no attention
+        t0 = time.monotonic()
+        run = run_requests(client, reqs, token_prompts(reqs, seed))
+        t1 = time.monotonic()
+        status = httpx.get(url + "/scale", timeout=30).json()
+    return run, start, status, t0, t1
+
+
 def _p90(xs: list[float]) -> float | None:
+    # NOTE: statistics' exclusive quantile, where the simulator's summary takes numpy's interpolated one
     return statistics.quantiles(xs, n=10)[-1] if len(xs) > 1 else (xs[0] if xs else None)
 
 
