@@ -55,18 +55,62 @@ class AutoscalePolicy:
         return self.max_processes if self.max_processes is not None else self.max_attention + self.max_ffn
 
 
-def policy_from(raw: dict, where: str) -> tuple[AutoscalePolicy, float]:
+@dataclass(frozen=True)
+class PdAutoscalePolicy:
+    """What the controller of a pd deployment may do: X prefill and Y decode instances
+    (``scheduler/autoscale_pd.py``)."""
+
+    tpot_slo_s: float  # p90 TPOT: the decode side's
+    ttft_slo_s: float  # p90 TTFT: the prefill side's
+    min_prefill: int = 1
+    max_prefill: int = 1
+    min_decode: int = 1
+    max_decode: int = 1
+    max_processes: int | None = None  # of both sides' instances; None: the maximums' processes
+    # the share of wall time a prefill instance may compute after a change (rate matching's utilization,
+    # sim/rate_match.py): above it prompts queue and TTFT grows without bound as it nears 1
+    target_utilization: float = 0.7
+    max_step: int = 1  # prefill instances one decision may add (rate matching may ask for more)
+    interval_s: float = 10.0
+    window: int = 3
+    band: float = 0.15
+    hold_s: float = 60.0
+    history: int = 20  # windows whose (decode batch, TPOT) the decode side's step model is fitted on
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> ValueError:
+            return ValueError(f"autoscale policy (pd): {what}")
+        for k in ("tpot_slo_s", "ttft_slo_s"):
+            if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), (int, float)) \
+                    or not getattr(self, k) > 0:
+                raise bad(f"{k} must be a number > 0, got {getattr(self, k)!r}")
+        for lo, hi in (("min_prefill", "max_prefill"), ("min_decode", "max_decode")):
+            a, b = getattr(self, lo), getattr(self, hi)
+            if not (isinstance(a, int) and isinstance(b, int) and 1 <= a <= b):
+                raise bad(f"need 1 <= {lo} <= {hi}, got {a!r} and {b!r}")
+        if not 0 < self.target_utilization < 1:
+            raise bad(f"target_utilization must be in (0, 1), got {self.target_utilization!r}")
+        if not (isinstance(self.max_step, int) and self.max_step >= 1):
+            raise bad(f"max_step must be an int >= 1, got {self.max_step!r}")
+        if not (isinstance(self.history, int) and self.history >= 2):
+            raise bad(f"history must be an int >= 2, got {self.history!r}")
+        if not (self.interval_s >= 0 and self.window >= 1 and 0 < self.band < 1 and self.hold_s >= 0):
+            raise bad("need interval_s >= 0, window >= 1, 0 < band < 1, hold_s >= 0")
+
+
+def policy_from(raw: dict, where: str, cls: type = AutoscalePolicy) -> tuple:
     """(the policy, its sampling period ``sample_s``) of a mapping of their fields (a POLICY.yaml, a
-    simulated system's ``autoscale:``), refused naming ``where`` and the key that is wrong."""
+    simulated system's ``autoscale:``), refused naming ``where`` and the key that is wrong. ``cls``:
+    ``AutoscalePolicy`` (afd's A:F) or ``PdAutoscalePolicy`` (pd's xPyD)."""
     d = dict(raw)
     sample_s = d.pop("sample_s", 2.0)
-    known = {f.name for f in fields(AutoscalePolicy)}
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown keys {unknown}; known: {sorted(known | {'sample_s'})}")
     if isinstance(sample_s, bool) or not isinstance(sample_s, (int, float)) or not sample_s > 0:
         raise ConfigError(f"{where}: sample_s must be a number > 0, got {sample_s!r}")
     try:
-        return AutoscalePolicy(**d), float(sample_s)
+        return cls(**d), float(sample_s)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None

@@ -16,13 +16,14 @@ from moeflow.scheduler.load_window import LoadWindow
 log = logging.getLogger("moeflow.autoscale")
 
 
-def load_policy(path: str) -> tuple[AutoscalePolicy, float]:
-    """(the policy, the sampling period) of a POLICY.yaml, refused with the key that is wrong."""
+def load_policy(path: str, cls: type = AutoscalePolicy) -> tuple:
+    """(the policy, the sampling period) of a POLICY.yaml, refused with the key that is wrong (``cls``:
+    ``PdAutoscalePolicy`` for a pd deployment)."""
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--autoscale {path}: a mapping of the policy's fields, got {type(raw).__name__}")
-    return policy_from(raw, f"--autoscale {path}")
+    return policy_from(raw, f"--autoscale {path}", cls)
 
 
 class Autoscaler:
@@ -65,10 +66,18 @@ class Autoscaler:
         self._apply(engine, self._todo.pop(0))
 
     def _apply(self, engine, change: dict) -> None:
-        try:
-            engine.scale(**change)
-        except ConfigError as e:
-            log.warning("autoscale: %s refused: %s", change, e)
+        if not apply_change(engine, change, self.counter):
             self._todo = []
-            if self.counter is not None:
-                self.counter.labels("refused").inc()
+
+
+def apply_change(engine, change: dict, counter) -> bool:
+    """``engine.scale(**change)``; False where the deployment would not take it (logged with its reason,
+    counted as ``refused``): the rest of that decision is dropped."""
+    try:
+        engine.scale(**change)
+        return True
+    except ConfigError as e:
+        log.warning("autoscale: %s refused: %s", change, e)
+        if counter is not None:
+            counter.labels("refused").inc()
+        return False

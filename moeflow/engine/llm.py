@@ -258,19 +258,23 @@ class LLM:
 
     def scale(self, ffn: int | None = None, moe: int | None = None, attention: int | None = None,
               ep_size: int | None = None, drain: bool | None = None, wait: bool = True,
-              timeout_s: float = 300.0) -> dict:
+              timeout_s: float = 300.0, prefill: int | None = None, decode: int | None = None) -> dict:
         """Change the deployment's membership while it serves (afd: ``ffn`` FFN daemons, in a
         deployment started with ``max_ffn_workers``; asap: ``moe`` MoE workers, with
         ``max_moe_workers``; ``ep_size``: either, or dep's and dwdp's ranks, with ``max_dp``;
         ``attention`` groups, with ``max_attn_dp`` or ``max_attn_workers``, ``drain``: a leaver's requests finish there rather than being handed
         over); with ``wait``, return once the new membership
-        serves and the old members have left. The status, as ``GET /scale`` gives it; a target the
-        deployment cannot take raises ``ConfigError`` saying why."""
+        serves and the old members have left (pd: ``prefill`` or ``decode`` instances, with
+        ``max_prefill_instances`` / ``max_decode_instances``). The status, as ``GET /scale`` gives it; a
+        target the deployment cannot take raises ``ConfigError`` saying why."""
         scale = getattr(self.engine, "scale", None)
         if scale is None:
-            raise ConfigError(f"mode {self.mode!r}: its membership is fixed while serving (afd, asap, dep and "
-                              f"dwdp deployments started with room to grow scale)")
-        status = scale(ffn=ffn, moe=moe, attention=attention, ep_size=ep_size, drain=drain)
+            raise ConfigError(f"mode {self.mode!r}: its membership is fixed while serving (afd, asap, dep, dwdp and "
+                              f"pd deployments started with room to grow scale)")
+        sides = {k: v for k, v in (("prefill", prefill), ("decode", decode)) if v is not None}
+        if sides and self.mode != "pd":
+            raise ConfigError(f"scale {sorted(sides)[0]}: mode {self.mode!r} has no prefill or decode instances (pd has)")
+        status = scale(ffn=ffn, moe=moe, attention=attention, ep_size=ep_size, drain=drain, **sides)
         deadline = time.monotonic() + timeout_s
         while wait and status["in_progress"]:
             if time.monotonic() > deadline:

@@ -22,6 +22,7 @@ from moeflow.core import EngineBusy, Request, RequestError, RequestStatus
 from moeflow.engine.base import Engine, EngineLoad, StepResult, clock, validate_request
 from moeflow.engine.kv_handoff import KvConnector, heap_device
 from moeflow.engine.pd_driver import Arrived, Ended, HandoffDriver
+from moeflow.engine.pd_members import PdMembers, check_compatible
 from moeflow.layout import PdLayout
 from moeflow.scheduler.handoff.deployment import GivenUp
 
@@ -65,6 +66,10 @@ class PdEngine(Engine):
         self.driver = HandoffDriver(self.prefill, self.decode, self.kv, layout, config.seed, config.trace)
         self.machine = self.driver.machine  # the handoffs' state machine (scheduler/handoff/deployment.py)
         self.handoffs = self.machine.handoffs  # request id -> its handoff, oldest first
+        self.members = PdMembers(self, {side: getattr(layout, f"max_{side}_instances") or getattr(
+            layout, f"{side}_instances") for side in ("prefill", "decode")})
+        live = self.machine.live  # a leaving decode instance takes no handoff (nor a recompute)
+        self.machine.live = lambda side, i: live(side, i) and (side != "decode" or i < self.members.serving(side))
 
     def _instance(self, layout) -> Engine:
         e = PdEngine.build_instance(layout, self.model_path, dataclasses.replace(self.config, share_kv_cache=True))
@@ -88,7 +93,7 @@ class PdEngine(Engine):
         if len(self.handoffs) >= self.layout.max_pending_handoffs:
             raise HandoffsFull(f"{len(self.handoffs)} prefilled requests wait for decode room "
                                f"(max_pending_handoffs); retry later")
-        live = [i for i, e in enumerate(self.prefill) if e.failed is None]
+        live = [i for i, e in enumerate(self.prefill[:self.members.serving("prefill")]) if e.failed is None]
         if not live:
             raise RequestError("every prefill instance has failed")
         i = min(live, key=lambda i: _busy(self.prefill[i]))
@@ -132,7 +137,15 @@ class PdEngine(Engine):
             if e.failed is None:
                 self._prefilled(i, e.step(), result)
         self._advance(result)
+        self.members.turn()
         return result
+
+    def scale(self, prefill: int | None = None, decode: int | None = None, **other) -> dict:
+        """Ask for ``prefill`` or ``decode`` instances, one side at a time (``pd_members.py``)."""
+        return self.members.scale(prefill, decode, other)
+
+    def scale_status(self) -> dict:
+        return self.members.status()
 
     def _prefilled(self, i: int, res: StepResult, out: StepResult) -> None:
         out.busy_s.update({f"prefill{i}.{k}": v for k, v in res.busy_s.items()})
@@ -220,7 +233,9 @@ class PdEngine(Engine):
                           tuple(n for x in loads for n in x.running_per_group),
                           tuple(n for x in loads for n in x.preemptions_per_group), tuple(side.items()),
                           len(self.handoffs), (("failures", st.failures), ("lease_expiries", st.lease_expiries),
-                                               ("recomputes", st.recomputes)), degraded=self._lost())
+                                               ("recomputes", st.recomputes)), degraded=self._lost(),
+                          members=tuple((side, self.members.serving(side)) for side in ("prefill", "decode")),
+                          scale_events=self.members.counts())
 
     def _lost(self) -> str | None:
         lost = [f"{side} instance {i} failed ({e.failed})" for side, es in (("prefill", self.prefill),
@@ -272,19 +287,12 @@ class PdEngine(Engine):
         return out
 
     def shutdown(self) -> None:
+        if getattr(self, "members", None) is not None:
+            self.members.shutdown()
         for e in self.instances:
             e.shutdown()
         if self.kv is not None:
             self.kv.shutdown()
-
-
-def check_compatible(prefill: Engine, decode: Engine) -> None:
-    """A decode instance must run the prefill instance's model in its dtype, or the KV means nothing."""
-    a, b = prefill.model_config, decode.model_config
-    if a != b or prefill.config.dtype != decode.config.dtype or prefill.config.kv_block_size <= 0:
-        raise ConfigError(f"the decode layout runs {b.architecture} ({b.num_layers} layers, {decode.config.dtype}) "
-                          f"but the prefill layout runs {a.architecture} ({a.num_layers} layers, "
-                          f"{prefill.config.dtype}): a KV cache can only pass between the same model and dtype")
 
 
 def _busy(e: Engine) -> int:

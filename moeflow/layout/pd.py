@@ -31,6 +31,10 @@ class PdLayout(Layout):
     decode: Layout | None = part("the layout of each decode instance")
     prefill_instances: int = opt(1, "X: prefill instances")
     decode_instances: int = opt(1, "Y: decode instances")
+    max_prefill_instances: int | None = opt(None, "the most prefill instances POST /scale may ask for while serving "
+                                                  "(default: the start's, fixed)")
+    max_decode_instances: int | None = opt(None, "the most decode instances POST /scale may ask for while serving "
+                                                 "(default: the start's, fixed)")
     # how long the prefill side keeps a finished prompt's blocks for the decode side to take them
     kv_lease_s: float = opt(30.0, "seconds a prefill instance keeps a request's KV blocks for its decode instance")
     kv_load_failure_policy: str = opt("recompute", "a handoff that fails or whose lease expires: the request fails, "
@@ -50,6 +54,10 @@ class PdLayout(Layout):
                                              f"got {lay!r}")
             require(lay.mode in modes, f"pd layout: {side} mode must be one of {modes}, got {lay.mode!r}")
         positive(self, "prefill_instances", "decode_instances", "max_pending_handoffs")
+        for side in ("prefill", "decode"):
+            most, start = getattr(self, f"max_{side}_instances"), getattr(self, f"{side}_instances")
+            require(most is None or (isinstance(most, int) and most >= start),
+                    f"pd layout: max_{side}_instances must be an int >= {side}_instances ({start}), got {most!r}")
         require(isinstance(self.kv_lease_s, (int, float)) and not isinstance(self.kv_lease_s, bool)
                 and self.kv_lease_s > 0, f"pd layout: kv_lease_s must be a number > 0, got {self.kv_lease_s!r}")
         require(self.kv_load_failure_policy in FAILURE_POLICIES,

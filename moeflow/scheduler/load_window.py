@@ -10,6 +10,7 @@ for those that finished in it; the window's p90 of each.
 from __future__ import annotations
 
 from moeflow.scheduler.autoscale import Sample
+from moeflow.scheduler.autoscale_pd import PdSample
 
 
 class LoadWindow:
@@ -34,10 +35,15 @@ class LoadWindow:
         if request_id not in self._live:
             return
         first, n, last = self._live.pop(request_id)
-        if n > 1:
-            self.tpots.append((last - first) / (n - 1))
+        self.request(first, last, n, arrival_s)
+
+    def request(self, first_s: float, last_s: float, tokens: int, arrival_s: float | None = None) -> None:
+        """A request finished in the window: its first and last token's times and its token count (where
+        the tokens are not seen one by one: the simulator's pd records)."""
+        if tokens > 1:
+            self.tpots.append((last_s - first_s) / (tokens - 1))
         if arrival_s is not None:
-            self.ttfts.append(first - arrival_s)
+            self.ttfts.append(first_s - arrival_s)
 
     def due(self, now_s: float, sample_s: float) -> bool:
         return now_s - self.t0_s >= sample_s
@@ -52,6 +58,35 @@ class LoadWindow:
                    kv_free=free_kv_blocks / max(1, kv_blocks), ttft_p90_s=_p90(self.ttfts),
                    queue_wait_s=0.0 if oldest_unanswered_s is None else max(0.0, now_s - oldest_unanswered_s))
         self.t0_s, self.busy_s, self.wait_s, self.tpots, self.ttfts = now_s, 0.0, 0.0, [], []
+        return s
+
+
+class PdWindow(LoadWindow):
+    """A pd deployment's window (``autoscale_pd.py``): ``step`` takes the prefill processes' compute
+    seconds, ``decoding`` the number of requests on the decode side each time it changes (or is looked
+    at), so the window has its time-weighted mean."""
+
+    def __init__(self, t0_s: float):
+        super().__init__(t0_s)
+        self._decoding, self._since, self._area = 0, t0_s, 0.0
+
+    def decoding(self, n: int, now_s: float) -> None:
+        self._area += self._decoding * max(0.0, now_s - self._since)
+        self._decoding, self._since = n, now_s
+
+    def sample_pd(self, now_s: float, prefill: int, decode: int, prefill_processes: int, queue: int,
+                  handoffs_waiting: int, free_kv_blocks: int, kv_blocks: int,
+                  oldest_unanswered_s: float | None = None) -> PdSample:
+        """The window up to ``now_s``: ``prefill_processes`` per prefill instance, the decode side's KV
+        blocks; the next window starts here."""
+        self.decoding(self._decoding, now_s)
+        window = max(now_s - self.t0_s, 1e-9)
+        s = PdSample(now_s, prefill, decode, prefill_busy=self.busy_s / (window * prefill * prefill_processes),
+                     decode_batch=self._area / (window * decode), tpot_p90_s=_p90(self.tpots),
+                     ttft_p90_s=_p90(self.ttfts), queue=queue, handoffs_waiting=handoffs_waiting,
+                     decode_kv_free=free_kv_blocks / max(1, kv_blocks),
+                     queue_wait_s=0.0 if oldest_unanswered_s is None else max(0.0, now_s - oldest_unanswered_s))
+        self.t0_s, self.busy_s, self.wait_s, self.tpots, self.ttfts, self._area = now_s, 0.0, 0.0, [], [], 0.0
         return s
 
 

@@ -178,14 +178,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics)
         return await _scale(lambda: _scaler()())
 
     @app.post("/scale", responses=_ERRORS, summary='change the membership while serving: {"ffn": N} (afd), '
-              '{"moe": E} (asap), {"ep_size": N} (either), {"attention": M}; GET /scale follows it')
+              '{"moe": E} (asap), {"ep_size": N} (either), {"attention": M}, {"prefill": X} or {"decode": Y} (pd); '
+              'GET /scale follows it')
     async def scale(body: ScaleRequest):
         ep = body.ep_size if body.ep_size is not None else body.new_ep_size
-        if body.ffn is None and body.moe is None and ep is None and body.attention is None:
-            raise ApiError(400, "give a target: ffn (afd's FFN daemons), moe (asap's MoE workers), ep_size or "
-                                "attention", param="ep_size")
+        sides = {k: v for k, v in (("prefill", body.prefill), ("decode", body.decode)) if v is not None}
+        if body.ffn is None and body.moe is None and ep is None and body.attention is None and not sides:
+            raise ApiError(400, "give a target: ffn (afd's FFN daemons), moe (asap's MoE workers), ep_size, "
+                                "attention, or prefill / decode (pd's instances)", param="ep_size")
+        if sides and engine.llm.mode != "pd":
+            raise ApiError(400, f"mode {engine.llm.mode!r} has no prefill or decode instances (pd has)",
+                           code="scale_refused")
         return await _scale(lambda: _scaler()(ffn=body.ffn, moe=body.moe, ep_size=ep, attention=body.attention,
-                                              drain=body.drain))
+                                              drain=body.drain, **sides))
 
     @app.post("/scale_elastic_ep", responses=_ERRORS, summary='SGLang\'s: {"new_ep_size": N}, the expert '
               'devices (afd: FFN daemons; asap: MoE workers)')

@@ -15,6 +15,8 @@ class ScaleRequest(BaseModel):
     ep_size: int | None = Field(None, ge=1)
     attention: int | None = Field(None, ge=1)
     new_ep_size: int | None = Field(None, ge=1)  # SGLang's name for ep_size
+    prefill: int | None = Field(None, ge=1)  # pd: prefill instances
+    decode: int | None = Field(None, ge=1)  # pd: decode instances
     drain: bool | None = None  # attention: a leaver's requests finish there (default: handed over if shared)
 
 

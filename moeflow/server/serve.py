@@ -92,10 +92,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          on_give_up=None if args.keep_alive_on_failure else give_up)
     if args.autoscale is not None:
         from moeflow.engine.autoscaler import Autoscaler, load_policy
-        if args.mode not in ("afd", "asap"):
-            raise ConfigError(f"--autoscale: mode {args.mode!r} does not change its members while serving (afd and "
-                              f"asap do)")
-        engine.autoscaler = Autoscaler(*load_policy(args.autoscale), counter=metrics.autoscale)
+        if args.mode not in ("afd", "asap", "pd"):
+            raise ConfigError(f"--autoscale: mode {args.mode!r} does not change its members while serving (afd, "
+                              f"asap and pd do)")
+        if args.mode == "pd":
+            from moeflow.autoscale_config import PdAutoscalePolicy
+            from moeflow.engine.pd_autoscaler import PdAutoscaler
+            engine.autoscaler = PdAutoscaler(*load_policy(args.autoscale, PdAutoscalePolicy), counter=metrics.autoscale)
+        else:
+            engine.autoscaler = Autoscaler(*load_policy(args.autoscale), counter=metrics.autoscale)
     # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; with
     # SIGTERM's default action that would kill us before the workers and shared memory are
     # released, so SIGTERM (and SIGHUP, which uvicorn leaves alone) become an exception that

@@ -43,6 +43,7 @@ def unit_bytes(model) -> dict[str, int]:
 
 
 class DwdpSystem(System):
+    not_processes = frozenset({"copy_engine", "pull_wait"})  # a rank's copy thread, and its waits on it
     fast = True  # False: every batch's layers through the general loop (``_layers_on_cores``): the oracle
 
     def __init__(self, spec, cost, trace_until_s=0.0):

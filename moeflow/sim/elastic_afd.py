@@ -33,6 +33,7 @@ class ElasticAfdSystem(AfdSystem):
         super().__init__(spec, cost, trace_until_s)
         policy, self.sample_s = autoscale_policy(spec)
         self.controller, self.window = Controller(policy), LoadWindow(0.0)
+        self.cores = self.core_pool(policy.budget)  # its joiners share the machine's cores too
         self._todo: list[tuple[str, int, str]] = []  # the rest of a decision: (side, target, its reason)
         self._change: tuple[str, int, float | None] | None = None  # (side, target, ready at; None: draining)
         self.changes: list[dict] = []  # every change: side, before, after, reason, asked_s, done_s

@@ -86,6 +86,11 @@ class PdSystem(System):
         self.handoff_s: dict[str, float] = {}  # landed on a decode instance: its handoff's seconds
 
     @property
+    def prefill_serving(self) -> int:
+        """The prefill instances that take prompts: the first ones (an elastic deployment's last leave)."""
+        return len(self.prefill)
+
+    @property
     def lease_expiries(self) -> int:
         return self.machine.stats.lease_expiries
 
@@ -95,14 +100,15 @@ class PdSystem(System):
         return {rid: h for rid, h in self.machine.handoffs.items() if h.state == "pending"}
 
     def _instance(self, make_system, layout, name: str, sink, role: str) -> System:
-        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}.{name}", layout=layout, hardware=())
+        spec = dataclasses.replace(self.spec, name=f"{self.spec.name}.{name}", layout=layout, hardware=(),
+                                   autoscale=())  # an elastic deployment's controller sizes the instances, not them
         s = make_system(spec, self.cost_of(role))  # on its side's hardware
         # one clock for the deployment, one pool of cores for all its processes; finished requests come here
         s.loop, s.cores, s.sink = self.loop, self.cores, sink
         return s
 
     def add(self, request: Request) -> None:
-        i = min(range(len(self.prefill)), key=lambda i: (len(self.prefill[i].track), i))
+        i = min(range(self.prefill_serving), key=lambda i: (len(self.prefill[i].track), i))
         self.requests[request.request_id] = request
         first = Request(request.request_id, request.prompt_token_ids,
                         dataclasses.replace(request.params, max_tokens=1), request.arrival_s, kv_handoff=True)

@@ -21,6 +21,7 @@ from moeflow.sim.cost import AnalyticCost, CostModel
 from moeflow.sim.dep import DepSystem
 from moeflow.sim.dwdp import DwdpSystem
 from moeflow.sim.elastic_afd import ElasticAfdSystem
+from moeflow.sim.elastic_pd import ElasticPdSystem
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset
 from moeflow.sim.pd import PdSystem
@@ -35,7 +36,7 @@ def make_system(spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0) -
         raise ValueError(f"system {spec.name!r}: mode {spec.layout.mode!r} is not simulated; "
                          f"simulated modes: {sorted(SYSTEMS)}")
     if spec.layout.mode == "pd":  # its instances are systems of their own modes
-        return PdSystem(spec, cost, trace_until_s, make_system)
+        return (ElasticPdSystem if spec.autoscale else PdSystem)(spec, cost, trace_until_s, make_system)
     if spec.autoscale:  # afd under the controller (experiment/system.check_autoscale)
         return ElasticAfdSystem(spec, cost, trace_until_s)
     return SYSTEMS[spec.layout.mode](spec, cost, trace_until_s)

@@ -18,6 +18,7 @@ from moeflow.scheduler.handoff.port import KvPort
 from moeflow.measure.workload import WorkloadRequest
 from moeflow.messages import Span
 from moeflow.scheduler import Scheduler, make_scheduler
+from moeflow.scheduler.load_window import oldest_unanswered
 from moeflow.sim.cores import CorePool
 from moeflow.sim.cost import CostModel
 from moeflow.sim.events import EventLoop
@@ -85,9 +86,13 @@ class System(abc.ABC):
         self._pending = 0
         self.busy_s: dict[str, float] = {}  # per role: compute seconds summed over its entities
         self.num_entities: dict[str, int] = {}
-        cores = cost.shared_cores
-        self.cores = (CorePool(cores) if spec.sim.core_sharing and cores and self.layout.num_processes > cores
-                      else None)  # None: every process computes on a core of its own
+        self.cores = self.core_pool(self.layout.num_processes)
+
+    def core_pool(self, processes: int) -> CorePool | None:
+        """The machine's cores as a calendar, where ``processes`` (the most the deployment runs at once:
+        an elastic one's budget) outnumber them; None: every process computes on a core of its own."""
+        cores = self.cost.shared_cores
+        return CorePool(cores) if self.spec.sim.core_sharing and cores and processes > cores else None
 
     def cost_of(self, role: str) -> CostModel:
         """The cost model of ``role``'s devices (the deployment's unless the spec gives the role its own)."""
@@ -116,6 +121,13 @@ class System(abc.ABC):
     def span(self, track: str, name: str, start_s: float, end_s: float) -> None:
         if start_s < self.trace_until_s and end_s > start_s:
             self.spans.append(Span(name, track, start_s, end_s))
+
+    # roles of busy_s that are not processes computing (a thread's copies, time spent waiting)
+    not_processes: frozenset[str] = frozenset()
+
+    def compute_s(self) -> float:
+        """Compute seconds so far, summed over the processes (what an engine's workers report as busy)."""
+        return sum(v for k, v in self.totals()[0].items() if k not in self.not_processes)
 
     num_failed = 0  # requests failed on purpose (they have no record and are not pending)
     stop_check_every = 4096  # events between a stop rule's checks (each walks every request)
@@ -167,6 +179,15 @@ class System(abc.ABC):
 
     def models_skew(self) -> bool:
         return self.loads is not None
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """(free, all) KV blocks of its groups (an engine's ``load()`` reports the same)."""
+        groups = self.sched.pool.groups
+        return sum(g.allocator.num_free for g in groups), sum(g.allocator.num_blocks for g in groups)
+
+    def oldest_unanswered_s(self) -> float | None:
+        """The arrival of its oldest request without a first token (``scheduler/load_window``)."""
+        return oldest_unanswered(self.sched.pool)
 
     def handoff_port(self) -> KvPort:
         """What a KV handoff's side may do to this system (the engine's ``Engine.handoff_port``)."""

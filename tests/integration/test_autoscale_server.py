@@ -1,6 +1,7 @@
-"""``moeflow serve --autoscale``: the controller resizes an afd deployment from its live load while
-requests keep coming, every request is answered with colocated's output, and its decisions are in
-/metrics."""
+"""``moeflow serve --autoscale``: the controller resizes an afd deployment (A:F) and a pd deployment
+(xPyD) from its live load while requests keep coming, every request is answered with colocated's
+output, its decisions are in /metrics, and once the load stops it gives members back, never within the
+hold to a membership it left short."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -17,30 +18,12 @@ HOLD_S = 3.0
 
 
 def test_the_server_grows_an_afd_deployment_whose_tpot_is_over_its_slo(checkpoints, tmp_path):
-    path = checkpoints("qwen3").path
-    policy = tmp_path / "policy.yaml"
     # an SLO no step meets: every window is over it, so the controller grows the side the model says
-    policy.write_text("tpot_slo_s: 0.0001\nmax_attention: 2\nmin_ffn: 2\nmax_ffn: 3\ninterval_s: 1.0\nwindow: 2\n"
-                      f"sample_s: 0.5\nhold_s: {HOLD_S}\n")  # min_ffn 2: an idle start does not shrink it first
-    prompts = [[(7 * i + j) % 200 for j in range(5 + i % 7)] for i in range(24)]
-    with LLM(path, dtype="float32") as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
-    server = ServerProcess(path, "--mode", "afd", "--topology", "all", "--attn-workers", "1", "--max-attn-workers",
-                           "2", "--ffn-workers", "2", "--max-ffn-workers", "3", "--dtype", "float32",
-                           "--served-model-name", "m", "--autoscale", str(policy), log_path=str(tmp_path / "s.log"))
+    server = _loaded(checkpoints, tmp_path, "tpot_slo_s: 0.0001\nmax_attention: 2\nmin_ffn: 2\nmax_ffn: 3\n"
+                     f"interval_s: 1.0\nwindow: 2\nsample_s: 0.5\nhold_s: {HOLD_S}\n",  # min_ffn 2: no shrink first
+                     "--mode", "afd", "--topology", "all", "--attn-workers", "1", "--max-attn-workers", "2",
+                     "--ffn-workers", "2", "--max-ffn-workers", "3")
     try:
-        def complete(i: int) -> list[int]:
-            time.sleep(0.25 * i)  # arrivals spread over 6 s, while the controller decides
-            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-                "model": "m", "prompt": prompts[i], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "logprobs": 0, "return_tokens_as_token_ids": True})
-            assert r.status_code == 200, r.text
-            return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
-
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(complete, range(len(prompts))))
-        assert got == want
         deadline = time.monotonic() + 60
         while httpx.get(server.url + "/scale", timeout=30).json()["in_progress"]:
             assert time.monotonic() < deadline
@@ -65,3 +48,65 @@ def test_the_server_grows_an_afd_deployment_whose_tpot_is_over_its_slo(checkpoin
             assert not any(0 <= t - t0 < HOLD_S and to[0] <= a and to[1] <= n for t0, (a, n) in short), decisions
     finally:
         server.stop()
+
+
+def test_the_server_resizes_a_pd_deployment_from_its_load_and_gives_instances_back_after(checkpoints, tmp_path):
+    # a TPOT SLO no request meets (a decode instance more: the proportional model predicts a gain) and a
+    # target utilization the prefill instance passes as soon as it computes (rate matching asks for another)
+    server = _loaded(checkpoints, tmp_path, "tpot_slo_s: 0.0001\nttft_slo_s: 5\ntarget_utilization: 0.001\n"
+                     f"max_prefill: 2\nmax_decode: 2\ninterval_s: 1.0\nwindow: 2\nsample_s: 0.5\nhold_s: {HOLD_S}\n",
+                     "--mode", "pd", "--prefill", "mode=colocated", "--decode", "mode=colocated",
+                     "--max-prefill-instances", "2", "--max-decode-instances", "2")
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            events = httpx.get(server.url + "/scale", timeout=30).json()["events"]
+            if any(e["after"] < e["before"] for e in events):
+                break
+            assert time.monotonic() < deadline, f"no instance was given back once the load stopped: {events}"
+            time.sleep(0.2)
+        ups = {e["kind"] for e in events if e["after"] > e["before"] and e["outcome"] == "done"}
+        assert ups == {"prefill", "decode"}, events
+        decisions = [(float(t), why, (int(x), int(y)), (int(fx), int(fy))) for why, x, y, t, fx, fy in re.findall(
+            r"autoscale: ([\w+]+) -> prefill (\d+), decode (\d+) .*? at ([\d.]+) from \{'prefill': (\d+), "
+            r"'decode': (\d+)", server.log())]
+        short = [(t, left) for t, why, _, left in decisions if set(why.split("+")) & {"prefill_rate_up", "over_slo"}]
+        shrinks = [(t, to) for t, why, to, left in decisions if to[0] <= left[0] and to[1] <= left[1]]
+        assert short and shrinks, decisions
+        for t, to in shrinks:
+            assert not any(0 <= t - t0 < HOLD_S and to[0] <= x and to[1] <= y for t0, (x, y) in short), decisions
+        m = server.metrics()
+        assert sum(v for k, v in m.items() if k.startswith("moeflow_autoscale_decisions_total")) >= len(decisions)
+        assert m['moeflow_scale_events_total{kind="prefill",outcome="done"}'] >= 1, m
+        assert m['moeflow_members{role="decode"}'] >= 1, m
+    finally:
+        server.stop()
+
+
+def _loaded(checkpoints, tmp_path, policy: str, *flags: str) -> ServerProcess:
+    """A server started with ``flags`` under ``--autoscale`` (``policy``: the POLICY.yaml), after a load of 24
+    requests arriving over 6 s, every answer colocated's."""
+    path = checkpoints("qwen3").path
+    (tmp_path / "policy.yaml").write_text(policy)
+    prompts = [[(7 * i + j) % 200 for j in range(5 + i % 7)] for i in range(24)]
+    with LLM(path, dtype="float32") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+    server = ServerProcess(path, *flags, "--dtype", "float32", "--served-model-name", "m", "--autoscale",
+                           str(tmp_path / "policy.yaml"), log_path=str(tmp_path / "s.log"))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda i: _complete(server, prompts, i), range(len(prompts)))) == want
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _complete(server, prompts, i: int) -> list[int]:
+    time.sleep(0.25 * i)  # arrivals spread over 6 s, while the controller decides
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": "m", "prompt": prompts[i], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0, "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]

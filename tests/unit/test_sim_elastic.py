@@ -28,14 +28,22 @@ def _cfg(**systems):
 
 
 def test_a_controller_that_may_not_move_is_the_fixed_system_request_for_request():
-    cfg = _cfg(fixed=AFD, elastic={**AFD, "autoscale": STILL})
+    assert_still_is_fixed(AFD, STILL, 4)
+
+
+def assert_still_is_fixed(system: dict, still: dict, processes: int):
+    """``system`` under a policy that may not move (``still``) serves every request as the fixed one, and
+    costs its ``processes`` all along; its run's result."""
+    cfg = _cfg(fixed=system, elastic={**system, "autoscale": still})
     cost = build_cost(cfg)
     fixed, fres = run_point(cfg.systems["fixed"], cost, cfg, 4.0)
     elastic, eres = run_point(cfg.systems["elastic"], cost, cfg, 4.0)
     assert [dataclasses.astuple(r) for r in fres.records] == [dataclasses.astuple(r) for r in eres.records]
-    assert eres.process_s == pytest.approx(4 * eres.end_s) and elastic["process_s"] == pytest.approx(fixed["process_s"])
+    assert eres.process_s == pytest.approx(processes * eres.end_s)
+    assert elastic["process_s"] == pytest.approx(fixed["process_s"])
     assert elastic["goodput_per_process_s"] == pytest.approx(fixed["goodput_per_process_s"])
     assert eres.changes == [] and elastic["sim_busy"] == pytest.approx(fixed["sim_busy"])
+    return eres
 
 
 def _scripted(decisions: dict[float, tuple[int, int]], **policy):
