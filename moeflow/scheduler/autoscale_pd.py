@@ -11,14 +11,15 @@ side's KV room. The two sides are sized on their own evidence:
   at X' instances each computes u X / X'. Over ``target_utilization`` (by more than ``band``) it asks
   for ceil(X u / target) instances, at most ``max_step`` more; a TTFT over its SLO with prompts
   queued (or a prompt without its first token for longer than the SLO) adds X (wait / SLO - 1), at
-  least one; one fewer when the others would stay at or below the target and TTFT is under its SLO
-  by ``band`` with nothing queued;
+  least one; one fewer when the others would stay at or below the target and TTFT (and the oldest
+  prompt's wait) is under its SLO by ``band``;
 - **decode** (its SLO is TPOT): a decode step's time is affine in its batch, t(B) = a + b B, fitted
   on the last ``history`` windows' (batch per instance, p90 TPOT) (the proportional t = b B when the
   windows' batches do not spread enough to fit, which over-predicts a shrink's TPOT and never
   under-provisions); at Y' instances each holds B Y / Y'. Over the SLO: one more if it predicts a gain
-  over ``band``; prefilled requests waiting with the decode caches full: one more (``kv_room``: they
-  bring the KV room); one fewer when the prediction stays under the SLO by ``band`` / 2 and the
+  over ``band``; the decode caches with less than ``band`` free (or prefilled requests waiting with
+  them full): one more (``kv_room``: an instance brings KV room, and a decode side that runs out
+  preempts requests whose contexts keep growing, each recomputed whole); one fewer when the prediction stays under the SLO by ``band`` / 2 and the
   caches would still hold the KV in use with ``band`` to spare;
 - **idle** (nothing decoded, queued or computed): one fewer per side, down to the minimums.
 
@@ -143,13 +144,13 @@ class PdController:
         if m.prefill_busy > p.target_utilization * (1 + p.band) and need > x:
             return min(p.max_prefill, x + min(need - x, p.max_step)), "prefill_rate_up"
         ttft_ok = max(m.ttft_p90_s or 0.0, m.queue_wait_s) < p.ttft_slo_s * (1 - p.band)
-        if x > p.min_prefill and m.queue == 0 and ttft_ok and m.prefill_busy * x / (x - 1) <= p.target_utilization:
+        if x > p.min_prefill and ttft_ok and m.prefill_busy * x / (x - 1) <= p.target_utilization:
             return x - 1, "prefill_rate_down"
         return x, ""
 
     def _decode(self, m: PdSample, fit) -> tuple[int, str]:
         p, y = self.policy, m.decode
-        if self._decode_full(m):
+        if self._decode_full(m) or m.decode_kv_free < p.band:  # before the residents' growth preempts them
             return min(p.max_decode, y + 1), "kv_room"
         if m.tpot_p90_s is None:
             return y, ""

@@ -97,8 +97,10 @@ class ElasticPdSystem(PdSystem):
         if self._change is None and not self._todo:
             self.windows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in vars(sample).items()})
             if (d := self.controller.observe(sample)) is not None:
-                self._todo = [(side, n, d.reason) for side, n, cur in (("prefill", d.prefill, sample.prefill),
-                                                                       ("decode", d.decode, sample.decode)) if n != cur]
+                sides = [(side, n) for side, n, cur in (("prefill", d.prefill, sample.prefill),
+                                                        ("decode", d.decode, sample.decode)) if n != cur]
+                why = d.reason.split("+") if len(sides) == 2 and "+" in d.reason else [d.reason] * len(sides)
+                self._todo = [(side, n, r) for (side, n), r in zip(sides, why)]  # each side its own reason
                 self._begin()
         self._settle()
         self.loop.timer(now + self.sample_s, self._tick)

@@ -70,6 +70,12 @@ def test_the_decode_side_over_its_slo_grows_where_the_model_predicts_a_gain():
     assert d.predicted_tpot_s == pytest.approx(0.07 * 2 / 3)
 
 
+def test_decode_caches_with_less_than_the_band_free_get_an_instance_before_they_fill():
+    (d,) = _run(_same(3, decode_kv_free=0.1))  # within the SLO, nothing waiting yet
+    assert (d.prefill, d.decode, d.reason) == (2, 3, "kv_room")
+    assert _run(_same(3, decode_kv_free=0.2)) == []
+
+
 def test_a_decode_shrink_keeps_the_slo_and_the_kv_room_with_the_band_to_spare():
     (d,) = _run(_same(3, decode=3, tpot_p90_s=0.02))  # proportional: 0.02 x 3/2 = 0.03 <= 0.05 x 0.925
     assert (d.prefill, d.decode, d.reason) == (2, 2, "under_slo")
