@@ -187,18 +187,26 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def layout_flags(layout) -> list[str]:
     """The flags that start a deployment with ``layout`` (``moeflow serve --mode M ...``): each field that
-    differs from its default (a sub-config's flat), so that parsing them gives ``layout`` back."""
-    if any(is_layout_field(f) for f in dataclasses.fields(layout)):
-        raise ConfigError(f"mode {layout.mode!r}: its sides are given as --prefill/--decode strings, not flags")
+    differs from its default (a sub-config's flat; pd's sides as ``--prefill``/``--decode`` strings of
+    ``key=value`` items), so that parsing them gives ``layout`` back."""
     out = ["--mode", layout.mode]
+    for f, default, value in _changed(layout):
+        if is_layout_field(f):
+            out += [f"--{f.name}", ",".join([f"mode={value.mode}"] + [f"{g.name}={v}" for g, _, v in _changed(value)])]
+        else:
+            flag = _flag(f, default)
+            out += [flag] if isinstance(default, bool) else [flag, str(value)]
+    return out
+
+
+def _changed(layout):
+    """(field, default, value) of each field of ``layout`` (and its sub-configs) that differs from its default."""
     subs = nested(type(layout))
     for owner in [layout] + [getattr(layout, name) for name in subs]:
         for f in dataclasses.fields(owner):
-            if f.name in subs or not f.metadata.get("cli", False):
+            if f.name in subs or not (f.metadata.get("cli", False) or is_layout_field(f)):
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             value = getattr(owner, f.name)
             if value != default:
-                flag = _flag(f, default)
-                out += [flag] if isinstance(default, bool) else [flag, str(value)]
-    return out
+                yield f, default, value

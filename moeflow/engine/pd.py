@@ -251,6 +251,7 @@ class PdEngine(Engine):
                     res = e.check_workers()
                     (self._decoded(res, out) if side == "decode" else self._prefilled(engines.index(e), res, out))
         self._advance(out)
+        self.members.turn()  # a change goes on while the deployment is idle (the server steps it no more)
         return out
 
 

@@ -8,17 +8,19 @@ not reported). Events are ``GET /scale``'s, on the server's clock.
 from __future__ import annotations
 
 
-def process_seconds(members_at_start: int, events: list[dict], t0_s: float, t1_s: float) -> float:
+def process_seconds(members_at_start: int, events: list[dict], t0_s: float, t1_s: float,
+                    per_member: dict[str, int] | None = None) -> float:
     """Process-seconds of a deployment over [``t0_s``, ``t1_s``] that had ``members_at_start`` processes at
-    ``t0_s`` and then changed by ``events`` (``before``, ``after``, ``requested_s``, ``left_s``,
-    ``switched_s``, ``outcome``); events asked for before ``t0_s`` are in ``members_at_start`` already."""
+    ``t0_s`` and then changed by ``events`` (``kind``, ``before``, ``after``, ``requested_s``, ``left_s``,
+    ``switched_s``, ``outcome``); events asked for before ``t0_s`` are in ``members_at_start`` already.
+    ``per_member``: the processes one member of a kind is (a pd instance's); 1 where not given."""
     if not t1_s >= t0_s:
         raise ValueError(f"process_seconds: need t1_s >= t0_s, got {t0_s} and {t1_s}")
     total = members_at_start * (t1_s - t0_s)
     for e in events:
         if e["outcome"].startswith("failed") or not t0_s <= e["requested_s"] <= t1_s:
             continue
-        n = e["after"] - e["before"]
+        n = (e["after"] - e["before"]) * (per_member or {}).get(e.get("kind"), 1)
         if n > 0:
             total += n * (t1_s - e["requested_s"])
         elif n < 0:

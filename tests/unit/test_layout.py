@@ -10,7 +10,7 @@ import yaml
 from moeflow.config import ConfigError, SchedulerConfig
 from moeflow.engine.args import add_engine_args, engine_kwargs, layout_flags, layout_kwargs
 from moeflow.experiment.serve import parse_experiment
-from moeflow.layout import LAYOUTS, AsapLayout, DepLayout, layout_from_dict, layout_to_dict, make_layout
+from moeflow.layout import LAYOUTS, AsapLayout, DepLayout, layout_from_dict, layout_to_dict, make_layout, parse_parts
 
 EXPERIMENT = """
 model: MODEL
@@ -75,13 +75,17 @@ def test_the_command_line_is_generated_from_the_layouts():
     {"mode": "asap", "attn_dp": 2, "moe_workers": 3, "comm_threads": False, "min_batch_tokens": 64, "dual_batch": False},
     {"mode": "dep", "dp": 2, "placement": "round_robin", "max_batch_tokens": 4096},
     {"mode": "dwdp", "dp": 3, "max_dp": 4},
-    {"mode": "colocated"}])
+    {"mode": "colocated"},
+    {"mode": "pd", "prefill": {"mode": "asap", "attn_dp": 2, "moe_workers": 1, "min_batch_tokens": 64},
+     "decode": {"mode": "dep", "dp": 1, "max_batch_tokens": 2048}, "prefill_instances": 2, "max_decode_instances": 3}])
 def test_a_layouts_flags_start_that_layout(entry):
     layout = layout_from_dict(entry)
     p = argparse.ArgumentParser()
     add_engine_args(p)
     args = p.parse_args(layout_flags(layout))
-    assert layout_from_dict({"mode": args.mode, **layout_kwargs(args)}) == layout
+    given = layout_kwargs(args) | {side: parse_parts(getattr(args, side), side) for side in ("prefill", "decode")
+                                   if getattr(args, side, None) is not None}  # pd's sides, as engine_kwargs reads them
+    assert layout_from_dict({"mode": args.mode, **given}) == layout
 
 
 def test_the_engine_and_the_simulator_build_the_same_layout_from_one_entry(checkpoints, tmp_path):

@@ -28,3 +28,9 @@ def test_failed_changes_and_those_outside_the_span_are_left_out():
     assert process_seconds(3, [failed, before], 10.0, 20.0) == 30.0
     with pytest.raises(ValueError, match="t1_s >= t0_s"):
         process_seconds(3, [], 20.0, 10.0)
+
+
+def test_a_member_of_several_processes_costs_them_all():
+    up = {**_e(1, 2, 12.0, switched=15.0, left=15.0), "kind": "prefill"}  # a pd prefill instance of 2 processes
+    down = {**_e(2, 1, 14.0, switched=14.0, left=16.0), "kind": "decode"}  # a decode instance of 3
+    assert process_seconds(5, [up, down], 10.0, 20.0, {"prefill": 2, "decode": 3}) == 50.0 + 2 * 8.0 - 3 * 4.0

@@ -1,10 +1,11 @@
-"""The elastic afd deployment against fixed A:F ratios, measured on this machine (docs/results/elastic.md,
-"Measured here"), and set beside the simulator's run of the same experiment file.
+"""An elastic deployment against fixed ones, measured on this machine (docs/results/elastic.md, "Measured
+here"), and set beside the simulator's run of the same experiment file: afd's A:F, or pd's xPyD.
 
     python docs/results/elastic/measured.py configs/elastic-afd-here.yaml docs/results/elastic/measured_here.json \
         > docs/results/elastic/measured_here.txt
     python docs/results/elastic/measured.py --table docs/results/elastic/measured_here.json \
         docs/results/elastic/sim_here.json
+    (pd: configs/elastic-pd-here.yaml, measured_pd_here.json, sim_pd_here.json)
 
 For each repeat r (the workload's seed + r, as ``moeflow simulate --repeats`` draws them, so both see
 the same arrivals and lengths) and each system in turn (interleaved, so drift in the machine's speed
@@ -29,17 +30,17 @@ import time
 import httpx
 import yaml
 
-from moeflow.autoscale_config import policy_from
 from moeflow.bench.http_client import HttpClientConfig, run_requests, token_prompts
 from moeflow.bench.server_process import ServeProcess
 from moeflow.engine.args import layout_flags
 from moeflow.experiment.serve import load_experiment
+from moeflow.experiment.system import autoscale_policy
 from moeflow.measure.membership_cost import process_seconds
 from moeflow.measure.provenance import provenance
 from moeflow.measure.workload import WorkloadRequest, generate_requests
 
 ENGINE_FLAGS = ("num_kv_blocks", "max_num_seqs", "memory_budget_gib", "max_model_len")
-DECISION = re.compile(r"autoscale: (\w+) -> attention (\d+), (\w+) (\d+)")
+DECISION = re.compile(r"autoscale: ([\w+]+) -> (\w+) (\d+), (\w+) (\d+)")  # afd: attention, ffn; pd: prefill, decode
 
 
 def serve_flags(spec, dtype: str, policy_path: str | None) -> list[str]:
@@ -55,9 +56,23 @@ def serve_flags(spec, dtype: str, policy_path: str | None) -> list[str]:
         flags += [f"--{f.name.replace('_', '-')}", str(value)]
     if spec.autoscale:
         policy = dict(spec.autoscale)
-        flags += ["--autoscale", policy_path, "--max-attn-workers", str(policy["max_attention"]),
-                  "--max-ffn-workers", str(policy["max_ffn"])]
+        most = ({"--max-prefill-instances": "max_prefill", "--max-decode-instances": "max_decode"}
+                if spec.layout.mode == "pd" else {"--max-attn-workers": "max_attention", "--max-ffn-workers": "max_ffn"})
+        flags += ["--autoscale", policy_path] + [x for flag, key in most.items() for x in (flag, str(policy[key]))]
     return flags
+
+
+def members(spec, status: dict) -> dict[str, int]:
+    """The deployment's members by kind, from GET /scale (a fixed afd's lists no attention)."""
+    lay = spec.layout
+    if lay.mode == "pd":
+        return {"prefill": status["prefill"], "decode": status["decode"]}
+    return {"attention": status.get("attention", lay.attn_workers), "ffn": status["ffn"]}
+
+
+def processes_per_member(spec) -> dict[str, int]:
+    lay = spec.layout
+    return {"prefill": lay.prefill.num_processes, "decode": lay.decode.num_processes} if lay.mode == "pd" else {}
 
 
 def one_run(exp, name: str, seed: int, log_path: str) -> dict:
@@ -75,14 +90,15 @@ def one_run(exp, name: str, seed: int, log_path: str) -> dict:
         decisions = [m.groups() for m in DECISION.finditer(f.read())]
     ok = [o for o in run.outcomes if o.success]
     good = [o for o in ok if o.ttft_s <= exp.slo_ttft_s and (o.tpot_s or 0.0) <= exp.slo_tpot_s]
-    proc_s = process_seconds(start["attention"] + start["ffn"], status["events"], t0, t1)
+    per = processes_per_member(spec)
+    proc_s = process_seconds(sum(n * per.get(k, 1) for k, n in start.items()), status["events"], t0, t1, per)
     tpots = [o.tpot_s for o in ok if o.tpot_s is not None]
     return {"system": name, "seed": seed, "log": log_path, "t0_s": t0, "requests": len(reqs), "answered": len(ok),
             "good": len(good),
             "duration_s": t1 - t0, "process_s": proc_s, "goodput_per_process_s": len(good) / proc_s,
             "ttft_p90_s": _p90([o.ttft_s for o in ok]), "tpot_p90_s": _p90(tpots),
-            "members_at_end": {"attention": status.get("attention", spec.layout.attn_workers), "ffn": status["ffn"]},
-            "decisions": [{"reason": r, "attention": int(a), "ffn": int(n)} for r, a, _, n in decisions],
+            "members_at_end": members(spec, status),
+            "decisions": [{"reason": r, a: int(x), b: int(y)} for r, a, x, b, y in decisions],
             "events": [{"kind": e["kind"], "before": e["before"], "after": e["after"], "outcome": e["outcome"],
                         "asked_s": e["requested_s"] - t0,
                         "serving_s": None if e["switched_s"] is None else e["switched_s"] - t0}
@@ -95,8 +111,7 @@ def _serve(exp, spec, flags: list[str], reqs, seed: int, log_path: str):
         client = HttpClientConfig(url, model="m", progress=False)
         probe = [WorkloadRequest(0.0, 16, 2)]
         assert run_requests(client, probe, token_prompts(probe, seed + 1)).outcomes[0].success
-        start = httpx.get(url + "/scale", timeout=30).json()
-        start = {"attention": spec.layout.attn_workers} | start  # a fixed afd's lists no attention
+        start = members(spec, httpx.get(url + "/scale", timeout=30).json())
         t0 = time.monotonic()
         run = run_requests(client, reqs, token_prompts(reqs, seed))
         t1 = time.monotonic()
@@ -135,7 +150,7 @@ def table(measured: str, simulated: str | None = None) -> None:
     with open(measured) as f:
         result = json.load(f)
     runs, exp = result["runs"], load_experiment(result["config"])
-    holds = {n: policy_from(dict(x.autoscale), n)[0].hold_s for n, x in exp.systems.items() if x.autoscale}
+    holds = {n: autoscale_policy(x)[0].hold_s for n, x in exp.systems.items() if x.autoscale}
     sim = {}
     if simulated:
         with open(simulated) as f:

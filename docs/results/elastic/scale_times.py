@@ -3,10 +3,12 @@
     python docs/results/elastic/scale_times.py > docs/results/elastic/scale_times.txt
     python docs/results/elastic/scale_times.py "dep ranks" > docs/results/elastic/scale_times_dep.txt
     python docs/results/elastic/scale_times.py "dwdp ranks" > docs/results/elastic/scale_times_dwdp.txt
+    python docs/results/elastic/scale_times.py "pd prefill" "pd decode" > docs/results/elastic/scale_times_pd.txt
 
 The embedded model (fp32), no load, six changes each way of each kind: afd's FFN daemons 2 <-> 3
 (2 attention instances), asap's MoE workers 2 <-> 3, asap's attention groups 1 <-> 2, afd's
-attention instances 1 <-> 2, dep's ranks 2 <-> 3 and dwdp's ranks 2 <-> 3. Per change:
+attention instances 1 <-> 2, dep's ranks 2 <-> 3, dwdp's ranks 2 <-> 3, and a pd deployment's (one-rank dep
+instances) prefill and decode instances 1 <-> 2. Per change:
 request -> the new membership serving (``switched``), -> the old member gone (``left``), the weights
 moved and the slowest copy; then the same prompts' greedy output against before the changes.
 """
@@ -27,6 +29,10 @@ KINDS = [  # (label, the scale argument, the deployment, (up, down))
                                         max_attn_workers=2, max_batch_tokens=64), (2, 1)),
     ("dep ranks", "ep_size", dict(mode="dep", dp=2, max_dp=3), (3, 2)),
     ("dwdp ranks", "ep_size", dict(mode="dwdp", dp=2, max_dp=3), (3, 2)),
+    ("pd prefill", "prefill", dict(mode="pd", prefill={"mode": "dep"}, decode={"mode": "dep"},
+                                   max_prefill_instances=2), (2, 1)),
+    ("pd decode", "decode", dict(mode="pd", prefill={"mode": "dep"}, decode={"mode": "dep"},
+                                 max_decode_instances=2), (2, 1)),
 ]
 
 
