@@ -118,7 +118,9 @@ class PdMembers:
         held = set(range(target, len(instances)))
         if e.switched_s is None:
             e.switched_s = clock()  # the deployment serves without them from the request on
-        if any(where == (e.kind, i) for where in eng.where.values() for i in held) or any(
+        # a prefill leaver holds its prompts and the leases of what it prefilled; a decode one its requests
+        # and the handoffs that reserved its blocks
+        if any(side == e.kind and i in held for side, i in eng.where.values()) or any(
                 getattr(h, e.kind) in held for h in eng.handoffs.values()):
             return
         drv = eng.driver

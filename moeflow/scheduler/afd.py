@@ -51,7 +51,9 @@ class AfdScheduler(DepScheduler):
         if len(r.output_token_ids) + self._samples.get(r.request_id, 0) >= r.params.max_tokens:
             return 0  # its last token is being sampled already
         left = self._known(r) - self._start(r)
-        return left if self.chunk is None else min(left, self.chunk)
+        # NOTE: without chunked prefill a prompt fits a batch (add checks it), but a preempted request's
+        # recompute (its prompt and tokens so far) may not: it comes back in max_batch_tokens pieces
+        return min(left, self.chunk or self.max_batch_tokens)
 
     def schedule(self, now: float = 0.0) -> list[Work]:
         """m micro-batches for every live instance, or [] when none has anything to do."""

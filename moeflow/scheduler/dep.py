@@ -132,7 +132,9 @@ class DepScheduler(Scheduler):
     def _step_tokens(self, r: Request) -> int:
         """Tokens ``r`` computes in the next step: 1 when decoding, else (the next chunk of) its prompt."""
         left = r.num_tokens - r.num_computed_tokens
-        return left if self.chunk is None else min(left, self.chunk)
+        # NOTE: without chunked prefill a prompt fits a batch (add checks it), but a preempted request's
+        # recompute (its prompt and tokens so far) may not: it comes back in max_batch_tokens pieces
+        return min(left, self.chunk or self.max_batch_tokens)
 
     def schedule(self, now: float = 0.0) -> list[Work]:
         """One work item per rank for the next global step (empty batches included), or [] when

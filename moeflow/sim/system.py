@@ -167,6 +167,9 @@ class System(abc.ABC):
             *self._progress(), n, self.loop.now, self._tpot_lower() if stop.tpot is not None else None)),
             every=self.stop_check_every)
         stopped = self._pending > 0
+        if stopped and stop is None:  # nothing left to happen, yet requests wait: a scheduler that never admits them
+            raise RuntimeError(f"system {self.spec.name!r}: the simulation ran out of events at {self.loop.now:.1f} s "
+                               f"with {self._pending} requests unfinished")
         end = self.loop.now
         busy_s, num_entities, preemptions, split_s = self.totals()
         busy = {role: s / (num_entities[role] * end) if end > 0 else 0.0 for role, s in busy_s.items()}

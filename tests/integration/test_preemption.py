@@ -21,6 +21,10 @@ MODES = {
     "asap": dict(mode="asap", attn_dp=1, moe_workers=1, min_batch_tokens=8, max_batch_wait_s=0.005),
     "dwdp": dict(mode="dwdp", dp=2),
     "afd": dict(mode="afd", attn_workers=1, ffn_workers=1, micro_batches=2),
+    # a recompute (prompt and tokens so far: up to 44) longer than a batch, no chunked prefill: it comes back
+    # in max_batch_tokens pieces (else it would wait forever)
+    "dep_short_batches": dict(mode="dep", dp=2, max_batch_tokens=24),
+    "afd_short_batches": dict(mode="afd", attn_workers=1, ffn_workers=1, micro_batches=2, max_batch_tokens=24),
 }
 
 

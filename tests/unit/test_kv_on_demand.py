@@ -166,3 +166,26 @@ def test_samples_compute_the_prompt_themselves_when_the_first_is_gone():
     s.abort(fam[1].request_id, "abort")  # waiting, holding the two shared blocks
     s.abort(fam[0].request_id, "abort")
     assert s.pool.groups[0].allocator.num_free == 16 and not s.has_unfinished()
+
+
+@pytest.mark.parametrize("mode,layout", [("dep", {"dp": 1, "max_batch_tokens": 7}),
+                                         ("afd", {"attn_workers": 1, "ffn_workers": 1, "max_batch_tokens": 7})])
+def test_a_preempted_request_longer_than_a_batch_comes_back_in_chunks(mode, layout):
+    """Its recompute (prompt and tokens so far) may exceed max_batch_tokens though its prompt did not: without
+    chunked prefill it would wait at the head of the queue forever (found in the simulator: a pd decode
+    instance, its caches full, left 1671 requests waiting with every block free)."""
+    s = _sched(mode, blocks=4, **layout)
+    old, new = _req("old", 6, 10), _req("new", 6, 10)
+    s.add(old)
+    s.add(new)
+    while s.pool.num_preemptions == 0:
+        _step(s)
+    assert new.status is RequestStatus.WAITING and new.num_tokens > 7  # its prompt, 6, fitted a batch
+    while old.status is not RequestStatus.FINISHED:
+        _step(s)
+    pieces = []
+    while new.status is not RequestStatus.FINISHED:
+        works = _step(s)
+        assert works, "the preempted request is never scheduled again"
+        pieces += [(q.start, q.num_tokens) for w in works for b in w.batches for q in b.seqs if q.request_id == "new"]
+    assert pieces[0] == (0, 7) and pieces[1][0] == 7 and len(new.output_token_ids) == 10

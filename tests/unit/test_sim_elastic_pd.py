@@ -95,3 +95,12 @@ def test_an_elastic_deployment_that_may_outgrow_the_cores_shares_them_from_its_s
     sim = make_system(cfg.systems["elastic"], cost)
     assert sim.cores is not None and sim.cores.cores == 2
     assert all(s.cores is sim.cores for s in getattr(sim, "prefill", []) + getattr(sim, "decode", []))
+
+
+def test_a_run_that_runs_out_of_events_with_requests_unfinished_says_so():
+    cfg = _cfg(fixed=PD)
+    sim = make_system(cfg.systems["fixed"], build_cost(cfg))
+    for d in sim.decode:  # decode instances that never schedule: every handoff lands and waits
+        d.sched.schedule = lambda now: []
+    with pytest.raises(RuntimeError, match=r"ran out of events at .* with \d+ requests unfinished"):
+        sim.run(generate_requests(cfg.point_workload(4.0, 1)))

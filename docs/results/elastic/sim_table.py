@@ -1,5 +1,5 @@
 """The elastic-against-fixed table of docs/results/elastic.md from a `moeflow simulate --json` result
-of configs/elastic-afd-gb200.yaml (one row per system; with --repeats, the median over the seeds and
+of configs/elastic-afd-gb200.yaml (or -decode-gb200, -pd-gb200) (one row per system; with --repeats, the median over the seeds and
 their range).
 
     python docs/results/elastic/sim_table.py docs/results/elastic/sim_gb200.json
@@ -10,6 +10,8 @@ import json
 import statistics
 import sys
 from collections import Counter
+
+from moeflow.experiment.system import system_from_dict
 
 
 def runs(result: dict) -> list[dict]:
@@ -46,20 +48,33 @@ def main(path: str) -> None:
                                   for c in p["membership_changes"])
                 print(f"{name}, seed {k}: " + ", ".join(f"{n} x {why}" for why, n in sorted(reasons.items())))
                 cfg, n_best = r["config"], _processes(systems[best_fixed[1]]["config"])
-                above = _above(_processes(cfg), p["membership_changes"], p["duration_s"], n_best)
+                above = _above(_processes(cfg), p["membership_changes"], p["duration_s"], n_best, _per_member(cfg))
                 print(f"    process-seconds above {best_fixed[1]}'s {n_best} processes: {above:.0f} of "
                       f"{p['process_s']:.0f} ({above / p['process_s']:.0%})")
 
 
+def _layout(cfg: dict):
+    return system_from_dict("x", {k: v for k, v in cfg.items()
+                                  if k not in ("name", "model", "dtype", "hardware", "cost", "devices")}).layout
+
+
 def _processes(cfg: dict) -> int:
-    return cfg["attn_workers"] + cfg["ffn_workers"]
+    return _layout(cfg).num_processes
 
 
-def _above(start: int, changes: list[dict], end_s: float, n: int) -> float:
+def _per_member(cfg: dict) -> dict[str, int]:
+    """Processes per member of each side that changes (a pd instance is its layout's processes)."""
+    lay = _layout(cfg)
+    return {"prefill": lay.prefill.num_processes, "decode": lay.decode.num_processes} if lay.mode == "pd" else {}
+
+
+def _above(start: int, changes: list[dict], end_s: float, n: int, per_member: dict[str, int]) -> float:
     """Process-seconds spent above ``n`` processes: a joiner counts from the ask, a leaver to its exit
     (``done_s``), as the simulator's own accounting."""
-    steps = sorted([(c["asked_s"], c["after"] - c["before"]) for c in changes if c["after"] > c["before"]]
-                   + [(c["done_s"], c["after"] - c["before"]) for c in changes if c["after"] < c["before"]])
+    def d(c: dict) -> int:
+        return (c["after"] - c["before"]) * per_member.get(c["side"], 1)
+    steps = sorted([(c["asked_s"], d(c)) for c in changes if c["after"] > c["before"]]
+                   + [(c["done_s"], d(c)) for c in changes if c["after"] < c["before"]])
     total, t, members = 0.0, 0.0, start
     for at, d in steps + [(end_s, 0)]:
         total += max(0, members - n) * (min(at, end_s) - t)
