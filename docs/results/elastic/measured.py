@@ -5,7 +5,7 @@ here"), and set beside the simulator's run of the same experiment file: afd's A:
         > docs/results/elastic/measured_here.txt
     python docs/results/elastic/measured.py --table docs/results/elastic/measured_here.json \
         docs/results/elastic/sim_here.json
-    (pd: configs/elastic-pd-here.yaml, measured_pd_here.json, sim_pd_here.json)
+    (pd: configs/elastic-pd-here.yaml, measured_pd_here.json, sim_pd_here.json; a third argument: fewer seeds)
 
 For each repeat r (the workload's seed + r, as ``moeflow simulate --repeats`` draws them, so both see
 the same arrivals and lengths) and each system in turn (interleaved, so drift in the machine's speed
@@ -124,10 +124,11 @@ def _p90(xs: list[float]) -> float | None:
     return statistics.quantiles(xs, n=10)[-1] if len(xs) > 1 else (xs[0] if xs else None)
 
 
-def main(config: str, out: str) -> None:
+def main(config: str, out: str, repeats: str | None = None) -> None:
+    """``repeats``: fewer seeds than the file's (a check rather than a comparison)."""
     exp = load_experiment(config)
     runs = []
-    for r in range(exp.repeats):
+    for r in range(exp.repeats if repeats is None else int(repeats)):
         for name in exp.systems:
             res = one_run(exp, name, exp.workload.seed + r, f"/tmp/moeflow-elastic-{name}-{r}.log")
             runs.append(res)
@@ -211,4 +212,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--table":
         table(*sys.argv[2:4])
     else:
-        main(*sys.argv[1:3])
+        main(*sys.argv[1:4])
