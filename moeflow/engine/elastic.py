@@ -231,16 +231,11 @@ class ElasticExperts:
         x, m, ag = super().load(), self.eplb.membership, self.attention_groups
         if m is None and ag is None:
             return x
-        counts: dict[tuple[str, str], int] = {}
-        for e in (m.events if m is not None else []) + (ag.events if ag is not None else []):
-            if e.outcome == "running":  # counted once it ends (a counter never goes down)
-                continue
-            key = (e.kind, e.outcome.split(":")[0])
-            counts[key] = counts.get(key, 0) + 1
         lay = self.layout
         return dataclasses.replace(x, members=(("attention", self.attention_count),
                                                (lay.expert_kind, getattr(lay, lay.expert_count))),
-                                   scale_events=tuple((k, o, c) for (k, o), c in sorted(counts.items())))
+                                   scale_events=event_counts((m.events if m is not None else []) +
+                                                             (ag.events if ag is not None else [])))
 
     def _join_expert(self, index: int, join) -> object:
         """Fork expert holder ``index`` to join with placement ``join`` (its world rank follows the
@@ -267,6 +262,17 @@ def check_joiners_fit(deployment_id: str, names: list[str], count: int, what: st
         return
     each = sum(os.path.getsize(f) for n in names for f in glob.glob(segment_path(deployment_id, n)))
     check_room(SHM_DIR, count * each, what)
+
+
+def event_counts(events: list[ScaleEvent]) -> tuple[tuple[str, str, int], ...]:
+    """(kind, outcome, count) of the changes that ended, for ``/metrics`` (a counter never goes down, so a
+    change counts once it ends)."""
+    counts: dict[tuple[str, str], int] = {}
+    for e in events:
+        if e.outcome != "running":
+            key = (e.kind, e.outcome.split(":")[0])
+            counts[key] = counts.get(key, 0) + 1
+    return tuple((k, o, c) for (k, o), c in sorted(counts.items()))
 
 
 def scale_event(e: ScaleEvent) -> dict:

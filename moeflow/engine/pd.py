@@ -66,10 +66,7 @@ class PdEngine(Engine):
         self.driver = HandoffDriver(self.prefill, self.decode, self.kv, layout, config.seed, config.trace)
         self.machine = self.driver.machine  # the handoffs' state machine (scheduler/handoff/deployment.py)
         self.handoffs = self.machine.handoffs  # request id -> its handoff, oldest first
-        self.members = PdMembers(self, {side: getattr(layout, f"max_{side}_instances") or getattr(
-            layout, f"{side}_instances") for side in ("prefill", "decode")})
-        live = self.machine.live  # a leaving decode instance takes no handoff (nor a recompute)
-        self.machine.live = lambda side, i: live(side, i) and (side != "decode" or i < self.members.serving(side))
+        self.members = PdMembers(self)  # instances that join and leave while serving
 
     def _instance(self, layout) -> Engine:
         e = PdEngine.build_instance(layout, self.model_path, dataclasses.replace(self.config, share_kv_cache=True))

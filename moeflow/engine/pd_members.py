@@ -20,21 +20,26 @@ import threading
 
 from moeflow.config import ConfigError
 from moeflow.engine.base import Engine, clock
-from moeflow.engine.elastic import ScaleEvent, scale_event
+from moeflow.engine.elastic import ScaleEvent, event_counts, scale_event
 from moeflow.scheduler.handoff.sides import DecodeSide, PrefillSide
 
 SIDES = ("prefill", "decode")
 
 
 class PdMembers:
-    def __init__(self, engine, max_instances: dict[str, int]):
-        """``engine``: the ``PdEngine``; ``max_instances``: per side, the most a change may ask for."""
-        self.engine, self.max = engine, max_instances
+    def __init__(self, engine):
+        """``engine``: the ``PdEngine``, its handoffs' machine built; a side may grow to its layout's
+        ``max_*_instances`` (none: it stays as it started)."""
+        lay = engine.layout
+        self.engine = engine
+        self.max = {side: getattr(lay, f"max_{side}_instances") or getattr(lay, f"{side}_instances") for side in SIDES}
         self.leaving = {"prefill": 0, "decode": 0}  # the last instances of a side, taking nothing new
         self.events: list[ScaleEvent] = []
         self._built: list = []  # the joiners' engines, once their thread has built them
         self._error: list[str] = []
         self._thread: threading.Thread | None = None
+        live = engine.machine.live  # a leaving decode instance takes no handoff (nor a recompute)
+        engine.machine.live = lambda side, i: live(side, i) and (side != "decode" or i < self.serving(side))
 
     @property
     def busy(self) -> bool:
@@ -150,13 +155,7 @@ class PdMembers:
         return out
 
     def counts(self) -> tuple[tuple[str, str, int], ...]:
-        """(kind, outcome, count) of the changes that ended, for ``/metrics``."""
-        n: dict[tuple[str, str], int] = {}
-        for e in self.events:
-            if e.outcome != "running":
-                key = (e.kind, e.outcome.split(":")[0])
-                n[key] = n.get(key, 0) + 1
-        return tuple((k, o, c) for (k, o), c in sorted(n.items()))
+        return event_counts(self.events)
 
     def shutdown(self) -> None:
         """A join under way is waited for and its instances stopped (they never served)."""

@@ -3,7 +3,7 @@ rate matching, ``scheduler/autoscale_pd.py``), fed by the same window code as th
 (``scheduler/load_window.PdWindow``) every ``sample_s`` of simulated time; a window with a change
 under way decides nothing, as the engine skips it.
 
-A decision is carried out as the engine carries it out (``engine/pd_elastic.py``), one change at a
+A decision is carried out as the engine carries it out (``engine/pd_members.py``), one change at a
 time, prefill first:
 
 - **up**: the new instance starts at the decision and serves once ready: ``member_start_s``
@@ -38,7 +38,7 @@ class ElasticPdSystem(PdSystem):
             s.cores = self.cores
         self.make_system, self.window = make_system, PdWindow(0.0)
         self.leaving = {"prefill": 0, "decode": 0}  # the last instances of a side, taking nothing new
-        self.machine.live = lambda side, i: i < len(self.decode) - self.leaving["decode"] if side == "decode" else True
+        self.machine.live = lambda side, i: side != "decode" or i < self.decode_serving
         self.decoding: set[str] = set()
         self._todo: list[tuple[str, int, str]] = []
         self._change: tuple[str, int] | None = None
@@ -55,6 +55,10 @@ class ElasticPdSystem(PdSystem):
     @property
     def prefill_serving(self) -> int:
         return len(self.prefill) - self.leaving["prefill"]
+
+    @property
+    def decode_serving(self) -> int:
+        return len(self.decode) - self.leaving["decode"]
 
     def _prefill_busy_s(self) -> float:
         return sum(s.compute_s() for s in self.prefill + [g for g, side in self.gone if side == "prefill"])
@@ -87,7 +91,7 @@ class ElasticPdSystem(PdSystem):
         busy = self._prefill_busy_s()
         self.window.step(busy - self._busy_seen, 0.0)
         self._busy_seen = busy
-        serving = self.decode[:len(self.decode) - self.leaving["decode"]]
+        serving = self.decode[:self.decode_serving]
         kv = [s.kv_blocks() for s in serving]
         oldest = min((t for s in self.prefill if (t := s.oldest_unanswered_s()) is not None), default=None)
         sample = self.window.sample_pd(
