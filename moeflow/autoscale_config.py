@@ -98,10 +98,47 @@ class PdAutoscalePolicy:
             raise bad("need interval_s >= 0, window >= 1, 0 < band < 1, hold_s >= 0")
 
 
+@dataclass(frozen=True)
+class EpAutoscalePolicy:
+    """What the controller of a deployment of ranks may do: dep's EP size, dwdp's ranks
+    (``scheduler/autoscale_ep.py``)."""
+
+    tpot_slo_s: float  # p90 TPOT the deployment must keep
+    ttft_slo_s: float | None = None  # p90 TTFT to keep too (None: TPOT and KV room alone decide)
+    min_ranks: int = 1  # raised to the fewest ranks that hold every expert (the memory floor)
+    max_ranks: int = 1
+    max_processes: int | None = None  # ranks x their tensor-parallel size; None: max_ranks'
+    max_step: int = 1  # ranks one TTFT decision may add
+    interval_s: float = 10.0
+    window: int = 3
+    band: float = 0.15
+    hold_s: float = 60.0
+    history: int = 20  # windows whose (hottest device's load, TPOT) the step model is fitted on
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> ValueError:
+            return ValueError(f"autoscale policy (ranks): {what}")
+        if isinstance(self.tpot_slo_s, bool) or not isinstance(self.tpot_slo_s, (int, float)) or not self.tpot_slo_s > 0:
+            raise bad(f"tpot_slo_s must be a number > 0, got {self.tpot_slo_s!r}")
+        if self.ttft_slo_s is not None and (isinstance(self.ttft_slo_s, bool) or not isinstance(
+                self.ttft_slo_s, (int, float)) or not self.ttft_slo_s > 0):
+            raise bad(f"ttft_slo_s must be a number > 0 or null, got {self.ttft_slo_s!r}")
+        if not (isinstance(self.min_ranks, int) and isinstance(self.max_ranks, int) and 1 <= self.min_ranks <= self.max_ranks):
+            raise bad(f"need 1 <= min_ranks <= max_ranks, got {self.min_ranks!r} and {self.max_ranks!r}")
+        if self.max_processes is not None and not (isinstance(self.max_processes, int) and self.max_processes >= 1):
+            raise bad(f"max_processes must be an int >= 1 or null, got {self.max_processes!r}")
+        for k in ("max_step", "history"):
+            if not (isinstance(getattr(self, k), int) and getattr(self, k) >= (1 if k == "max_step" else 2)):
+                raise bad(f"{k} must be an int >= {1 if k == 'max_step' else 2}, got {getattr(self, k)!r}")
+        if not (self.interval_s >= 0 and self.window >= 1 and 0 < self.band < 1 and self.hold_s >= 0):
+            raise bad("need interval_s >= 0, window >= 1, 0 < band < 1, hold_s >= 0")
+
+
 def policy_from(raw: dict, where: str, cls: type = AutoscalePolicy) -> tuple:
     """(the policy, its sampling period ``sample_s``) of a mapping of their fields (a POLICY.yaml, a
     simulated system's ``autoscale:``), refused naming ``where`` and the key that is wrong. ``cls``:
-    ``AutoscalePolicy`` (afd's A:F) or ``PdAutoscalePolicy`` (pd's xPyD)."""
+    ``AutoscalePolicy`` (afd's A:F), ``PdAutoscalePolicy`` (pd's xPyD) or ``EpAutoscalePolicy`` (dep's
+    and dwdp's ranks)."""
     d = dict(raw)
     sample_s = d.pop("sample_s", 2.0)
     known = {f.name for f in fields(cls)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from moeflow.autoscale_config import AutoscalePolicy, PdAutoscalePolicy, policy_from
+from moeflow.autoscale_config import AutoscalePolicy, EpAutoscalePolicy, PdAutoscalePolicy, policy_from
 from moeflow.config import DTYPES, ConfigError, EngineConfig
 from moeflow.layout import Layout, layout_from_dict, layout_to_dict
 
@@ -160,14 +160,16 @@ class SystemSpec:
         return self.engine.num_kv_blocks * self.engine.kv_block_size
 
 
-def autoscale_policy(spec: SystemSpec) -> tuple[AutoscalePolicy | PdAutoscalePolicy, float]:
-    """(the controller's policy, its sampling period) of an elastic system: pd's xPyD, else afd's A:F."""
-    cls = PdAutoscalePolicy if spec.layout.mode == "pd" else AutoscalePolicy
+def autoscale_policy(spec: SystemSpec) -> tuple[AutoscalePolicy | PdAutoscalePolicy | EpAutoscalePolicy, float]:
+    """(the controller's policy, its sampling period) of an elastic system: pd's xPyD, dep's and dwdp's
+    ranks, else afd's A:F."""
+    cls = {"pd": PdAutoscalePolicy, "dep": EpAutoscalePolicy, "dwdp": EpAutoscalePolicy}.get(spec.layout.mode,
+                                                                                          AutoscalePolicy)
     return policy_from(dict(spec.autoscale), f"systems.{spec.name}.autoscale", cls)
 
 
 def check_autoscale(spec: SystemSpec) -> None:
-    """An elastic system: afd (topology all) or pd, a valid policy whose range holds the layout's start."""
+    """An elastic system: afd (topology all), pd, dep or dwdp, a valid policy whose range holds the layout's start."""
     where, lay = f"systems.{spec.name}.autoscale", spec.layout
     if lay.mode == "pd":
         policy, _ = autoscale_policy(spec)
@@ -176,9 +178,15 @@ def check_autoscale(spec: SystemSpec) -> None:
             raise ConfigError(f"{where}: the layout's start ({lay.prefill_instances} prefill, {lay.decode_instances} "
                               f"decode instances) is outside the policy's range")
         return
+    if lay.mode in ("dep", "dwdp"):
+        policy, _ = autoscale_policy(spec)
+        if lay.max_dp is None or not policy.min_ranks <= lay.dp <= policy.max_ranks <= lay.max_dp:
+            raise ConfigError(f"{where}: need min_ranks <= dp ({lay.dp}) <= max_ranks <= max_dp ({lay.max_dp}): "
+                              f"the ranks join up to the deployment's max_dp")
+        return
     if lay.mode != "afd" or getattr(lay, "topology", None) != "all":
-        raise ConfigError(f"{where}: the controller resizes afd with topology all (A:F) and pd (xPyD), not mode "
-                          f"{lay.mode!r}")
+        raise ConfigError(f"{where}: the controller resizes afd with topology all (A:F), pd (xPyD) and the ranks "
+                          f"of dep and dwdp, not mode {lay.mode!r}")
     policy, _ = autoscale_policy(spec)
     if not (policy.min_attention <= lay.attn_workers <= policy.max_attention
             and policy.min_ffn <= lay.ffn_workers <= policy.max_ffn):

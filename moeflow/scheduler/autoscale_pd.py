@@ -193,15 +193,19 @@ class PdController:
         return d
 
 
-def _mean(samples: list[PdSample]) -> PdSample:
-    n, last = len(samples), samples[-1]
-
+def averages(samples: list) -> tuple:
+    """(avg, avg_known) over ``samples``: a field's mean, and the mean of its known (not None) values."""
     def avg(k: str) -> float:
-        return sum(getattr(x, k) for x in samples) / n
+        return sum(getattr(x, k) for x in samples) / len(samples)
 
     def avg_known(k: str) -> float | None:
         xs = [getattr(x, k) for x in samples if getattr(x, k) is not None]
         return sum(xs) / len(xs) if xs else None
+    return avg, avg_known
+
+
+def _mean(samples: list[PdSample]) -> PdSample:
+    last, (avg, avg_known) = samples[-1], averages(samples)
     return PdSample(last.t_s, last.prefill, last.decode, avg("prefill_busy"), avg("decode_batch"),
                     avg_known("tpot_p90_s"), avg_known("ttft_p90_s"), round(avg("queue")),
                     round(avg("handoffs_waiting")), avg("decode_kv_free"), last.queue_wait_s)

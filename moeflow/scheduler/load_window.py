@@ -10,6 +10,7 @@ for those that finished in it; the window's p90 of each.
 from __future__ import annotations
 
 from moeflow.scheduler.autoscale import Sample
+from moeflow.scheduler.autoscale_ep import EpSample
 from moeflow.scheduler.autoscale_pd import PdSample
 
 
@@ -88,6 +89,19 @@ class PdWindow(LoadWindow):
                      queue_wait_s=0.0 if oldest_unanswered_s is None else max(0.0, now_s - oldest_unanswered_s))
         self.t0_s, self.busy_s, self.wait_s, self.tpots, self.ttfts, self._area = now_s, 0.0, 0.0, [], [], 0.0
         return s
+
+
+class EpWindow(PdWindow):
+    """A deployment of ranks' window (``autoscale_ep.py``): ``step`` takes the ranks' compute seconds,
+    ``decoding`` the requests decoding on them."""
+
+    def sample_ep(self, now_s: float, ranks: int, processes: int, queue: int, free_kv_blocks: int, kv_blocks: int,
+                  oldest_unanswered_s: float | None, imbalance: tuple[float, float, float]) -> EpSample:
+        """The window up to ``now_s``: ``processes`` per rank, the expert load's imbalance at R - 1, R, R + 1;
+        the next window starts here."""
+        p = self.sample_pd(now_s, ranks, ranks, processes, queue, 0, free_kv_blocks, kv_blocks, oldest_unanswered_s)
+        return EpSample(now_s, ranks, p.decode_batch, p.tpot_p90_s, p.ttft_p90_s, queue, p.decode_kv_free,
+                        p.queue_wait_s, p.prefill_busy, imbalance)
 
 
 def oldest_unanswered(pool) -> float | None:

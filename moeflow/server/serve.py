@@ -92,13 +92,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          on_give_up=None if args.keep_alive_on_failure else give_up)
     if args.autoscale is not None:
         from moeflow.engine.autoscaler import Autoscaler, load_policy
-        if args.mode not in ("afd", "asap", "pd"):
+        if args.mode not in ("afd", "asap", "pd", "dep", "dwdp"):
             raise ConfigError(f"--autoscale: mode {args.mode!r} does not change its members while serving (afd, "
-                              f"asap and pd do)")
+                              f"asap, pd, dep and dwdp do)")
         if args.mode == "pd":
             from moeflow.autoscale_config import PdAutoscalePolicy
             from moeflow.engine.pd_autoscaler import PdAutoscaler
             engine.autoscaler = PdAutoscaler(*load_policy(args.autoscale, PdAutoscalePolicy), counter=metrics.autoscale)
+        elif args.mode in ("dep", "dwdp"):
+            from moeflow.autoscale_config import EpAutoscalePolicy
+            from moeflow.engine.ep_autoscaler import EpAutoscaler
+            engine.autoscaler = EpAutoscaler(*load_policy(args.autoscale, EpAutoscalePolicy), counter=metrics.autoscale)
         else:
             engine.autoscaler = Autoscaler(*load_policy(args.autoscale), counter=metrics.autoscale)
     # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; with

@@ -38,6 +38,7 @@ class DepSystem(StepSystem):
         layout = spec.layout
         self.ep = layout.dp * layout.tp  # expert devices: every device of every rank
         self.loads = self.expert_loads(self.ep)
+        self.local = max(1, cost.model.num_experts // self.ep)  # experts a device holds (an elastic one: its slots)
         self.remote_share = remote_share(cost.model, self.ep, spec.sim.dedup_dispatch)
         self.num_entities = {"rank": layout.dp}
         self.busy_s = {"rank": 0.0}
@@ -112,7 +113,7 @@ class DepSystem(StepSystem):
         all-to-all combine; one rank's expert compute summed over the layers (for busy); and per
         MoE layer every expert device's compute (for shared cores)."""
         m, c, ep, n = self.model, self.cost, self.ep, self.model.num_moe_layers
-        local = max(1, m.num_experts // ep)
+        local = self.local
         share = self.remote_share  # the rows that leave the device (per pair, or per device with dedup)
         # each TP member of a rank sends 1/tp of its tokens' pairs; the busiest sender bounds the collective
         send = max(c.dispatch_bytes(t) for t in tokens) / self.layout.tp * share

@@ -26,16 +26,16 @@ from moeflow.scheduler import groups
 from moeflow.scheduler.autoscale import Controller
 from moeflow.scheduler.load_window import LoadWindow, oldest_unanswered
 from moeflow.sim.afd import AfdSystem
+from moeflow.sim.boundary_change import BoundaryChange
 
 
-class ElasticAfdSystem(AfdSystem):
+class ElasticAfdSystem(BoundaryChange, AfdSystem):
     def __init__(self, spec, cost, trace_until_s=0.0):
         super().__init__(spec, cost, trace_until_s)
         policy, self.sample_s = autoscale_policy(spec)
         self.controller, self.window = Controller(policy), LoadWindow(0.0)
         self.cores = self.core_pool(policy.budget)  # its joiners share the machine's cores too
         self._todo: list[tuple[str, int, str]] = []  # the rest of a decision: (side, target, its reason)
-        self._change: tuple[str, int, float | None] | None = None  # (side, target, ready at; None: draining)
         self.changes: list[dict] = []  # every change: side, before, after, reason, asked_s, done_s
         self.windows: list[dict] = []  # the windows the controller decided on (the engine logs its own)
         self.warming = {"attention": 0, "ffn": 0}  # joiners started, not yet serving
@@ -105,24 +105,11 @@ class ElasticAfdSystem(AfdSystem):
         self._change = (side, target, ready)
         self._idle_boundary()
 
-    def _idle_boundary(self) -> None:
-        """A change that became ready while no step runs takes effect now."""
-        if not self.busy:
-            self._boundary()
-            self.poke()
-
-    def _step(self) -> None:
-        self._boundary()
-        super()._step()
-
     def _boundary(self) -> None:
-        """Between steps: the change under way takes effect once it can."""
-        if self._change is None:
+        if (due := self._due()) is None:
             return
-        side, target, ready = self._change
+        side, target = due
         now, pool = self.loop.now, self.sched.pool
-        if ready is not None and now < ready:
-            return
         cur = self.layout.attn_workers if side == "attention" else self.layout.ffn_workers
         if side == "attention" and target < cur and not all(groups.settled(pool, g) for g in range(target, cur)):
             return

@@ -91,6 +91,20 @@ class ExpertLoads:
         self._imbalance_sum = 0.0
         self._num_draws = 0
 
+    @classmethod
+    def of_map(cls, placement: ExpertMap, pop: np.ndarray, seed: int) -> "ExpertLoads":
+        """The loads of a given placement of ``pop`` [L, E] (an elastic deployment's, after ``resize``)."""
+        loads = cls.__new__(cls)
+        loads.num_devices = placement.num_devices
+        loads.balanced = placement.num_devices == 1 or (
+            len(set(placement.slots_per_device)) == 1 and placement.slots_per_device[0] * placement.num_devices
+            == placement.num_experts and bool(np.allclose(pop, pop[0, 0])))
+        if not loads.balanced:
+            loads.shares = np.asarray(placement.device_load(pop.tolist()))
+            loads._rng = np.random.default_rng([seed, 1])
+        loads._imbalance_sum, loads._num_draws = 0.0, 0
+        return loads
+
     def draw(self, num_pairs: int) -> np.ndarray:
         """[L, N] pairs each device receives in each MoE layer (not for balanced loads: n/N each)."""
         if self.balanced:

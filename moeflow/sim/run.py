@@ -21,6 +21,7 @@ from moeflow.sim.cost import AnalyticCost, CostModel
 from moeflow.sim.dep import DepSystem
 from moeflow.sim.dwdp import DwdpSystem
 from moeflow.sim.elastic_afd import ElasticAfdSystem
+from moeflow.sim.elastic_dep import ElasticDepSystem
 from moeflow.sim.elastic_pd import ElasticPdSystem
 from moeflow.sim.hardware import hardware_preset
 from moeflow.sim.model_spec import model_preset
@@ -37,8 +38,11 @@ def make_system(spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0) -
                          f"simulated modes: {sorted(SYSTEMS)}")
     if spec.layout.mode == "pd":  # its instances are systems of their own modes
         return (ElasticPdSystem if spec.autoscale else PdSystem)(spec, cost, trace_until_s, make_system)
-    if spec.autoscale:  # afd under the controller (experiment/system.check_autoscale)
-        return ElasticAfdSystem(spec, cost, trace_until_s)
+    if spec.autoscale and spec.layout.mode == "dwdp":
+        raise ValueError(f"system {spec.name!r}: the simulator resizes afd's, pd's and dep's members, not dwdp's ranks "
+                         f"(the engine does: moeflow serve --mode dwdp --autoscale)")
+    if spec.autoscale:  # afd or dep under the controller (experiment/system.check_autoscale)
+        return (ElasticDepSystem if spec.layout.mode == "dep" else ElasticAfdSystem)(spec, cost, trace_until_s)
     return SYSTEMS[spec.layout.mode](spec, cost, trace_until_s)
 
 

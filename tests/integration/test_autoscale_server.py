@@ -1,5 +1,5 @@
-"""``moeflow serve --autoscale``: the controller resizes an afd deployment (A:F) and a pd deployment
-(xPyD) from its live load while requests keep coming, every request is answered with colocated's
+"""``moeflow serve --autoscale``: the controller resizes an afd deployment (A:F), a pd deployment
+(xPyD) and the ranks of dep and dwdp (EP size) from its live load while requests keep coming, every request is answered with colocated's
 output, its decisions are in /metrics, and once the load stops it gives members back, never within the
 hold to a membership it left short."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import re
 import time
 
 import httpx
+import pytest
 
 from moeflow import LLM, SamplingParams
 
@@ -79,6 +80,36 @@ def test_the_server_resizes_a_pd_deployment_from_its_load_and_gives_instances_ba
         assert sum(v for k, v in m.items() if k.startswith("moeflow_autoscale_decisions_total")) >= len(decisions)
         assert m['moeflow_scale_events_total{kind="prefill",outcome="done"}'] >= 1, m
         assert m['moeflow_members{role="decode"}'] >= 1, m
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("mode,flags", [("dep", ("--dp", "2", "--max-dp", "3")),
+                                        ("dwdp", ("--dp", "1", "--max-dp", "2"))])
+def test_the_server_resizes_the_ranks_of_a_dep_or_dwdp_deployment_and_gives_them_back_after(
+        checkpoints, tmp_path, mode, flags):
+    # a TPOT SLO no request meets: a rank more spreads the requests, and the expert load the test model
+    # routes leaves the hottest device a gain (dep); once the load stops, idle, it gives the rank back
+    most = int(flags[3])
+    server = _loaded(checkpoints, tmp_path, f"tpot_slo_s: 0.0001\nmax_ranks: {most}\ninterval_s: 1.0\nwindow: 2\n"
+                     f"sample_s: 0.5\nhold_s: {HOLD_S}\n", "--mode", mode, *flags)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            events = httpx.get(server.url + "/scale", timeout=30).json()["events"]
+            if any(e["after"] < e["before"] and e["outcome"] == "done" for e in events):
+                break
+            assert time.monotonic() < deadline, f"no rank was given back once the load stopped: {events}"
+            time.sleep(0.2)
+        assert any(e["after"] == most and e["outcome"] == "done" for e in events), events
+        decisions = [(float(t), why, int(to), int(left)) for why, to, t, left in re.findall(
+            r"autoscale: (\w+) -> ranks (\d+) .*? at ([\d.]+) from \{'ranks': (\d+)", server.log())]
+        short = [(t, left) for t, why, _, left in decisions if why in ("over_slo", "ttft", "kv_room")]
+        shrinks = [(t, to) for t, why, to, left in decisions if to < left]
+        assert short and shrinks, decisions
+        for t, to in shrinks:  # never within the hold back to a rank count it left short
+            assert not any(0 <= t - t0 < HOLD_S and to <= left for t0, left in short), decisions
+        assert server.metrics().get('moeflow_autoscale_decisions_total{reason="over_slo"}', 0) >= 1
     finally:
         server.stop()
 

@@ -113,7 +113,9 @@ def test_a_leaving_instance_admits_nothing_from_the_decision_and_goes_once_it_ho
 
 
 @pytest.mark.parametrize("system,match", [
-    ({"mode": "dep", "dp": 2, "autoscale": STILL}, "resizes afd with topology all"),
+    ({"mode": "colocated", "autoscale": STILL}, "resizes afd with topology all"),
+    ({"mode": "dep", "dp": 2, "autoscale": {"tpot_slo_s": 0.05, "max_ranks": 3}}, r"max_ranks <= max_dp \(None\)"),
+    ({"mode": "dep", "dp": 2, "max_dp": 3, "autoscale": STILL}, r"unknown keys \['max_attention'"),
     ({**AFD, "autoscale": {**STILL, "bogus": 1}}, r"unknown keys \['bogus'\]"),
     ({**AFD, "autoscale": {**STILL, "min_attention": 3, "max_attention": 4}}, "outside the policy's range"),
     ({**AFD, "autoscale": {**STILL, "tpot_slo_s": 0}}, "tpot_slo_s must be > 0"),

@@ -40,7 +40,8 @@ from moeflow.measure.provenance import provenance
 from moeflow.measure.workload import WorkloadRequest, generate_requests
 
 ENGINE_FLAGS = ("num_kv_blocks", "max_num_seqs", "memory_budget_gib", "max_model_len")
-DECISION = re.compile(r"autoscale: ([\w+]+) -> (\w+) (\d+), (\w+) (\d+)")  # afd: attention, ffn; pd: prefill, decode
+# afd: attention, ffn; pd: prefill, decode; dep and dwdp: ranks alone
+DECISION = re.compile(r"autoscale: ([\w+]+) -> (\w+) (\d+)(?:, (\w+) (\d+))?")
 
 
 def serve_flags(spec, dtype: str, policy_path: str | None) -> list[str]:
@@ -98,7 +99,8 @@ def one_run(exp, name: str, seed: int, log_path: str) -> dict:
             "duration_s": t1 - t0, "process_s": proc_s, "goodput_per_process_s": len(good) / proc_s,
             "ttft_p90_s": _p90([o.ttft_s for o in ok]), "tpot_p90_s": _p90(tpots),
             "members_at_end": members(spec, status),
-            "decisions": [{"reason": r, a: int(x), b: int(y)} for r, a, x, b, y in decisions],
+            "decisions": [{"reason": d[0]} | {k: int(v) for k, v in zip(d[1::2], d[2::2]) if k is not None}
+                          for d in decisions],
             "events": [{"kind": e["kind"], "before": e["before"], "after": e["after"], "outcome": e["outcome"],
                         "asked_s": e["requested_s"] - t0,
                         "serving_s": None if e["switched_s"] is None else e["switched_s"] - t0}

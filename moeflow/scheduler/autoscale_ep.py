@@ -1,0 +1,189 @@
+"""The controller that sizes a deployment of ranks from its live load: the EP size of dep (every rank an
+attention group and an expert device, all meeting at every MoE layer) and the ranks of dwdp (each the
+whole model, its peers' experts pulled). Pure Python, so the simulator runs the very same decisions
+(``sim/elastic_dep.py``).
+
+Each observation (``EpSample``) is one window: the ranks, the requests decoding per rank, the p90 TPOT
+and TTFT, the queue, the KV room and the expert load's imbalance at R - 1, R and R + 1 ranks: the most
+loaded expert device's tokens over the mean device's, summed over the MoE layers, for the placement
+the change would make (``scheduler/eplb.resize`` on the window's tokens per expert, ``imbalance``);
+1 where the ranks compute their own tokens' experts (dwdp).
+
+**Expert load.** A step of dep ends at each MoE layer's barrier, so it is set by the most loaded
+device: R ranks holding B requests each run experts for B I(R) tokens on the hottest device. The
+step's time is taken as affine in that load, t(x) = a + b x with x = B I(R), fitted on the last
+``history`` windows' (x, p90 TPOT) (proportional, t = b x, while the loads seen do not spread enough
+to fit; it over-predicts what a shrink costs). At R' ranks each holds B R / R' and the hottest device
+carries B R / R' I(R'): with skewed experts I grows with R (a hot expert's copies are spread thinner
+than its tokens), so a rank more may gain less than the band, and then none is added for TPOT.
+
+**Memory.** The ranks must hold every expert: ``floor`` (the fewest ranks whose slots hold the model's
+experts; dwdp's starting ranks, which every other rank reads from) bounds a shrink from below, and a
+rank brings its KV cache: the caches with less than ``band`` free (or requests queued with them full)
+add one; a shrink must leave the KV in use (which grows as R / R') ``band`` to spare.
+
+Decisions, one per window at most, as afd's and pd's controllers (``autoscale.py``,
+``autoscale_pd.py``): out of KV room, one rank more; prompts waiting past the TTFT SLO, R (wait / SLO -
+1) more, at least one and at most ``max_step``; TPOT over its SLO, one more if the model predicts a gain
+over ``band``; under it by ``band`` (nothing queued, TTFT under its SLO by ``band``), one fewer where the
+prediction stays under the SLO by ``band`` / 2; idle, one fewer. Never within ``interval_s`` of the last
+change, on the mean of the last ``window`` samples, and no shrink within ``hold_s`` back to a membership
+it left for falling short. The budget counts processes (a rank of tensor-parallel size T is T).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moeflow.autoscale_config import EpAutoscalePolicy
+from moeflow.errors import ConfigError
+from moeflow.layout.expert_map import ExpertMap
+from moeflow.scheduler.autoscale_pd import averages, fit_step
+from moeflow.scheduler.eplb import resize, resized_counts
+
+_UP = ("ttft", "over_slo", "kv_room")  # decisions that leave a membership short
+
+
+@dataclass(frozen=True)
+class EpSample:
+    """One window of a deployment of ranks."""
+
+    t_s: float
+    ranks: int
+    batch: float  # mean requests decoding per rank over the window (time-weighted)
+    tpot_p90_s: float | None  # None: no request finished decoding in the window
+    ttft_p90_s: float | None = None
+    queue: int = 0  # requests waiting for a rank
+    kv_free: float = 1.0  # share of the ranks' KV blocks free
+    queue_wait_s: float = 0.0  # the oldest request without a first token: how long it has waited
+    busy: float = 0.0  # mean share of wall time a rank computed (reported; no decision reads it)
+    # the hottest expert device's load over the mean one's (summed over MoE layers) at R - 1, R, R + 1
+    # ranks; 1.0 where balanced or not a placement's (dwdp), nan where the ranks cannot hold the experts
+    imbalance: tuple[float, float, float] = (1.0, 1.0, 1.0)
+
+
+@dataclass(frozen=True)
+class EpDecision:
+    t_s: float
+    ranks: int
+    reason: str  # idle | kv_room | ttft | over_slo | under_slo
+    predicted_tpot_s: float  # at the new rank count (nan where TPOT did not decide)
+    inputs: dict = field(default_factory=dict)
+
+
+def imbalance(placement: ExpertMap, load: list[list[float]], ranks: int) -> float:
+    """Sum over MoE layers of the most loaded device's tokens over the mean device's, for the placement
+    ``resize`` makes for ``ranks`` expert devices out of ``placement`` and the window's ``load`` (tokens
+    per layer and logical expert); nan where ``ranks`` devices cannot hold the experts; 1.0 without load."""
+    if not any(any(row) for row in load):
+        return 1.0
+    try:
+        m = placement if ranks == placement.num_devices else resize(placement, ranks, load)
+    except ConfigError:
+        return float("nan")
+    dev = m.device_load(load)
+    top, mean = sum(max(d) for d in dev), sum(sum(d) / len(d) for d in dev)
+    return top / mean if mean > 0 else 1.0
+
+
+def imbalance_around(placement: ExpertMap, load: list[list[float]], ranks: int) -> tuple[float, float, float]:
+    """``imbalance`` at ``ranks`` - 1, ``ranks`` and ``ranks`` + 1 (nan below one rank)."""
+    return tuple(imbalance(placement, load, r) if r >= 1 else float("nan") for r in (ranks - 1, ranks, ranks + 1))
+
+
+def memory_floor(placement: ExpertMap) -> int:
+    """The fewest devices whose slots (each keeping its count, joiners the last one's) hold every expert."""
+    slots = placement.slots_per_device
+    return next(r for r in range(1, len(slots) + 1) if sum(resized_counts(slots, r)) >= placement.num_experts)
+
+
+def predicted_tpot(s: EpSample, ranks: int, fit: tuple[float, float] | None) -> float:
+    """The p90 TPOT at ``ranks``, the requests now decoding spread over them (module doc); nan where
+    those ranks cannot hold the experts."""
+    if s.tpot_p90_s is None:
+        return float("nan")
+    i_now, i_after = s.imbalance[1], s.imbalance[ranks - s.ranks + 1] if abs(ranks - s.ranks) <= 1 else 1.0
+    if math.isnan(i_after):
+        return float("nan")
+    x, x_after = s.batch * i_now, s.batch * s.ranks / ranks * i_after
+    if fit is None or x <= 0:
+        return s.tpot_p90_s * (x_after / x if x > 0 else s.ranks / ranks)
+    a, b = fit
+    now = a + b * x
+    return s.tpot_p90_s * (a + b * x_after) / now if now > 0 else s.tpot_p90_s
+
+
+class EpController:
+    def __init__(self, policy: EpAutoscalePolicy, floor: int = 1, processes_per_rank: int = 1):
+        """``floor``: the fewest ranks that hold every expert (``memory_floor``; dwdp: its starting ranks)."""
+        self.policy, self.procs = policy, processes_per_rank
+        self.floor = max(policy.min_ranks, floor)
+        self.samples: list[EpSample] = []
+        self.points: list[tuple[float, float]] = []  # (hottest device's load per rank, p90 TPOT) per window
+        self.last_change_s: float | None = None
+        self.decisions: list[EpDecision] = []
+        self.short: dict[int, float] = {}  # ranks -> when they were left for falling short
+
+    @property
+    def most(self) -> int:
+        p = self.policy
+        return p.max_ranks if p.max_processes is None else min(p.max_ranks, p.max_processes // self.procs)
+
+    def observe(self, s: EpSample) -> EpDecision | None:
+        p = self.policy
+        if s.tpot_p90_s is not None and s.batch > 0 and not math.isnan(s.imbalance[1]):
+            self.points = (self.points + [(s.batch * s.imbalance[1], s.tpot_p90_s)])[-p.history:]
+        if self.samples and self.samples[-1].ranks != s.ranks:
+            self.samples = []  # another membership's window says nothing about this one
+        self.samples = (self.samples + [s])[-p.window:]
+        if len(self.samples) < p.window or (self.last_change_s is not None and s.t_s - self.last_change_s < p.interval_s):
+            return None
+        m, fit = _mean(self.samples), fit_step(self.points)
+        r, reason = self._pick(m, fit)
+        if r == m.ranks or not self.floor <= r <= self.most or (r < m.ranks and self._held(r, s.t_s)):
+            return None
+        return self._decide(s, m, r, reason, predicted_tpot(m, r, fit) if reason in ("over_slo", "under_slo")
+                            else float("nan"), fit)
+
+    def _pick(self, m: EpSample, fit) -> tuple[int, str]:
+        p, r = self.policy, m.ranks
+        if m.tpot_p90_s is None and m.queue == 0 and m.batch <= 0:
+            return r - 1, "idle"
+        full = m.queue > 0 and m.kv_free < 0.05
+        if full or m.kv_free < p.band:  # a rank brings its cache: before the residents' growth preempts them
+            return min(self.most, r + 1), "kv_room"
+        wait = max(m.queue_wait_s, m.ttft_p90_s if m.queue > 0 and m.ttft_p90_s is not None else 0.0)
+        if p.ttft_slo_s is not None and wait > p.ttft_slo_s:
+            return min(self.most, r + min(p.max_step, max(1, math.ceil(r * (wait / p.ttft_slo_s - 1))))), "ttft"
+        if m.tpot_p90_s is None:
+            return r, ""
+        if m.tpot_p90_s > p.tpot_slo_s:
+            ok = predicted_tpot(m, r + 1, fit) < m.tpot_p90_s * (1 - p.band)  # nan (no room) compares False
+            return (r + 1, "over_slo") if ok else (r, "")
+        ttft_ok = p.ttft_slo_s is None or max(m.ttft_p90_s or 0.0, m.queue_wait_s) < p.ttft_slo_s * (1 - p.band)
+        used_after = (1.0 - m.kv_free) * r / max(1, r - 1)
+        if (m.tpot_p90_s < p.tpot_slo_s * (1 - p.band) and m.queue == 0 and ttft_ok and used_after <= 1 - p.band
+                and predicted_tpot(m, r - 1, fit) <= p.tpot_slo_s * (1 - p.band / 2)):
+            return r - 1, "under_slo"
+        return r, ""
+
+    def _held(self, r: int, now: float) -> bool:
+        return any(now - t < self.policy.hold_s and r <= k for k, t in self.short.items())
+
+    def _decide(self, s: EpSample, m: EpSample, r: int, reason: str, predicted: float, fit) -> EpDecision:
+        d = EpDecision(s.t_s, r, reason, predicted,
+                       {"ranks": m.ranks, "batch": m.batch, "tpot_p90_s": m.tpot_p90_s, "ttft_p90_s": m.ttft_p90_s,
+                        "queue": m.queue, "queue_wait_s": m.queue_wait_s, "kv_free": m.kv_free, "busy": m.busy,
+                        "imbalance": m.imbalance, "floor": self.floor, "fit": fit})
+        self.decisions.append(d)
+        if reason in _UP:
+            self.short[m.ranks] = s.t_s
+        self.last_change_s, self.samples = s.t_s, []
+        return d
+
+
+def _mean(samples: list[EpSample]) -> EpSample:
+    last, (avg, avg_known) = samples[-1], averages(samples)
+    imb = tuple(sum(x.imbalance[i] for x in samples) / len(samples) for i in range(3))
+    return EpSample(last.t_s, last.ranks, avg("batch"), avg_known("tpot_p90_s"), avg_known("ttft_p90_s"),
+                    round(avg("queue")), avg("kv_free"), last.queue_wait_s, avg("busy"), imb)
