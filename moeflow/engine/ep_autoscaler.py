@@ -4,7 +4,7 @@ decisions through ``scale(ep_size=R)``; every decision is logged with its inputs
 ``/metrics``, as ``autoscaler.py`` does for afd and asap. Runs between steps.
 
 The expert load is the deployment's own window (``engine/expert_load.py``, the one EPLB reads): dep's
-imbalance at R - 1, R and R + 1 ranks is that of the placement ``scheduler/eplb.resize`` would make
+imbalance at R - 1 to R + max_step ranks is that of the placement ``scheduler/eplb.resize`` would make
 for each on it; dwdp's ranks compute their own tokens' experts, so none. The memory floor: dep, the
 fewest ranks whose slots hold every expert; dwdp, its starting ranks (every other rank reads from them).
 """
@@ -14,7 +14,7 @@ import logging
 
 from moeflow.autoscale_config import EpAutoscalePolicy
 from moeflow.engine.autoscaler import apply_change
-from moeflow.scheduler.autoscale_ep import EpController, imbalance_around, memory_floor
+from moeflow.scheduler.autoscale_ep import EpController, imbalance_at, memory_floor
 from moeflow.scheduler.load_window import EpWindow
 
 log = logging.getLogger("moeflow.autoscale")
@@ -43,7 +43,8 @@ class EpAutoscaler:
         if not w.due(now, self.sample_s):
             return
         status, load, ranks = engine.scale_status(), engine.load(), lay.dp
-        imb = imbalance_around(experts.map, experts.window.tolist(), ranks) if experts.computes else (1.0,) * 3
+        sizes = self.controller.sizes(ranks)
+        imb = imbalance_at(experts.map, experts.window.tolist(), sizes) if experts.computes else (1.0,) * len(sizes)
         sample = w.sample_ep(now, ranks, lay.num_processes // ranks, load.num_waiting, load.num_free_kv_blocks,
                              load.num_kv_blocks, engine._oldest_unanswered_s(), imb)
         if status["in_progress"]:

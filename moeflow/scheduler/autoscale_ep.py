@@ -4,8 +4,8 @@ whole model, its peers' experts pulled). Pure Python, so the simulator runs the 
 (``sim/elastic_dep.py``).
 
 Each observation (``EpSample``) is one window: the ranks, the requests decoding per rank, the p90 TPOT
-and TTFT, the queue, the KV room and the expert load's imbalance at R - 1, R and R + 1 ranks: the most
-loaded expert device's tokens over the mean device's, summed over the MoE layers, for the placement
+and TTFT, the queue, the KV room and the expert load's imbalance at R - 1 to R + ``max_step`` ranks: the
+most loaded expert device's tokens over the mean device's, summed over the MoE layers, for the placement
 the change would make (``scheduler/eplb.resize`` on the window's tokens per expert, ``imbalance``);
 1 where the ranks compute their own tokens' experts (dwdp).
 
@@ -14,8 +14,11 @@ device: R ranks holding B requests each run experts for B I(R) tokens on the hot
 step's time is taken as affine in that load, t(x) = a + b x with x = B I(R), fitted on the last
 ``history`` windows' (x, p90 TPOT) (proportional, t = b x, while the loads seen do not spread enough
 to fit; it over-predicts what a shrink costs). At R' ranks each holds B R / R' and the hottest device
-carries B R / R' I(R'): with skewed experts I grows with R (a hot expert's copies are spread thinner
-than its tokens), so a rank more may gain less than the band, and then none is added for TPOT.
+carries B R / R' I(R'). I need not fall as R grows: ``resize`` fills a joiner's slots with copies of the
+hottest experts, so one joiner can become the hottest device (DeepSeek-R1's skew from 8 ranks: I 1.41
+at 8, 2.07 at 9, 1.41 at 12), and a growth goes to the fewest ranks, within ``max_step``, that the model
+predicts gain more than ``band`` (TPOT) or at least do not slow the step by more than it (KV room, TTFT);
+none where no count within reach gains (TPOT).
 
 **Memory.** The ranks must hold every expert: ``floor`` (the fewest ranks whose slots hold the model's
 experts; dwdp's starting ranks, which every other rank reads from) bounds a shrink from below, and a
@@ -23,9 +26,9 @@ rank brings its KV cache: the caches with less than ``band`` free (or requests q
 add one; a shrink must leave the KV in use (which grows as R / R') ``band`` to spare.
 
 Decisions, one per window at most, as afd's and pd's controllers (``autoscale.py``,
-``autoscale_pd.py``): out of KV room, one rank more; prompts waiting past the TTFT SLO, R (wait / SLO -
-1) more, at least one and at most ``max_step``; TPOT over its SLO, one more if the model predicts a gain
-over ``band``; under it by ``band`` (nothing queued, TTFT under its SLO by ``band``), one fewer where the
+``autoscale_pd.py``): out of KV room, at least one rank more; prompts waiting past the TTFT SLO, at least
+R (wait / SLO - 1) more, at least one and at most ``max_step``; TPOT over its SLO, the fewest more that
+the model predicts gain over ``band``; under it by ``band`` (nothing queued, TTFT under its SLO by ``band``), one fewer where the
 prediction stays under the SLO by ``band`` / 2; idle, one fewer. Never within ``interval_s`` of the last
 change, on the mean of the last ``window`` samples, and no shrink within ``hold_s`` back to a membership
 it left for falling short. The budget counts processes (a rank of tensor-parallel size T is T).
@@ -57,9 +60,10 @@ class EpSample:
     kv_free: float = 1.0  # share of the ranks' KV blocks free
     queue_wait_s: float = 0.0  # the oldest request without a first token: how long it has waited
     busy: float = 0.0  # mean share of wall time a rank computed (reported; no decision reads it)
-    # the hottest expert device's load over the mean one's (summed over MoE layers) at R - 1, R, R + 1
-    # ranks; 1.0 where balanced or not a placement's (dwdp), nan where the ranks cannot hold the experts
-    imbalance: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    # the hottest expert device's load over the mean one's (summed over MoE layers) at R - 1, R, R + 1, ...
+    # ranks (``EpController.sizes``); 1.0 where balanced or not a placement's (dwdp), nan where the ranks
+    # cannot hold the experts; a count past the tuple's end: taken as R + 1's
+    imbalance: tuple[float, ...] = (1.0, 1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,9 @@ def imbalance(placement: ExpertMap, load: list[list[float]], ranks: int) -> floa
     return top / mean if mean > 0 else 1.0
 
 
-def imbalance_around(placement: ExpertMap, load: list[list[float]], ranks: int) -> tuple[float, float, float]:
-    """``imbalance`` at ``ranks`` - 1, ``ranks`` and ``ranks`` + 1 (nan below one rank)."""
-    return tuple(imbalance(placement, load, r) if r >= 1 else float("nan") for r in (ranks - 1, ranks, ranks + 1))
+def imbalance_at(placement: ExpertMap, load: list[list[float]], sizes: range) -> tuple[float, ...]:
+    """``imbalance`` at each of ``sizes`` (nan below one rank)."""
+    return tuple(imbalance(placement, load, r) if r >= 1 else float("nan") for r in sizes)
 
 
 def memory_floor(placement: ExpertMap) -> int:
@@ -102,7 +106,8 @@ def predicted_tpot(s: EpSample, ranks: int, fit: tuple[float, float] | None) -> 
     those ranks cannot hold the experts."""
     if s.tpot_p90_s is None:
         return float("nan")
-    i_now, i_after = s.imbalance[1], s.imbalance[ranks - s.ranks + 1] if abs(ranks - s.ranks) <= 1 else 1.0
+    k = ranks - s.ranks + 1
+    i_now, i_after = s.imbalance[1], s.imbalance[min(k, len(s.imbalance) - 1)] if k >= 0 else float("nan")
     if math.isnan(i_after):
         return float("nan")
     x, x_after = s.batch * i_now, s.batch * s.ranks / ranks * i_after
@@ -123,6 +128,10 @@ class EpController:
         self.last_change_s: float | None = None
         self.decisions: list[EpDecision] = []
         self.short: dict[int, float] = {}  # ranks -> when they were left for falling short
+
+    def sizes(self, ranks: int) -> range:
+        """The rank counts a sample's imbalance covers: R - 1 to R + ``max_step``."""
+        return range(ranks - 1, ranks + self.policy.max_step + 1)
 
     @property
     def most(self) -> int:
@@ -151,21 +160,35 @@ class EpController:
             return r - 1, "idle"
         full = m.queue > 0 and m.kv_free < 0.05
         if full or m.kv_free < p.band:  # a rank brings its cache: before the residents' growth preempts them
-            return min(self.most, r + 1), "kv_room"
+            return self._grow(m, fit, 1), "kv_room"
         wait = max(m.queue_wait_s, m.ttft_p90_s if m.queue > 0 and m.ttft_p90_s is not None else 0.0)
         if p.ttft_slo_s is not None and wait > p.ttft_slo_s:
-            return min(self.most, r + min(p.max_step, max(1, math.ceil(r * (wait / p.ttft_slo_s - 1))))), "ttft"
+            return self._grow(m, fit, min(p.max_step, max(1, math.ceil(r * (wait / p.ttft_slo_s - 1))))), "ttft"
         if m.tpot_p90_s is None:
             return r, ""
         if m.tpot_p90_s > p.tpot_slo_s:
-            ok = predicted_tpot(m, r + 1, fit) < m.tpot_p90_s * (1 - p.band)  # nan (no room) compares False
-            return (r + 1, "over_slo") if ok else (r, "")
+            gains = [x for x in self._reach(r) if predicted_tpot(m, x, fit) < m.tpot_p90_s * (1 - p.band)]
+            return (gains[0], "over_slo") if gains else (r, "")  # nan (no room) compares False
         ttft_ok = p.ttft_slo_s is None or max(m.ttft_p90_s or 0.0, m.queue_wait_s) < p.ttft_slo_s * (1 - p.band)
         used_after = (1.0 - m.kv_free) * r / max(1, r - 1)
         if (m.tpot_p90_s < p.tpot_slo_s * (1 - p.band) and m.queue == 0 and ttft_ok and used_after <= 1 - p.band
                 and predicted_tpot(m, r - 1, fit) <= p.tpot_slo_s * (1 - p.band / 2)):
             return r - 1, "under_slo"
         return r, ""
+
+    def _reach(self, r: int) -> range:
+        return range(r + 1, min(self.most, r + self.policy.max_step) + 1)
+
+    def _grow(self, m: EpSample, fit, least: int) -> int:
+        """At least ``least`` ranks more (bounded by the budget): the fewest, within ``max_step``, whose
+        predicted step is no slower than now by ``band`` (a joiner that would become the hottest device
+        is passed over); ``least`` more where none is, or TPOT is unknown."""
+        r, p = m.ranks, self.policy
+        first = min(self.most, r + least)
+        if m.tpot_p90_s is None:
+            return first
+        ok = [x for x in self._reach(r) if x >= first and predicted_tpot(m, x, fit) <= m.tpot_p90_s * (1 + p.band)]
+        return ok[0] if ok else first
 
     def _held(self, r: int, now: float) -> bool:
         return any(now - t < self.policy.hold_s and r <= k for k, t in self.short.items())
@@ -184,6 +207,6 @@ class EpController:
 
 def _mean(samples: list[EpSample]) -> EpSample:
     last, (avg, avg_known) = samples[-1], averages(samples)
-    imb = tuple(sum(x.imbalance[i] for x in samples) / len(samples) for i in range(3))
+    imb = tuple(sum(x.imbalance[i] for x in samples) / len(samples) for i in range(len(last.imbalance)))
     return EpSample(last.t_s, last.ranks, avg("batch"), avg_known("tpot_p90_s"), avg_known("ttft_p90_s"),
                     round(avg("queue")), avg("kv_free"), last.queue_wait_s, avg("busy"), imb)

@@ -96,8 +96,8 @@ class EpWindow(PdWindow):
     ``decoding`` the requests decoding on them."""
 
     def sample_ep(self, now_s: float, ranks: int, processes: int, queue: int, free_kv_blocks: int, kv_blocks: int,
-                  oldest_unanswered_s: float | None, imbalance: tuple[float, float, float]) -> EpSample:
-        """The window up to ``now_s``: ``processes`` per rank, the expert load's imbalance at R - 1, R, R + 1;
+                  oldest_unanswered_s: float | None, imbalance: tuple[float, ...]) -> EpSample:
+        """The window up to ``now_s``: ``processes`` per rank, the expert load's imbalance at R - 1, R, R + 1, ...;
         the next window starts here."""
         p = self.sample_pd(now_s, ranks, ranks, processes, queue, 0, free_kv_blocks, kv_blocks, oldest_unanswered_s)
         return EpSample(now_s, ranks, p.decode_batch, p.tpot_p90_s, p.ttft_p90_s, queue, p.decode_kv_free,

@@ -24,12 +24,12 @@ import dataclasses
 from moeflow.experiment.system import autoscale_policy
 from moeflow.scheduler import groups
 from moeflow.scheduler.autoscale import Controller
-from moeflow.scheduler.load_window import LoadWindow, oldest_unanswered
+from moeflow.scheduler.load_window import LoadWindow
 from moeflow.sim.afd import AfdSystem
-from moeflow.sim.boundary_change import BoundaryChange
+from moeflow.sim.elastic_steps import ElasticSteps
 
 
-class ElasticAfdSystem(BoundaryChange, AfdSystem):
+class ElasticAfdSystem(ElasticSteps, AfdSystem):
     def __init__(self, spec, cost, trace_until_s=0.0):
         super().__init__(spec, cost, trace_until_s)
         policy, self.sample_s = autoscale_policy(spec)
@@ -57,12 +57,8 @@ class ElasticAfdSystem(BoundaryChange, AfdSystem):
 
     def _tick(self) -> None:
         now, pool = self.loop.now, self.sched.pool
-        # a request that arrived with its KV (sim.decode_side) waits for room outside the pool: queued too,
-        # and its wait is one for a first token here
-        queue = len(pool.waiting) + sum(map(len, pool.held.values())) + len(self.handed)
+        queue, oldest = self._queue()
         free = sum(g.allocator.num_free for g in pool.groups)
-        oldest = min((t for t in (oldest_unanswered(pool), self.handed[0].arrival_s if self.handed else None)
-                      if t is not None), default=None)
         sample = self.window.sample(now, self.layout.attn_workers, self.layout.ffn_workers, queue, free,
                                     sum(g.allocator.num_blocks for g in pool.groups), oldest)
         if self._change is None and not self._todo:  # as the engine: a window under a change decides nothing

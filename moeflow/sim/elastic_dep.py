@@ -30,12 +30,12 @@ from moeflow.scheduler import groups
 from moeflow.scheduler.autoscale_ep import EpController, imbalance, memory_floor
 from moeflow.scheduler.eplb import resize
 from moeflow.scheduler.load_window import EpWindow
-from moeflow.sim.boundary_change import BoundaryChange
+from moeflow.sim.elastic_steps import ElasticSteps
 from moeflow.sim.dep import DepSystem, remote_share
 from moeflow.sim.expert_load import ExpertLoads, expert_map, popularity
 
 
-class ElasticDepSystem(BoundaryChange, DepSystem):
+class ElasticDepSystem(ElasticSteps, DepSystem):
     def __init__(self, spec, cost, trace_until_s=0.0):
         super().__init__(spec, cost, trace_until_s)
         lay, m, sim = self.layout, self.model, spec.sim
@@ -79,11 +79,9 @@ class ElasticDepSystem(BoundaryChange, DepSystem):
         now, r = self.loop.now, self.layout.dp
         self.window.step(self.busy_s["rank"] - self._busy_seen, 0.0)
         self._busy_seen = self.busy_s["rank"]
-        load = self.sched.pool
-        free, blocks = self.kv_blocks()
-        sample = self.window.sample_ep(now, r, self.layout.tp, len(load.waiting) + sum(map(len, load.held.values())),
-                                       free, blocks, self.oldest_unanswered_s(),
-                                       tuple(self.imbalance_at(x) for x in (r - 1, r, r + 1)))
+        (queue, oldest), (free, blocks) = self._queue(), self.kv_blocks()
+        sample = self.window.sample_ep(now, r, self.layout.tp, queue, free, blocks, oldest,
+                                       tuple(self.imbalance_at(x) for x in self.controller.sizes(r)))
         if self._change is None:  # as the engine: a window under a change decides nothing
             self.windows.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in vars(sample).items()})
             if (d := self.controller.observe(sample)) is not None:

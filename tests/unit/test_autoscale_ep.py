@@ -12,7 +12,7 @@ import pytest
 from moeflow.autoscale_config import EpAutoscalePolicy, policy_from
 from moeflow.config import ConfigError
 from moeflow.layout.expert_map import ExpertMap
-from moeflow.scheduler.autoscale_ep import (EpController, EpSample, imbalance, imbalance_around, memory_floor,
+from moeflow.scheduler.autoscale_ep import (EpController, EpSample, imbalance, imbalance_at, memory_floor,
                                             predicted_tpot)
 from moeflow.scheduler.load_window import EpWindow
 
@@ -41,7 +41,7 @@ def test_the_imbalance_is_the_hottest_devices_load_over_the_mean_for_the_placeme
     # the joiner each carry 4.5 + 0.5 of the 16 tokens, the mean device 16 / 5
     assert imbalance(m, hot, 5) == pytest.approx((4.5 + 0.5) / (16 / 5))
     assert imbalance(m, [[0.0] * 8], 5) == 1.0  # no load seen: balanced
-    assert imbalance_around(m, hot, 4)[1] == pytest.approx(2.5)
+    assert imbalance_at(m, hot, range(3, 6))[1] == pytest.approx(2.5)
     assert memory_floor(m) == 4
     assert memory_floor(ExpertMap.contiguous(8, 4, 1, num_redundant=4)) == 3  # 3 slots each: 3 devices hold 9
 
@@ -61,6 +61,20 @@ def test_over_the_slo_a_rank_is_added_where_the_experts_let_it_gain_and_not_wher
     assert d.predicted_tpot_s == pytest.approx(0.08 * 3 / 4)
     # one expert takes most tokens: a fourth rank spreads the requests but the hottest device keeps its load
     assert _run(_same(3, tpot_p90_s=0.08, imbalance=(1.0, 1.5, 2.0))) == []
+
+
+def test_a_growth_passes_over_a_joiner_that_would_become_the_hottest_device():
+    # DeepSeek-R1's skew from 8 ranks: resize fills a ninth rank with copies of the hottest experts
+    policy = dataclasses.replace(POLICY, max_ranks=16, max_step=3)
+    imb = (float("nan"), 1.41, 2.07, 1.72, 1.5)  # at 7, 8, 9, 10, 11 ranks
+    assert EpController(policy).sizes(8) == range(7, 12)
+    (d,) = _run(_same(3, ranks=8, tpot_p90_s=0.08, imbalance=imb), policy, floor=8)
+    assert (d.ranks, d.reason) == (11, "over_slo")  # 9: slower (1.84 / 1.41), 10: a 2% gain, 11: 23%
+    assert d.predicted_tpot_s == pytest.approx(0.08 * 1.5 * 8 / 11 / 1.41)
+    (d,) = _run(_same(3, ranks=8, kv_free=0.05, imbalance=imb), policy, floor=8)
+    assert (d.ranks, d.reason) == (10, "kv_room")  # the fewest more whose step is no slower by the band
+    (d,) = _run(_same(3, ranks=8, kv_free=0.05, imbalance=(float("nan"), 1.41, 2.07, 2.3, 2.3)), policy, floor=8)
+    assert d.ranks == 9  # none within reach keeps the step: the one rank KV room needs
 
 
 def test_kv_room_and_ttft_add_ranks_and_the_budget_and_floor_bound_every_change():

@@ -1,12 +1,25 @@
-"""How an elastic system of global steps (``elastic_afd.py``, ``elastic_dep.py``) carries a membership
-change out as the engine does: between steps, once it is ready."""
+"""What the elastic systems of global steps (``elastic_afd.py``, ``elastic_dep.py``) share: the queue as
+their controller sees it, and a membership change carried out as the engine does, between steps once it
+is ready."""
 from __future__ import annotations
 
+from moeflow.scheduler.load_window import oldest_unanswered
 
-class BoundaryChange:
+
+class ElasticSteps:
     """``_change``: the change under way, (side, target, ready at; None: once the leavers are drained)."""
 
     _change: tuple | None = None
+
+    def _queue(self) -> tuple[int, float | None]:
+        """The requests waiting, and the oldest unanswered one's arrival. A request that arrived with its KV
+        (sim.decode_side) waits for room outside the pool: queued too, and its wait is one for a first
+        token here."""
+        pool = self.sched.pool
+        queue = len(pool.waiting) + sum(map(len, pool.held.values())) + len(self.handed)
+        oldest = min((t for t in (oldest_unanswered(pool), self.handed[0].arrival_s if self.handed else None)
+                      if t is not None), default=None)
+        return queue, oldest
 
     def _idle_boundary(self) -> None:
         """A change that became ready while no step runs takes effect now."""
