@@ -39,7 +39,9 @@ def add_parser(sub) -> None:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--autoscale", default=None, metavar="POLICY.yaml",
                    help="resize the deployment from its live load (afd: attention instances and FFN daemons, started "
-                        "with --max-attn-workers and --max-ffn-workers; docs/elastic.md)")
+                        "with --max-attn-workers and --max-ffn-workers; pd: prefill and decode instances, "
+                        "--max-prefill-instances and --max-decode-instances; dep and dwdp: ranks, --max-dp; "
+                        "docs/elastic.md)")
     r = p.add_argument_group("prefill/decode roles (behind moeflow router; docs/pd.md)")
     r.add_argument("--role", "--disaggregation-mode", dest="role", default=None, choices=KV_ROLES,
                    help="prefill: answer a request with kv_transfer_params {do_remote_decode: true} with its first "

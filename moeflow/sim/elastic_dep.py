@@ -48,7 +48,6 @@ class ElasticDepSystem(ElasticSteps, DepSystem):
         self.cores = self.core_pool(self.controller.most * lay.tp)  # its joiners share the machine's cores too
         self.window = EpWindow(0.0)
         self._imbalance: dict[int, float] = {}  # ranks -> imbalance, for the placement now
-        self._decoding = 0  # requests in the pool past their first token (the engine's count)
         self.changes: list[dict] = []
         self.windows: list[dict] = []
         self.warming = 0
@@ -59,15 +58,17 @@ class ElasticDepSystem(ElasticSteps, DepSystem):
 
     def sampled(self, batch, finished, now) -> None:
         for s in batch.seqs:
-            t = self.track.get(s.request_id)
             if s.is_last_chunk:
                 self.window.token(s.request_id, now)
-                self._decoding += t is not None and t.first_token_s is None
         for r in finished:
             self.window.finished(r.request_id, r.arrival_s)
-        self._decoding -= len(finished)
         super().sampled(batch, finished, now)
-        self.window.decoding(self._decoding, now)
+
+    def _step(self) -> None:
+        # once a global step: the engine's count (engine/ep_autoscaler.py), the pool's requests past their
+        # first token
+        self.window.decoding(sum(1 for r in self.sched.pool.requests.values() if r.output_token_ids), self.loop.now)
+        super()._step()
 
     def imbalance_at(self, ranks: int) -> float:
         if ranks not in self._imbalance:

@@ -1,11 +1,13 @@
 """An elastic deployment against fixed ones, measured on this machine (docs/results/elastic.md, "Measured
-here"), and set beside the simulator's run of the same experiment file: afd's A:F, or pd's xPyD.
+here"), and set beside the simulator's run of the same experiment file: afd's A:F, pd's xPyD, or dep's
+ranks.
 
     python docs/results/elastic/measured.py configs/elastic-afd-here.yaml docs/results/elastic/measured_here.json \
         > docs/results/elastic/measured_here.txt
     python docs/results/elastic/measured.py --table docs/results/elastic/measured_here.json \
         docs/results/elastic/sim_here.json
-    (pd: configs/elastic-pd-here.yaml, measured_pd_here.json, sim_pd_here.json; a third argument: fewer seeds)
+    (pd: configs/elastic-pd-here.yaml, measured_pd_here.json, sim_pd_here.json; dep: configs/elastic-dep-here.yaml,
+    measured_dep_here.json, sim_dep_here.json; a third argument: fewer seeds)
 
 For each repeat r (the workload's seed + r, as ``moeflow simulate --repeats`` draws them, so both see
 the same arrivals and lengths) and each system in turn (interleaved, so drift in the machine's speed
@@ -57,8 +59,8 @@ def serve_flags(spec, dtype: str, policy_path: str | None) -> list[str]:
         flags += [f"--{f.name.replace('_', '-')}", str(value)]
     if spec.autoscale:
         policy = dict(spec.autoscale)
-        most = ({"--max-prefill-instances": "max_prefill", "--max-decode-instances": "max_decode"}
-                if spec.layout.mode == "pd" else {"--max-attn-workers": "max_attention", "--max-ffn-workers": "max_ffn"})
+        most = {"pd": {"--max-prefill-instances": "max_prefill", "--max-decode-instances": "max_decode"},
+                "dep": {}}.get(spec.layout.mode, {"--max-attn-workers": "max_attention", "--max-ffn-workers": "max_ffn"})
         flags += ["--autoscale", policy_path] + [x for flag, key in most.items() for x in (flag, str(policy[key]))]
     return flags
 
@@ -68,6 +70,8 @@ def members(spec, status: dict) -> dict[str, int]:
     lay = spec.layout
     if lay.mode == "pd":
         return {"prefill": status["prefill"], "decode": status["decode"]}
+    if lay.mode == "dep":  # a rank: GET /scale's "dep" (its max_dp is the layout's, in its flags)
+        return {"dep": status["dep"]}
     return {"attention": status.get("attention", lay.attn_workers), "ffn": status["ffn"]}
 
 
