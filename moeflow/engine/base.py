@@ -123,6 +123,11 @@ class Engine(abc.ABC):
                           sum(g.allocator.num_blocks for g in pool.groups), tuple(len(g.requests) for g in pool.groups),
                           tuple(g.preemptions for g in pool.groups))
 
+    def _requests_decoding(self) -> int:
+        """The requests past their first token (resident, or preempted and waiting to come back): for the
+        autoscaler of ranks, which asks every turn."""
+        return sum(1 for r in self.scheduler.pool.requests.values() if r.output_token_ids)
+
     def _oldest_unanswered_s(self) -> float | None:
         """The arrival (engine clock) of the oldest request still without a first token: queued, or on
         a group that has not reached its prompt; None: there is none. For the autoscaler, which asks

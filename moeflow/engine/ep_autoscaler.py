@@ -28,7 +28,7 @@ class EpAutoscaler:
 
     def turn(self, engine, result, now: float) -> None:
         """Account one step's result; every ``sample_s``, a window to the controller."""
-        lay, pool, experts = engine.layout, engine.scheduler.pool, engine.expert_load
+        lay, experts = engine.layout, engine.expert_load
         if self.controller is None:
             floor = memory_floor(experts.map) if experts.computes else lay.dp
             self.controller = EpController(self.policy, floor, lay.num_processes // lay.dp)
@@ -39,7 +39,7 @@ class EpAutoscaler:
                 w.token(rid, now)
         for r in result.finished:
             w.finished(r.request_id, r.arrival_s)
-        w.decoding(sum(1 for r in pool.requests.values() if r.output_token_ids), now)
+        w.decoding(engine._requests_decoding(), now)
         if not w.due(now, self.sample_s):
             return
         status, load, ranks = engine.scale_status(), engine.load(), lay.dp

@@ -89,6 +89,20 @@ def test_kv_room_and_ttft_add_ranks_and_the_budget_and_floor_bound_every_change(
     assert _run(idle, floor=3) == []
 
 
+def test_kv_filling_fast_adds_the_ranks_it_will_need_by_the_next_chance_to_act():
+    policy = dataclasses.replace(POLICY, max_ranks=16, max_step=3)
+    steady = [dataclasses.replace(x, ranks=8, kv_free=0.2) for x in _same(3)]
+    assert _run(steady, policy) == []  # 20% free and not filling: nothing to do yet
+    # in use: 4.0, 5.2, 6.4 ranks' worth over 2 s; by interval_s (5 s) on, 12.4: 15 ranks keep the band,
+    # at most max_step (3) more
+    rising = [dataclasses.replace(x, ranks=8, kv_free=f) for x, f in zip(_same(3), (0.5, 0.35, 0.2))]
+    (d,) = _run(rising, policy)
+    assert (d.ranks, d.reason) == (11, "kv_room")
+    slow = [dataclasses.replace(x, ranks=8, kv_free=f) for x, f in zip(_same(3), (0.23, 0.215, 0.2))]
+    (d,) = _run(slow, policy)  # 6.4 + 0.12 x 5 = 7.0 over 8 x 0.85: the one rank it needs
+    assert (d.ranks, d.reason) == (9, "kv_room")
+
+
 def test_under_the_slo_a_rank_goes_where_the_prediction_and_the_kv_caches_allow():
     (d,) = _run(_same(3, tpot_p90_s=0.02))
     assert (d.ranks, d.reason) == (2, "under_slo")
