@@ -4,8 +4,8 @@
 way decides nothing, as the engine skips it.
 
 The expert load the controller reads is the run's popularity (``sim/expert_load.py``: what the engine's
-window converges to), its imbalance at R - 1, R and R + 1 that of the placement ``scheduler/eplb.resize``
-makes of the current one, as the engine's controller computes it; the memory floor, the fewest ranks
+window converges to), its imbalance at R - 1 to R + ``max_step`` that of the placement
+``scheduler/eplb.resize`` makes of the current one, as the engine's controller computes it; the memory floor, the fewest ranks
 whose slots hold every expert, from the starting placement.
 
 A decision is carried out as the engine carries it out (``engine/dep.py``, docs/elastic.md "Ranks (dep)"):
@@ -51,7 +51,7 @@ class ElasticDepSystem(ElasticSteps, DepSystem):
         self.changes: list[dict] = []
         self.windows: list[dict] = []
         self.warming = 0
-        self.rank_s = 0.0  # ranks x seconds, joiners and leavers included
+        self.rank_s = 0.0  # processes x seconds (ranks x their tp), joiners and leavers included
         self._since = self._busy_seen = 0.0
 
     # -- the controller's inputs -------------------------------------------------------------------
