@@ -47,14 +47,6 @@ class ElasticAfdSystem(ElasticSteps, AfdSystem):
     def stepped(self, owns, done_s, start_s, end_s) -> None:
         self.window.step(sum(owns), sum(max(0.0, d - start_s - o) for o, d in zip(owns, done_s)))
 
-    def sampled(self, batch, finished, now) -> None:
-        for s in batch.seqs:
-            if s.is_last_chunk:
-                self.window.token(s.request_id, now)
-        for r in finished:
-            self.window.finished(r.request_id, r.arrival_s)
-        super().sampled(batch, finished, now)
-
     def _tick(self) -> None:
         now, pool = self.loop.now, self.sched.pool
         queue, oldest = self._queue()

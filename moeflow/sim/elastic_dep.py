@@ -56,14 +56,6 @@ class ElasticDepSystem(ElasticSteps, DepSystem):
 
     # -- the controller's inputs -------------------------------------------------------------------
 
-    def sampled(self, batch, finished, now) -> None:
-        for s in batch.seqs:
-            if s.is_last_chunk:
-                self.window.token(s.request_id, now)
-        for r in finished:
-            self.window.finished(r.request_id, r.arrival_s)
-        super().sampled(batch, finished, now)
-
     def _step(self) -> None:
         # once a global step: the engine's count (engine/ep_autoscaler.py), the pool's requests past their
         # first token

@@ -11,6 +11,15 @@ class ElasticSteps:
 
     _change: tuple | None = None
 
+    def sampled(self, batch, finished, now) -> None:
+        """The controller's window sees each request's tokens and its end, as the engine's does."""
+        for s in batch.seqs:
+            if s.is_last_chunk:
+                self.window.token(s.request_id, now)
+        for r in finished:
+            self.window.finished(r.request_id, r.arrival_s)
+        super().sampled(batch, finished, now)
+
     def _queue(self) -> tuple[int, float | None]:
         """The requests waiting, and the oldest unanswered one's arrival. A request that arrived with its KV
         (sim.decode_side) waits for room outside the pool: queued too, and its wait is one for a first
