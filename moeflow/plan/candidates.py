@@ -109,6 +109,17 @@ def enumerate_candidates(n: int, kinds: tuple[str, ...] = ("aggregated", "pd")) 
     return out
 
 
+def candidates_for(q, m: ModelSpec, choice, hw, isl: int) -> list[Candidate]:
+    """Every deployment of ``q.devices`` devices in ``q.kinds`` (and beside each whose roles the
+    hardware choice moves, the same there), each checked for memory with requests of prompts up to
+    ``isl`` long."""
+    return [check_memory(with_batch_tokens(c, q.max_batch_tokens), m, hw.hbm_bytes if hw else 0.0,
+                         q.mem_fraction, isl + q.osl, max_batch_tokens=q.max_batch_tokens or max(8192, isl),
+                         max_num_seqs=256, block_size=16, hbm_of=choice.hbm_bytes if choice else None)
+            for c in with_hardware(enumerate_candidates(q.devices, q.kinds),
+                                   choice.roles_for if choice else lambda mode: {})]
+
+
 def with_batch_tokens(c: Candidate, n: int | None) -> Candidate:
     """``c`` with every layout's batch limit at ``n`` tokens (None: each mode's default)."""
     if n is None:

@@ -47,6 +47,16 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=Q.top, help="the best this many are all simulated whole (default %(default)s)")
     p.add_argument("--include", action="append", default=[], metavar="NAME",
                    help="also simulate this candidate whole, whatever its estimate (repeatable): a deployment to compare")
+    d = p.add_argument_group("a workload that drifts: which deployment, fixed or elastic (--autoscale), serves this "
+                             "trace with the most good requests per device-second (docs/plan.md)")
+    d.add_argument("--rps", type=float, default=None, help="the base arrival rate (requests/s)")
+    d.add_argument("--rate-curve", default=None, metavar="T:F,...",
+                   help="the rate at t is --rps x F, linear between knots, flat beyond (e.g. 0:1,100:3,200:1)")
+    d.add_argument("--length-curve", default=None, metavar="T:F,...",
+                   help="a prompt arriving at t is F x its drawn length (e.g. 0:1,200:4)")
+    d.add_argument("--duration-s", type=float, default=Q.duration_s, help="the trace's length (default %(default)s)")
+    d.add_argument("--repeats", type=int, default=Q.repeats,
+                   help="seeds each candidate is simulated with; the verdict is their median (default %(default)s)")
     p.add_argument("--json", default=None, metavar="OUT.json")
     p.set_defaults(func=run)
 
@@ -59,30 +69,23 @@ def answer(q: PlanQuestion, json_path: str | None = None) -> int:
     """Print the ranking and the best deployment's command; write the whole answer to ``json_path``."""
     from moeflow.measure.provenance import write_json
     from moeflow.plan import accuracy, pareto
-    from moeflow.plan.candidates import check_memory, enumerate_candidates, with_batch_tokens, with_hardware
+    from moeflow.plan.candidates import candidates_for
     from moeflow.plan.command import engine_runs, serve_command
     from moeflow.plan.hardware import HardwareChoice
     from moeflow.plan.search import Slo, search, shared_cores
     from moeflow.sim.hardware import hardware_preset
     from moeflow.sim.model_spec import model_preset
 
+    if q.drifts:
+        from moeflow.plan.drift import answer_drift
+
+        return answer_drift(q, json_path)
     m = model_preset(q.model)
     choice = HardwareChoice.parse(q.hardware, q.price) if q.hardware else None
-    target = ({"hardware": "cpu-here", "cost": "profiled", "profile": q.profile} if q.profile
-              else {"hardware": choice.default})
     hw = hardware_preset(choice.default) if choice else None
-    workload = {"kind": "fixed", "fixed_len": q.isl} if q.isl_ratio == 1 else \
-        {"kind": "uniform", "isl": q.isl, "isl_ratio": q.isl_ratio}
-    base = {"model": q.model, **target, "slo_ttft_s": q.ttft_s, "slo_metric": q.percentile,
-            "workload": {**workload, "output_len": q.osl, "num_requests": q.num_requests, "seed": 0}}
-    if q.tpot_ms is not None:
-        base["slo_tpot_s"] = q.tpot_ms / 1e3
+    base = q.experiment_base(q.isl, choice.default if choice else None)
     slo = Slo(q.ttft_s, None if q.tpot_ms is None else q.tpot_ms / 1e3, q.percentile)
-    cands = [check_memory(with_batch_tokens(c, q.max_batch_tokens), m, hw.hbm_bytes if hw else 0.0,
-                          q.mem_fraction, q.isl + q.osl, max_batch_tokens=q.max_batch_tokens or max(8192, q.isl),
-                          max_num_seqs=256, block_size=16, hbm_of=choice.hbm_bytes if choice else None)
-             for c in with_hardware(enumerate_candidates(q.devices, q.kinds),
-                                    choice.roles_for if choice else lambda mode: {})]
+    cands = candidates_for(q, m, choice, hw, q.isl)
     unknown = sorted(set(q.include) - {c.name for c in cands})
     if unknown:
         raise ConfigError(f"--include {unknown}: not among the candidates (e.g. {', '.join(c.name for c in cands[:4])})")

@@ -35,3 +35,12 @@ def serve_command(model: str, system: dict) -> str | None:
         if key in _ENGINE_FLAGS:
             args += [_ENGINE_FLAGS[key], str(value)]
     return shlex.join(args)
+
+
+def autoscale_flags(system: dict) -> str:
+    """An elastic candidate's ``--autoscale POLICY.yaml`` and the most members the engine sizes
+    for (pd's instances, afd's workers; dep's ranks are its layout's ``--max-dp``)."""
+    policy = system["autoscale"]
+    most = {"pd": (("--max-prefill-instances", "max_prefill"), ("--max-decode-instances", "max_decode")),
+            "afd": (("--max-attn-workers", "max_attention"), ("--max-ffn-workers", "max_ffn"))}.get(system["mode"], ())
+    return shlex.join(["--autoscale", "POLICY.yaml"] + [x for flag, key in most for x in (flag, str(policy[key]))])

@@ -1,6 +1,8 @@
 """The question ``moeflow plan`` answers: which deployment of N devices serves this workload within
-this SLO at the most requests per second per device. The command line fills it in
-(``plan/cli.py``); a caller such as the demo asks it directly (``plan.cli.answer``)."""
+this SLO at the most requests per second per device; or, given a rate that drifts over time
+(``rps`` with its curves), which deployment, fixed or elastic, serves that trace with the most good
+requests per device-second (``plan/drift.py``). The command line fills it in (``plan/cli.py``); a
+caller such as the demo asks it directly (``plan.cli.answer``)."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +38,13 @@ class PlanQuestion:
     include: tuple[str, ...] = ()  # candidates simulated whole whatever their estimate
     price: str | None = None  # PRESET=USD per device-hour, comma-separated (sim/prices.py's defaults otherwise)
     rank_by: str = "device"  # goodput per device, or per USD ("cost")
+    # the drifting question: arrivals at rps x rate_curve(t) for duration_s, prompts x length_curve(t)
+    # (knots [(t_s, factor), ...], measure/drift.py); None: the stationary question above
+    rps: float | None = None
+    rate_curve: tuple[tuple[float, float], ...] = ()
+    length_curve: tuple[tuple[float, float], ...] = ()
+    duration_s: float = 300.0
+    repeats: int = 1  # seeds each drifting candidate is simulated with (the verdict: their median)
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -51,11 +60,68 @@ class PlanQuestion:
             raise ConfigError(f"--rank-by must be one of {RANK_BY}, got {self.rank_by!r}")
         if self.profile is not None and (self.price or self.rank_by == "cost"):
             raise ConfigError("--price and --rank-by cost price hardware presets: give --hardware, not --profile")
+        self._check_drift()
         if self.max_batch_tokens is not None and self.max_batch_tokens < self.isl:
             raise ConfigError(f"--max-batch-tokens {self.max_batch_tokens} is below --isl {self.isl}: a prompt would not fit")
+
+    def experiment_base(self, isl: int, preset: str | None) -> dict:
+        """The experiment (config mapping) of one stationary probe with prompts up to ``isl`` long, on
+        ``preset`` (the hardware choice's default) or this machine's profile."""
+        target = ({"hardware": "cpu-here", "cost": "profiled", "profile": self.profile} if self.profile
+                  else {"hardware": preset})
+        workload = {"kind": "fixed", "fixed_len": isl} if self.isl_ratio == 1 else \
+            {"kind": "uniform", "isl": isl, "isl_ratio": self.isl_ratio}
+        base = {"model": self.model, **target, "slo_ttft_s": self.ttft_s, "slo_metric": self.percentile,
+                "workload": {**workload, "output_len": self.osl, "num_requests": self.num_requests, "seed": 0}}
+        if self.tpot_ms is not None:
+            base["slo_tpot_s"] = self.tpot_ms / 1e3
+        return base
+
+    @property
+    def drifts(self) -> bool:
+        return self.rps is not None
+
+    def _check_drift(self) -> None:
+        from moeflow.measure.drift import check_curve
+
+        if not self.drifts:
+            if self.rate_curve or self.length_curve:
+                raise ConfigError("--rate-curve and --length-curve shape a rate: give --rps too")
+            return
+        if not self.rps > 0:
+            raise ConfigError(f"--rps must be > 0, got {self.rps}")
+        if not self.duration_s > 0:
+            raise ConfigError(f"--duration-s must be > 0, got {self.duration_s}")
+        if self.tpot_ms is None:
+            raise ConfigError("--rps asks which deployment, fixed or elastic, serves a drifting trace: give --tpot-ms "
+                              "(the controllers keep a TPOT SLO, and good requests meet both bounds)")
+        if not (isinstance(self.repeats, int) and self.repeats >= 1):
+            raise ConfigError(f"--repeats must be an int >= 1, got {self.repeats!r}")
+        for flag, curve in (("--rate-curve", self.rate_curve), ("--length-curve", self.length_curve)):
+            try:
+                object.__setattr__(self, flag[2:].replace("-", "_"), check_curve(curve, flag))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "PlanQuestion":
         given = {k: getattr(args, k) for k in cls.__dataclass_fields__}
         return cls(**{**given, "kinds": tuple(k.strip() for k in args.kinds.split(",")),
-                      "include": tuple(args.include)})
+                      "include": tuple(args.include), "rate_curve": parse_curve(args.rate_curve, "--rate-curve"),
+                      "length_curve": parse_curve(args.length_curve, "--length-curve")})
+
+
+def parse_curve(text: str | None, flag: str) -> tuple[tuple[float, float], ...]:
+    """'0:1,100:3,200:1' -> ((0.0, 1.0), (100.0, 3.0), (200.0, 1.0)): knots t_s:factor."""
+    if not text:
+        return ()
+    knots = []
+    for part in text.split(","):
+        t, colon, f = part.strip().partition(":")
+        try:
+            knots.append((float(t), float(f)))
+        except ValueError:
+            raise ConfigError(f"{flag}: each knot is T_S:FACTOR (e.g. 0:1,100:3), got {part.strip()!r}") from None
+        if not colon:
+            raise ConfigError(f"{flag}: each knot is T_S:FACTOR (e.g. 0:1,100:3), got {part.strip()!r}")
+    return tuple(knots)
