@@ -158,10 +158,22 @@ def test_a_whole_answer_on_this_machines_profile_is_the_simulators_own_run(tmp_p
     d = json.loads(out.read_text())
     rows = d["candidates"]
     simulated = [r for r in rows if r["simulated"]]
-    assert 2 <= len(simulated) <= 3 and rows[:len(simulated)] == simulated
+    assert rows[:len(simulated)] == simulated
     assert any(r["elastic"] for r in simulated) and any(not r["elastic"] for r in simulated)
+    # the best elastic one weighed against every fixed size of its own layout
+    top = next(r for r in simulated if r["elastic"])
+    assert all(r["simulated"] for r in rows if r["family"] == top["family"])
+    assert len(simulated) < len(rows)  # the rest stay estimates
+        not r["elastic"] and r["family"] == top["family"] and r["estimate"]["good_per_device_s"] >=
+        sorted((x["estimate"]["good_per_device_s"] for x in rows if not x["elastic"]), reverse=True)[0] for r in rows)
     best = d["best"]
     assert best["name"] == simulated[0]["name"] and f"best: {best['name']}" in printed
+    import shlex
+
+    from moeflow.cli import build_parser
+
+    args = build_parser().parse_args(shlex.split(best["command"])[1:])  # a command moeflow serve takes
+    assert args.mode == "pd" and (args.autoscale == "POLICY.yaml") == best["elastic"]
     base = {"model": "tiny", "hardware": "cpu-here", "cost": "profiled", "profile": PROFILE, "slo_ttft_s": 2.0,
             "slo_tpot_s": 0.3, "slo_metric": "p90", "rps": [0.5],
             "workload": {"kind": "fixed", "fixed_len": 128, "output_len": 8, "seed": 0, "duration_s": 60,
