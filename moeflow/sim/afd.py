@@ -15,7 +15,7 @@ per-step work (``host_step_s``); without it every step pays it (FastAFD §5's ab
 from __future__ import annotations
 
 from moeflow.sim.shape import AttnShape
-from moeflow.sim.system import StepSystem
+from moeflow.sim.step_system import StepSystem
 
 
 def _uniform_shift(before: list[float] | None, after: list[float]) -> float | None:

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from moeflow.sim.shape import AttnShape
-from moeflow.sim.system import StepSystem
+from moeflow.sim.step_system import StepSystem
 
 
 def remote_share(model, ep: int, dedup: bool) -> float:

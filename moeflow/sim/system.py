@@ -65,6 +65,8 @@ class System(abc.ABC):
     """One simulated deployment of ``spec``: its layout, the engine's KV and sequence limits, and
     the simulator's modelling options."""
 
+    lands_handed_kv = False  # sim.decode_side: requests may arrive with their prompt's KV (step_system.py)
+
     def __init__(self, spec: SystemSpec, cost: CostModel, trace_until_s: float = 0.0):
         # a role on hardware of its own (spec.hardware) is priced on its preset, the same options applied
         if spec.hardware_of("all"):
@@ -150,7 +152,7 @@ class System(abc.ABC):
 
     def run(self, workload: list[WorkloadRequest], stop: StopRule | None = None) -> RunResult:
         """Replay ``workload`` to the end (or until it has certainly missed ``stop``'s SLO)."""
-        if self.spec.sim.decode_side and not isinstance(self, StepSystem):
+        if self.spec.sim.decode_side and not self.lands_handed_kv:
             raise ValueError(f"system {self.spec.name!r}: sim.decode_side (requests arriving with their KV) is "
                              f"modelled for dep and afd, not mode {self.layout.mode!r}")
         if self.spec.sim.expert_load_cv and not self.models_skew():
@@ -254,53 +256,3 @@ class System(abc.ABC):
             self.records.append(RequestRecord(r.num_prompt_tokens, t.arrival_s, t.first_scheduled_s,
                                               t.first_token_s, t.compute_s, now, len(r.output_token_ids)))
             self._pending -= 1
-
-
-class StepSystem(System):
-    """A system whose scheduler runs global steps (dep, afd): one step at a time, the next as soon
-    as the last one ends, idle while the scheduler has nothing."""
-
-    busy = False
-    stop_check_every = 256  # an event here is a whole step of the deployment, not one layer's
-    # a list: every step's (start time, work items, busy_s and split_s before it) is appended (sim/decode.py)
-    step_log: list | None = None
-    split_s: dict[str, float] = {}  # summed over entities: step time by kind, where a system keeps it
-
-    def add(self, request: Request) -> None:
-        if self.spec.sim.decode_side:  # its prompt's KV and first token arrive with it (pd's decode side)
-            request.output_token_ids.append(0)
-            t = self.track[request.request_id]
-            t.first_scheduled_s = t.first_token_s = self.loop.now
-            self.handed.append(request)
-        else:
-            self.sched.add(request)
-        self.poke()
-
-    def poke(self) -> None:
-        if not self.busy:
-            self._step()
-
-    def _admit_handed(self) -> None:
-        """First come first served: each waiting request that a group has room for lands there."""
-        port = self.handoff_port()
-        while self.handed:
-            gid = port.room(self.handed[0])
-            if gid is None:
-                return
-            r = self.handed.popleft()
-            port.reserve(gid, r)
-            port.arrive(r)
-
-    def _step(self) -> None:
-        if self.spec.sim.decode_side:
-            self._admit_handed()
-        works = self.sched.schedule(self.loop.now)
-        self.busy = bool(works)
-        if works:
-            if self.step_log is not None:
-                self.step_log.append((self.loop.now, works, {**self.busy_s, **self.split_s}))
-            self.run_step(works, self.loop.now)
-
-    @abc.abstractmethod
-    def run_step(self, works: list, now: float) -> None:
-        """Time one step's work items and schedule its end (which calls ``_step`` again)."""
