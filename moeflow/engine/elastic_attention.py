@@ -30,7 +30,7 @@ import time
 
 from moeflow.comm.kv_pull import paired_runs, pull
 from moeflow.config import ConfigError
-from moeflow.engine.elastic import ScaleEvent
+from moeflow.engine.scale_event import ScaleEvent
 from moeflow.logs import get_logger
 from moeflow.messages import World
 from moeflow.model.attention import attention_for

@@ -18,9 +18,9 @@ import time
 
 from moeflow.config import ONE_HOST_SHARED, ConfigError
 from moeflow.engine.expert_load import ExpertLoadWindow, window_for
+from moeflow.engine.scale_event import ScaleEvent
 from moeflow.layout.expert_map import ExpertMap
 from moeflow.logs import get_logger
-from moeflow.engine.elastic import ScaleEvent
 from moeflow.membership_messages import JoinExperts
 from moeflow.messages import ExpertsMoved, MoveExperts, UseExperts, WorkDone, WorkerFailed
 from moeflow.scheduler.eplb import rebalance, resize

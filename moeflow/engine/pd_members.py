@@ -20,7 +20,7 @@ import threading
 
 from moeflow.config import ConfigError
 from moeflow.engine.base import Engine, clock
-from moeflow.engine.elastic import ScaleEvent, event_counts, scale_event
+from moeflow.engine.scale_event import ScaleEvent, event_counts, scale_event
 from moeflow.scheduler.handoff.sides import DecodeSide, PrefillSide
 
 SIDES = ("prefill", "decode")

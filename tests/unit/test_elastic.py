@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from moeflow.config import ConfigError
-from moeflow.engine.elastic import Membership, ScaleEvent
+from moeflow.engine.elastic import Membership
+from moeflow.engine.scale_event import ScaleEvent
 
 
 def _membership() -> Membership:
