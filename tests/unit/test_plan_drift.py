@@ -180,3 +180,21 @@ def test_a_whole_answer_on_this_machines_profile_is_the_simulators_own_run(tmp_p
     p, _ = run_point(cfg.systems["x"], build_cost(cfg), cfg, 0.5, 0)
     assert best["good_per_process_s"] == pytest.approx(p["goodput_per_process_s"])
     assert simulate(("x", best["system"], base, 1))["good_per_process_s"] == pytest.approx(p["goodput_per_process_s"])
+
+
+@pytest.mark.parametrize("start", [{"mode": "dep", "dp": 2}, {"mode": "afd", "attn_workers": 2, "ffn_workers": 2,
+                                                              "micro_batches": 2}])
+def test_an_aggregated_familys_elastic_deployment_runs_in_the_simulator(start):
+    """The elastic systems the plan writes for dep and afd run whole under their controllers (tiny
+    on gb200, a short ramp), with good requests and process-seconds to rank them by."""
+    c = Candidate("x", start, 4, "aggregated")
+    ms = moments(4.0, ((0, 1), (10, 4), (20, 1)), (), 30.0, n=6)
+    (e,) = [d for d in aggregated(c, (1.0, 4.0), (1.0, 4.0), ms, 8, lambda x: x, Policy(0.2, 2.0, moment_s=5.0))
+            if d.elastic]
+    base = {"model": "tiny", "hardware": "gb200", "slo_ttft_s": 2.0, "slo_tpot_s": 0.2, "rps": [4.0],
+            "workload": {"kind": "fixed", "fixed_len": 64, "output_len": 8, "seed": 0, "duration_s": 30,
+                         "rate_curve": [[0, 1], [10, 4], [20, 1]]}}
+    r = simulate((e.name, e.system, base, 1))
+    assert r["simulated"], r
+    (run,) = r["runs"]
+    assert run["within"] > 0 and run["process_s"] > 0 and r["good_per_process_s"] > 0
