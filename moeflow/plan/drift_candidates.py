@@ -109,12 +109,12 @@ def aggregated(c: Candidate, at_lo: tuple[float, float], at_hi: tuple[float, flo
             good = policy.good(ms, [k] * len(ms), per_unit, policy.ttft_s)
             out.append(DriftCandidate(_name(sized[k].system) + _tag(c), fam, sized[k].system, False, sized[k].devices,
                                       estimate(ms, [sized[k].devices] * len(ms), good)))
-    elastic = _elastic(c, sized, floor, most, need, unit_devices, ms, policy, per_unit)
+    elastic = _elastic(c, sized, floor, most, need, unit_devices, ms, policy, per_unit, fits)
     return out + ([DriftCandidate("elastic:" + fam, fam, *elastic)] if elastic else [])
 
 
 def _elastic(c: Candidate, sized: dict, floor: int, most: int, need: list[float], unit_devices: int,
-             ms: list[Moment], policy: Policy, per_unit: tuple):
+             ms: list[Moment], policy: Policy, per_unit: tuple, fits: Callable[[Candidate], Candidate]):
     mode, lay = c.system["mode"], c.system
     units = following(need, floor, most, policy.lag)
     start = units[0]
@@ -130,8 +130,13 @@ def _elastic(c: Candidate, sized: dict, floor: int, most: int, need: list[float]
         budget = most * unit_devices
         a = sized[start].system["attn_workers"]
         step = policy.step([x * lay["attn_workers"] / _units(lay) for x in need])
+        # the fewest daemons whose experts fit (an instance's memory does not depend on how many there are)
+        least_ffn = next((f for f in range(1, budget - a + 1) if fits(Candidate(
+            c.name, {**sized[start].system, "ffn_workers": f}, a + f, "aggregated")).feasible), None)
+        if least_ffn is None:
+            return None
         system = {**sized[start].system, "topology": "all",
-                  "autoscale": {**slo, "min_attention": 1, "max_attention": budget - 1, "min_ffn": 1,
+                  "autoscale": {**slo, "min_attention": 1, "max_attention": budget - 1, "min_ffn": least_ffn,
                                 "max_ffn": budget - 1, "max_processes": budget, "max_step": min(step, budget - a)}}
     else:  # dwdp's ranks and asap's workers: the engine's controller or none, not the simulator's
         return None

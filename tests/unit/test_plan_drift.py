@@ -198,3 +198,17 @@ def test_an_aggregated_familys_elastic_deployment_runs_in_the_simulator(start):
     assert r["simulated"], r
     (run,) = r["runs"]
     assert run["within"] > 0 and run["process_s"] > 0 and r["good_per_process_s"] > 0
+
+
+def test_an_elastic_afd_never_shrinks_below_the_daemons_that_hold_its_experts():
+    c = Candidate("afd_2a2f_m2", {"mode": "afd", "attn_workers": 2, "ffn_workers": 2, "micro_batches": 2}, 4,
+                  "aggregated")
+
+    def fits(x):  # the experts need three daemons
+        return x if x.system["ffn_workers"] >= 3 else Candidate(x.name, x.system, x.devices, x.kind, False, "experts")
+    ms = moments(2.0, (), (), 30.0, n=6)
+    (e,) = [d for d in aggregated(c, (1.0, 8.0), (1.0, 8.0), ms, 12, fits, POLICY) if d.elastic]
+    assert (e.system["attn_workers"], e.system["ffn_workers"]) == (3, 3)  # the family's floor: 3 units of 1:1
+    assert e.system["autoscale"]["min_ffn"] == 3 and e.system["autoscale"]["min_attention"] == 1
+    (free,) = [d for d in aggregated(c, (1.0, 8.0), (1.0, 8.0), ms, 12, lambda x: x, POLICY) if d.elastic]
+    assert free.system["autoscale"]["min_ffn"] == 1
