@@ -49,9 +49,10 @@ def add_parser(sub) -> None:
                    help="also simulate this candidate whole, whatever its estimate (repeatable): a deployment to compare")
     d = p.add_argument_group("a workload that drifts: which deployment, fixed or elastic (--autoscale), serves this "
                              "trace with the most good requests per device-second (docs/plan.md)")
-    d.add_argument("--rps", type=float, default=None, help="the base arrival rate (requests/s)")
+    d.add_argument("--request-rate", dest="rps", type=float, default=None,
+                   help="the base arrival rate (requests/s; vLLM's flag of the name)")
     d.add_argument("--rate-curve", default=None, metavar="T:F,...",
-                   help="the rate at t is --rps x F, linear between knots, flat beyond (e.g. 0:1,100:3,200:1)")
+                   help="the rate at t is --request-rate x F, linear between knots, flat beyond (e.g. 0:1,100:3,200:1)")
     d.add_argument("--length-curve", default=None, metavar="T:F,...",
                    help="a prompt arriving at t is F x its drawn length (e.g. 0:1,200:4)")
     d.add_argument("--duration-s", type=float, default=Q.duration_s, help="the trace's length (default %(default)s)")

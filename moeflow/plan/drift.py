@@ -1,4 +1,4 @@
-"""``moeflow plan --rps R --rate-curve ... --length-curve ...``: which deployment of at most N
+"""``moeflow plan --request-rate R --rate-curve ... --length-curve ...``: which deployment of at most N
 devices, fixed or elastic, serves a trace whose rate and prompt lengths drift with the most good
 requests (within both SLOs) per device-second, each device paid from its start to its exit.
 

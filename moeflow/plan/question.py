@@ -86,14 +86,14 @@ class PlanQuestion:
 
         if not self.drifts:
             if self.rate_curve or self.length_curve:
-                raise ConfigError("--rate-curve and --length-curve shape a rate: give --rps too")
+                raise ConfigError("--rate-curve and --length-curve shape a rate: give --request-rate too")
             return
         if not self.rps > 0:
-            raise ConfigError(f"--rps must be > 0, got {self.rps}")
+            raise ConfigError(f"--request-rate must be > 0, got {self.rps}")
         if not self.duration_s > 0:
             raise ConfigError(f"--duration-s must be > 0, got {self.duration_s}")
         if self.tpot_ms is None:
-            raise ConfigError("--rps asks which deployment, fixed or elastic, serves a drifting trace: give --tpot-ms "
+            raise ConfigError("--request-rate asks which deployment, fixed or elastic, serves a drifting trace: give --tpot-ms "
                               "(the controllers keep a TPOT SLO, and good requests meet both bounds)")
         if not (isinstance(self.repeats, int) and self.repeats >= 1):
             raise ConfigError(f"--repeats must be an int >= 1, got {self.repeats!r}")

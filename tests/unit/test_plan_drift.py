@@ -130,7 +130,7 @@ def test_the_whole_simulations_take_the_best_of_both_kinds():
 
 def test_the_drifting_question_refuses_what_it_cannot_answer():
     kw = dict(model="tiny", devices=2, isl=64, osl=4, ttft_s=2.0, profile=PROFILE)
-    with pytest.raises(ConfigError, match="give --rps"):
+    with pytest.raises(ConfigError, match="give --request-rate"):
         PlanQuestion(**kw, rate_curve=((0, 1), (10, 2)))
     with pytest.raises(ConfigError, match="--tpot-ms"):
         PlanQuestion(**kw, rps=1.0)
@@ -151,7 +151,7 @@ def test_a_whole_answer_on_this_machines_profile_is_the_simulators_own_run(tmp_p
 
     out = tmp_path / "drift.json"
     assert main(["plan", "--model", "tiny", "--profile", PROFILE, "--devices", "3", "--isl", "128", "--osl", "8",
-                 "--ttft-s", "2", "--tpot-ms", "300", "--kinds", "pd", "--rps", "0.5", "--rate-curve", "0:1,20:3,40:1",
+                 "--ttft-s", "2", "--tpot-ms", "300", "--kinds", "pd", "--request-rate", "0.5", "--rate-curve", "0:1,20:3,40:1",
                  "--length-curve", "0:1,40:2", "--duration-s", "60", "--jobs", "1", "--confirm", "3", "--top", "1",
                  "--json", str(out)]) == 0
     printed = capsys.readouterr().out
