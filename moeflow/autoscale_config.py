@@ -8,6 +8,9 @@ from dataclasses import dataclass, fields
 from moeflow.errors import ConfigError
 
 
+DEFAULT_SAMPLE_S = 2.0  # a policy's sampling period where it names none
+
+
 @dataclass(frozen=True)
 class AutoscalePolicy:
     """What the controller may do (``--autoscale POLICY.yaml``)."""
@@ -140,7 +143,7 @@ def policy_from(raw: dict, where: str, cls: type = AutoscalePolicy) -> tuple:
     ``AutoscalePolicy`` (afd's A:F), ``PdAutoscalePolicy`` (pd's xPyD) or ``EpAutoscalePolicy`` (dep's
     and dwdp's ranks)."""
     d = dict(raw)
-    sample_s = d.pop("sample_s", 2.0)
+    sample_s = d.pop("sample_s", DEFAULT_SAMPLE_S)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:

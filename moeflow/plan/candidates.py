@@ -14,6 +14,7 @@ come from that plan, as the engine's ``memory_budget_gib`` would size them.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moeflow.layout import make_layout
@@ -34,22 +35,31 @@ class Candidate:
     kv_tokens: dict = field(default_factory=dict)  # per side: one attention group's KV capacity
 
 
+def aggregated_name(system: dict) -> str:
+    """An aggregated layout's candidate name: dep8, dep4_tp2, dwdp8, asap_d3t2e2, afd_6a2f_m2."""
+    mode = system["mode"]
+    if mode == "dep":
+        return f"dep{system['dp']}" + (f"_tp{system['tp']}" if system.get("tp", 1) > 1 else "")
+    if mode == "dwdp":
+        return f"dwdp{system['dp']}"
+    if mode == "asap":
+        return f"asap_d{system['attn_dp']}t{system.get('attn_tp', 1)}e{system['moe_workers']}"
+    return f"afd_{system['attn_workers']}a{system['ffn_workers']}f_m{system.get('micro_batches', 1)}"
+
+
 def _aggregated(n: int) -> list[tuple[str, dict]]:
-    out = [(f"dep{n // tp}" + (f"_tp{tp}" if tp > 1 else ""), {"mode": "dep", "dp": n // tp, **({"tp": tp} if tp > 1 else {})})
-           for tp in _TP if n % tp == 0]
+    lays = [{"mode": "dep", "dp": n // tp, **({"tp": tp} if tp > 1 else {})} for tp in _TP if n % tp == 0]
     if n >= 2:
-        out.append((f"dwdp{n}", {"mode": "dwdp", "dp": n}))
+        lays.append({"mode": "dwdp", "dp": n})
     for t in _TP:
         for e in range(1, n):
             if (n - e) % t == 0 and n - e >= t:
-                d = (n - e) // t
-                out.append((f"asap_d{d}t{t}e{e}", {"mode": "asap", "attn_dp": d, "attn_tp": t, "moe_workers": e}))
+                lays.append({"mode": "asap", "attn_dp": (n - e) // t, "attn_tp": t, "moe_workers": e})
     for m in range(1, n):
         for mb in (1, 2):
             topology = {} if m >= n - m else {"topology": "all"}  # fewer instances than daemons: each sees all
-            out.append((f"afd_{m}a{n - m}f_m{mb}", {"mode": "afd", "attn_workers": m, "ffn_workers": n - m,
-                                                    "micro_batches": mb, **topology}))
-    return out
+            lays.append({"mode": "afd", "attn_workers": m, "ffn_workers": n - m, "micro_batches": mb, **topology})
+    return [(aggregated_name(lay), lay) for lay in lays]
 
 
 def _sides(n: int, modes: tuple[str, ...]) -> list[tuple[str, dict, int]]:
@@ -109,15 +119,22 @@ def enumerate_candidates(n: int, kinds: tuple[str, ...] = ("aggregated", "pd")) 
     return out
 
 
+def memory_fit(q, m: ModelSpec, choice, hw, isl: int) -> Callable[[Candidate], Candidate]:
+    """``check_memory`` as the plan applies it to every candidate of question ``q``: requests of
+    prompts up to ``isl`` long, on ``hw`` (None: a profiled host, nothing to check)."""
+    def fit(c: Candidate) -> Candidate:
+        return check_memory(with_batch_tokens(c, q.max_batch_tokens), m, hw.hbm_bytes if hw else 0.0,
+                            q.mem_fraction, isl + q.osl, max_batch_tokens=q.max_batch_tokens or max(8192, isl),
+                            max_num_seqs=256, block_size=16, hbm_of=choice.hbm_bytes if choice else None)
+    return fit
+
+
 def candidates_for(q, m: ModelSpec, choice, hw, isl: int) -> list[Candidate]:
     """Every deployment of ``q.devices`` devices in ``q.kinds`` (and beside each whose roles the
-    hardware choice moves, the same there), each checked for memory with requests of prompts up to
-    ``isl`` long."""
-    return [check_memory(with_batch_tokens(c, q.max_batch_tokens), m, hw.hbm_bytes if hw else 0.0,
-                         q.mem_fraction, isl + q.osl, max_batch_tokens=q.max_batch_tokens or max(8192, isl),
-                         max_num_seqs=256, block_size=16, hbm_of=choice.hbm_bytes if choice else None)
-            for c in with_hardware(enumerate_candidates(q.devices, q.kinds),
-                                   choice.roles_for if choice else lambda mode: {})]
+    hardware choice moves, the same there), each checked for memory (``memory_fit``)."""
+    fit = memory_fit(q, m, choice, hw, isl)
+    return [fit(c) for c in with_hardware(enumerate_candidates(q.devices, q.kinds),
+                                          choice.roles_for if choice else lambda mode: {})]
 
 
 def with_batch_tokens(c: Candidate, n: int | None) -> Candidate:

@@ -68,7 +68,7 @@ def pick(cands: list[DriftCandidate], top: int, confirm: int, include: tuple[str
 
 def answer_drift(q, json_path: str | None = None) -> int:
     from moeflow.measure.provenance import write_json
-    from moeflow.plan.candidates import candidates_for, check_memory
+    from moeflow.plan.candidates import candidates_for, memory_fit
     from moeflow.plan.command import autoscale_flags, engine_runs, serve_command
     from moeflow.plan.estimate import memory_gib
     from moeflow.plan.hardware import HardwareChoice
@@ -100,10 +100,7 @@ def answer_drift(q, json_path: str | None = None) -> int:
     ms = moments(q.rps, q.rate_curve, q.length_curve, q.duration_s)
     policy = Policy(q.tpot_ms / 1e3, q.ttft_s, moment_s=q.duration_s / MOMENTS)
 
-    def fits(c):
-        return check_memory(c, m, hw.hbm_bytes if hw else 0.0, q.mem_fraction, longest + q.osl,
-                            max_batch_tokens=q.max_batch_tokens or max(8192, longest), max_num_seqs=256,
-                            block_size=16, hbm_of=choice.hbm_bytes if choice else None)
+    fits = memory_fit(q, m, choice, hw, longest)
     drift = []
     for c in cands:
         r_lo, r_hi = est[lo].get(c.name, {}), est[hi].get(c.name, {})

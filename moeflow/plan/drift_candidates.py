@@ -12,7 +12,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moeflow.plan.candidates import Candidate, side_devices
+from moeflow.autoscale_config import DEFAULT_SAMPLE_S, AutoscalePolicy
+from moeflow.plan.candidates import Candidate, aggregated_name, side_devices
 from moeflow.plan.drift_sizes import (Estimate, Moment, estimate, following, max_rise, needs, quantile_sizes,
                                       served, unit_rate)
 
@@ -38,8 +39,8 @@ class Policy:
     tpot_s: float
     ttft_s: float
     moment_s: float = 5.0  # the span of one of the trace's moments
-    interval_s: float = 10.0  # the policies' default least time between changes
-    seen_s: float = 6.0  # what a decision averages: the policies' default window (3) x sample_s (2 s)
+    interval_s: float = AutoscalePolicy.interval_s  # the policies' default least time between changes
+    seen_s: float = AutoscalePolicy.window * DEFAULT_SAMPLE_S  # what a decision averages, by default
 
     def step(self, need: list[float]) -> int:
         """What one decision may have to add: the most the need rises within one interval."""
@@ -65,22 +66,11 @@ def _scaled(system: dict, k: int) -> dict:
     return {**system, **{key: system[key] // g * k for key in _COUNTS[system["mode"]]}}
 
 
-def _name(system: dict) -> str:
-    lay, mode = system, system["mode"]
-    if mode == "dep":
-        return f"dep{lay['dp']}" + (f"_tp{lay['tp']}" if lay.get("tp", 1) > 1 else "")
-    if mode == "dwdp":
-        return f"dwdp{lay['dp']}"
-    if mode == "asap":
-        return f"asap_d{lay['attn_dp']}t{lay.get('attn_tp', 1)}e{lay['moe_workers']}"
-    return f"afd_{lay['attn_workers']}a{lay['ffn_workers']}f_m{lay.get('micro_batches', 1)}"
-
-
 def _family(system: dict) -> str:
     """dep and dwdp by their mode (and TP), asap and afd by their smallest ratio."""
     if system["mode"] in ("dep", "dwdp"):
         return system["mode"] + (f"_tp{system['tp']}" if system.get("tp", 1) > 1 else "")
-    return _name(_scaled(system, 1))
+    return aggregated_name(_scaled(system, 1))
 
 
 def _tag(c: Candidate) -> str:
@@ -107,7 +97,7 @@ def aggregated(c: Candidate, at_lo: tuple[float, float], at_hi: tuple[float, flo
     for k in quantile_sizes(need, floor, most):
         if sized[k].feasible:
             good = policy.good(ms, [k] * len(ms), per_unit, policy.ttft_s)
-            out.append(DriftCandidate(_name(sized[k].system) + _tag(c), fam, sized[k].system, False, sized[k].devices,
+            out.append(DriftCandidate(aggregated_name(sized[k].system) + _tag(c), fam, sized[k].system, False, sized[k].devices,
                                       estimate(ms, [sized[k].devices] * len(ms), good)))
     elastic = _elastic(c, sized, floor, most, need, unit_devices, ms, policy, per_unit, fits)
     return out + ([DriftCandidate("elastic:" + fam, fam, *elastic)] if elastic else [])

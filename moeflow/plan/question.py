@@ -97,9 +97,9 @@ class PlanQuestion:
                               "(the controllers keep a TPOT SLO, and good requests meet both bounds)")
         if not (isinstance(self.repeats, int) and self.repeats >= 1):
             raise ConfigError(f"--repeats must be an int >= 1, got {self.repeats!r}")
-        for flag, curve in (("--rate-curve", self.rate_curve), ("--length-curve", self.length_curve)):
+        for name in ("rate_curve", "length_curve"):
             try:
-                object.__setattr__(self, flag[2:].replace("-", "_"), check_curve(curve, flag))
+                object.__setattr__(self, name, check_curve(getattr(self, name), "--" + name.replace("_", "-")))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
 
@@ -117,11 +117,9 @@ def parse_curve(text: str | None, flag: str) -> tuple[tuple[float, float], ...]:
         return ()
     knots = []
     for part in text.split(","):
-        t, colon, f = part.strip().partition(":")
-        try:
+        t, _, f = part.strip().partition(":")
+        try:  # a knot without its colon leaves f empty: not a number either
             knots.append((float(t), float(f)))
         except ValueError:
             raise ConfigError(f"{flag}: each knot is T_S:FACTOR (e.g. 0:1,100:3), got {part.strip()!r}") from None
-        if not colon:
-            raise ConfigError(f"{flag}: each knot is T_S:FACTOR (e.g. 0:1,100:3), got {part.strip()!r}")
     return tuple(knots)
