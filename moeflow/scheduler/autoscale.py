@@ -11,21 +11,32 @@ instances wait (FFN-bound), else F <= A and, unless the daemons' own busy share 
 A M/M'; with N' daemons each computes N/N' of the tokens, F' = F N/N'; the step, and so TPOT,
 scales as max(A', F') / max(A, F).
 
-``Controller.observe`` decides one change at a time, at most one member per side:
+``Controller.observe`` decides one change at a time, at most one daemon and, but for the growths
+below, one instance:
 
-- **over the SLO** (p90 TPOT above it): the neighbour with the lowest predicted TPOT, if it gains
-  more than ``band``;
-- **out of KV room** (requests queue while the instances' caches are full): one attention instance
-  more, whatever the step time says (they bring the cache);
+- **out of KV room**: the KV in use, in instances' worth (M x the share used), is followed over the
+  last windows; where what it will be by the next chance to act (its rate of growth times
+  ``interval_s``) leaves the caches less than ``band`` free, or requests queue while they are full,
+  the instances grow to the count that keeps ``band`` free, at least one and at most ``max_step``
+  more, whatever the step time says (they bring the cache; contexts that grow 62-fold over five
+  minutes outran one instance per interval, results/elastic.md);
 - **over the TTFT SLO** (``ttft_slo_s``) with requests queued, or a request still without its first
   token for longer than it (queued, or placed on an instance that has not reached its prompt):
   prompts wait for the instances, which run prefill; M x (wait / SLO - 1) instances more, at least
   one and at most ``max_step`` (the wait is the larger of the two: finished requests tell of a
-  backlog late, by their whole decode);
+  backlog late, by their whole decode); with the KV rule, the larger of the two growths. Either
+  growth adds a daemon too where TPOT is over its SLO and the model predicts the daemon gains more
+  than ``band`` at the new instance count;
+- **over the SLO** (p90 TPOT above it): the neighbour with the lowest predicted TPOT, if it gains
+  more than ``band`` (fewer processes break a tie); a neighbour with fewer instances only where the
+  KV in use by the next chance to act leaves them ``band`` free (an instance given up for a daemon
+  when the caches are full queues the requests it held, and the TTFT rule takes it back: the two
+  alternated at 32 instances, results/elastic.md). So at the instances' maximum, or with their caches
+  full, a daemon comes without an instance going;
 - **under the SLO** by more than ``band``: the neighbour with the fewest processes whose predicted
-  TPOT stays below the SLO by ``band`` / 2 and whose instances still hold the KV in use with
-  ``band`` to spare (the used share grows as M/M'), if one has fewer processes than now; never
-  while requests wait, nor while the TTFT is within ``band`` of its SLO or over it;
+  TPOT stays below the SLO by ``band`` / 2 and whose instances still hold the KV in use by the next
+  chance to act with ``band`` to spare (the used share grows as M/M'), if one has fewer processes
+  than now; never while requests wait, nor while the TTFT is within ``band`` of its SLO or over it;
 - **idle** (nothing decoded, nothing queued, the instances not computing): one member less per side,
   down to the minimums (a window with requests but none finished decides nothing);
 
@@ -42,6 +53,7 @@ import math
 from dataclasses import dataclass, field
 
 from moeflow.autoscale_config import AutoscalePolicy
+from moeflow.scheduler.autoscale_pd import kv_need
 
 
 @dataclass(frozen=True)
@@ -99,60 +111,79 @@ class Controller:
         self.last_change_s: float | None = None
         self.decisions: list[Decision] = []
         self.short: dict[tuple[int, int], float] = {}  # membership -> when it was left for falling short
+        self.kv: list[tuple[float, float]] = []  # (time, KV in use in instances' worth), the last windows
 
     def observe(self, s: Sample) -> Decision | None:
         """Take one window; the change to make now, or None."""
         p = self.policy
+        self.kv = (self.kv + [(s.t_s, s.attention * (1.0 - s.kv_free))])[-(p.window + 1):]
         if self.samples and (self.samples[-1].attention, self.samples[-1].ffn) != (s.attention, s.ffn):
             self.samples = []  # a window of another membership says nothing about this one
         self.samples = (self.samples + [s])[-p.window:]
         if len(self.samples) < p.window or (self.last_change_s is not None and s.t_s - self.last_change_s < p.interval_s):
             return None
-        m = _mean(self.samples)
+        m, need = _mean(self.samples), kv_need(self.kv, p.interval_s)
         options = [(a, f) for a in (m.attention - 1, m.attention, m.attention + 1)
                    for f in (m.ffn - 1, m.ffn, m.ffn + 1)
                    if (a, f) != (m.attention, m.ffn) and p.min_attention <= a <= p.max_attention
                    and p.min_ffn <= f <= p.max_ffn and a + f <= p.budget]
         short = [o for o, t in self.short.items() if s.t_s - t < p.hold_s]
         held = {o for o in options if any(o[0] <= a and o[1] <= f for a, f in short)}  # no fewer on either side
-        ttft = m.ttft_p90_s if p.ttft_slo_s is not None else None
-        wait = max(m.queue_wait_s, ttft if m.queue > 0 and ttft is not None else 0.0)
-        if p.ttft_slo_s is not None and wait > p.ttft_slo_s and not (m.queue > 0 and m.kv_free < 0.05):
-            k = min(p.max_step, max(1, math.ceil(m.attention * (wait / p.ttft_slo_s - 1))))
-            a = min(m.attention + k, p.max_attention, p.budget - m.ffn)
-            if a > m.attention:
-                return self._decide(s, m, (a, m.ffn), "ttft", float("nan"))
+        room = {o for o in options if o[0] >= m.attention or need / o[0] <= 1 - p.band}  # KV the change leaves
+        grown = self._grow(m, need)
+        if grown is not None:
+            return self._decide(s, m, *grown, need)
         if m.tpot_p90_s is None:  # nothing decoded: idle, it gives back a member per side; else no evidence
-            fewer = [o for o in options if sum(o) < m.attention + m.ffn and predicted_kv_used(m, o[0]) <= 1 - p.band
-                     and o not in held]
+            fewer = [o for o in options if sum(o) < m.attention + m.ffn and o in room and o not in held]
             if m.queue > 0 or m.attn_busy > p.wait_eps or not fewer:
                 return None
-            return self._decide(s, m, min(fewer, key=lambda o: (sum(o), -o[0])), "idle", float("nan"))
+            return self._decide(s, m, min(fewer, key=lambda o: (sum(o), -o[0])), "idle", float("nan"), need)
         tpot = {o: predicted_tpot(m, m.tpot_p90_s, *o, p.wait_eps) for o in options}
         pick, reason = None, ""
-        if m.queue > 0 and m.kv_free < 0.05:
-            up = [o for o in options if o[0] == m.attention + 1 and o[1] == m.ffn]
-            pick, reason = (up[0], "kv_room") if up else (None, "")
-        elif m.tpot_p90_s > p.tpot_slo_s:
-            best = min(options, key=lambda o: (tpot[o], sum(o)), default=None)
+        ttft = m.ttft_p90_s if p.ttft_slo_s is not None else None
+        if m.tpot_p90_s > p.tpot_slo_s:
+            best = min((o for o in options if o in room), key=lambda o: (tpot[o], sum(o)), default=None)
             if best is not None and tpot[best] < m.tpot_p90_s * (1 - p.band):
                 pick, reason = best, "over_slo"
         elif m.tpot_p90_s < p.tpot_slo_s * (1 - p.band) and m.queue == 0 and (
                 p.ttft_slo_s is None or max(ttft or 0.0, m.queue_wait_s) < p.ttft_slo_s * (1 - p.band)):
             fits = [o for o in options if sum(o) < m.attention + m.ffn and tpot[o] <= p.tpot_slo_s * (1 - p.band / 2)
-                    and predicted_kv_used(m, o[0]) <= 1 - p.band and o not in held]
+                    and o in room and o not in held]
             if fits:
                 pick, reason = min(fits, key=lambda o: (sum(o), tpot[o])), "under_slo"
         if pick is None:
             return None
-        return self._decide(s, m, pick, reason, tpot[pick])
+        return self._decide(s, m, pick, reason, tpot[pick], need)
 
-    def _decide(self, s: Sample, m: Sample, pick: tuple[int, int], reason: str, predicted: float) -> Decision:
+    def _grow(self, m: Sample, need: float) -> tuple[tuple[int, int], str, float] | None:
+        """More instances where the KV or the prompts' wait asks for them (module doc), with a daemon more
+        where TPOT is over its SLO and the model predicts the daemon gains ``band`` at the new count; None
+        where neither asks, or the instances are at their maximum (the TPOT rules may still add a daemon)."""
+        p, full = self.policy, m.queue > 0 and m.kv_free < 0.05
+        k, reason = 0, ""
+        if full or need > m.attention * (1 - p.band):  # before the residents' growth fills the caches
+            k, reason = max(1, min(p.max_step, math.ceil(need / (1 - p.band) - m.attention))), "kv_room"
+        wait = max(m.queue_wait_s, m.ttft_p90_s if m.queue > 0 and m.ttft_p90_s is not None else 0.0)
+        if p.ttft_slo_s is not None and wait > p.ttft_slo_s and not full:
+            t = min(p.max_step, max(1, math.ceil(m.attention * (wait / p.ttft_slo_s - 1))))
+            k, reason = (t, "ttft") if t > k else (k, reason)
+        a = min(m.attention + k, p.max_attention, p.budget - m.ffn)
+        if a <= m.attention:
+            return None
+        f = m.ffn
+        if m.tpot_p90_s is not None and m.tpot_p90_s > p.tpot_slo_s and f < p.max_ffn and a + f < p.budget:
+            tp = lambda n: predicted_tpot(m, m.tpot_p90_s, a, n, p.wait_eps)  # noqa: E731
+            f = f + 1 if tp(f + 1) < tp(f) * (1 - p.band) else f
+        known = m.tpot_p90_s is not None
+        return (a, f), reason, predicted_tpot(m, m.tpot_p90_s, a, f, p.wait_eps) if known else float("nan")
+
+    def _decide(self, s: Sample, m: Sample, pick: tuple[int, int], reason: str, predicted: float,
+                need: float) -> Decision:
         d = Decision(s.t_s, pick[0], pick[1], reason, predicted,
                      {"attention": m.attention, "ffn": m.ffn, "attn_busy": m.attn_busy, "attn_wait": m.attn_wait,
                       "tpot_p90_s": m.tpot_p90_s, "ttft_p90_s": m.ttft_p90_s, "queue": m.queue,
                       "queue_wait_s": m.queue_wait_s, "kv_free": m.kv_free,
-                      "kv_used_after": predicted_kv_used(m, pick[0])})
+                      "kv_need": need, "kv_used_after": predicted_kv_used(m, pick[0])})
         self.decisions.append(d)
         if reason in ("over_slo", "kv_room", "ttft"):
             self.short[(m.attention, m.ffn)] = s.t_s

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from moeflow.autoscale_config import EpAutoscalePolicy
 from moeflow.errors import ConfigError
 from moeflow.layout.expert_map import ExpertMap
-from moeflow.scheduler.autoscale_pd import averages, fit_step
+from moeflow.scheduler.autoscale_pd import averages, fit_step, kv_need
 from moeflow.scheduler.eplb import resize, resized_counts
 
 _UP = ("ttft", "over_slo", "kv_room")  # decisions that leave a membership short
@@ -165,7 +165,7 @@ class EpController:
         p, r = self.policy, m.ranks
         if m.tpot_p90_s is None and m.queue == 0 and m.batch <= 0:
             return r - 1, "idle"
-        need = self._kv_need()
+        need = kv_need(self.kv, p.interval_s)
         if (m.queue > 0 and m.kv_free < 0.05) or need > r * (1 - p.band):  # before the residents' growth preempts them
             return self._grow(m, fit, max(1, min(p.max_step, math.ceil(need / (1 - p.band) - r)))), "kv_room"
         wait = max(m.queue_wait_s, m.ttft_p90_s if m.queue > 0 and m.ttft_p90_s is not None else 0.0)
@@ -182,12 +182,6 @@ class EpController:
                 and predicted_tpot(m, r - 1, fit) <= p.tpot_slo_s * (1 - p.band / 2)):
             return r - 1, "under_slo"
         return r, ""
-
-    def _kv_need(self) -> float:
-        """The KV in use, in ranks' worth, by ``interval_s`` from now at the rate it grew over the last
-        windows (never less than now)."""
-        (t0, u0), (t1, u1) = self.kv[0], self.kv[-1]
-        return u1 + max(0.0, (u1 - u0) / (t1 - t0)) * self.policy.interval_s if t1 > t0 else u1
 
     def _reach(self, r: int) -> range:
         return range(r + 1, min(self.most, r + self.policy.max_step) + 1)

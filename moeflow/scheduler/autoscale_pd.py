@@ -204,6 +204,14 @@ def averages(samples: list) -> tuple:
     return avg, avg_known
 
 
+def kv_need(kv: list[tuple[float, float]], interval_s: float) -> float:
+    """The KV in use by ``interval_s`` from now, at the rate it grew over ``kv`` ((time, KV in use in
+    members' worth), oldest first); never less than now. Members' worth (members x the share in use)
+    does not change with the membership, so a trend crosses a change."""
+    (t0, u0), (t1, u1) = kv[0], kv[-1]
+    return u1 + max(0.0, (u1 - u0) / (t1 - t0)) * interval_s if t1 > t0 else u1
+
+
 def _mean(samples: list[PdSample]) -> PdSample:
     last, (avg, avg_known) = samples[-1], averages(samples)
     return PdSample(last.t_s, last.prefill, last.decode, avg("prefill_busy"), avg("decode_batch"),

@@ -195,6 +195,44 @@ def test_a_shrink_keeps_the_kv_in_use_within_the_instances_left_and_waits_for_an
     assert _run(_same(3, **fast, kv_free=0.5, queue=2)) == []  # requests wait: capacity is short, not spare
 
 
+def test_kv_in_use_that_grows_adds_the_instances_it_will_need_by_the_next_chance_to_act():
+    room = AutoscalePolicy(tpot_slo_s=0.2, max_attention=16, max_ffn=4, interval_s=5.0, window=3, max_step=4)
+    rising = [Sample(float(t), 4, 2, attn_busy=0.4, attn_wait=0.0, tpot_p90_s=0.1, kv_free=f)
+              for t, f in enumerate((0.6, 0.4, 0.2))]
+    (d,) = _run(rising, room)  # 1.6 -> 3.2 instances' worth in 2 s: 7.2 by 5 s from now, 8.5 to keep 15% free
+    assert (d.attention, d.ffn, d.reason) == (8, 2, "kv_room")  # 4 more: max_step
+    assert d.inputs["kv_need"] == pytest.approx(7.2)
+    (d,) = _run(_same(3, attention=4, kv_free=0.12), room)  # steady at 88% used: one more keeps 15% free
+    assert (d.attention, d.reason) == (5, "kv_room")
+    (d,) = _run(rising, dataclasses.replace(room, max_step=1))  # one at a time: one whatever the need
+    assert (d.attention, d.reason) == (5, "kv_room")
+
+
+def test_an_ffn_bound_deployment_out_of_kv_room_gets_an_instance_and_a_daemon_in_one_change():
+    (d,) = _run(_same(3, attn_busy=0.4, attn_wait=0.4, tpot_p90_s=0.3, queue=5, kv_free=0.01))
+    assert (d.attention, d.ffn, d.reason) == (3, 3, "kv_room")  # predicted 0.2 s at 3:3 against 0.3 at 3:2
+    assert d.predicted_tpot_s == pytest.approx(0.2)
+
+
+def test_at_the_instances_maximum_with_full_caches_a_daemon_comes_without_an_instance_going():
+    # 4:2, FFN-bound: 3:3 and 4:3 predict the same TPOT; fewer processes would pick 3:3, whose instances
+    # cannot hold the KV in use (99% of four caches): the request on the fourth would queue
+    full = dict(attention=4, ffn=2, attn_busy=0.4, attn_wait=0.4, tpot_p90_s=0.3, queue=3, kv_free=0.01)
+    (d,) = _run(_same(3, **full))
+    assert (d.attention, d.ffn, d.reason) == (4, 3, "over_slo")
+    (d,) = _run(_same(3, **(full | dict(queue=0, kv_free=0.5))))  # half the KV used: three hold 67%
+    assert (d.attention, d.ffn, d.reason) == (3, 3, "over_slo")
+
+
+def test_a_shrink_leaves_room_for_the_kv_the_trend_brings():
+    quiet = dict(attention=3, ffn=3, attn_busy=0.2, attn_wait=0.05, tpot_p90_s=0.05)
+    rising = [Sample(float(t), **quiet, kv_free=f) for t, f in enumerate((0.55, 0.52, 0.5))]
+    (d,) = _run(rising)  # 1.5 instances' worth now, 1.875 by 5 s: two would be 94% used; the daemons may go
+    assert (d.attention, d.ffn, d.reason) == (3, 2, "under_slo") and d.inputs["kv_need"] == pytest.approx(1.875)
+    (d,) = _run(_same(3, **quiet, kv_free=0.5))  # steady at half: two hold 75%, and both sides may go
+    assert (d.attention, d.ffn, d.reason) == (2, 2, "under_slo")
+
+
 def test_a_membership_left_for_falling_short_is_not_shrunk_back_to_within_the_hold():
     # 2:1 is over the SLO (the daemon the bound): a daemon more; at 2:2 the TPOT halves and the model
     # predicts 2:1 would do again, which the drift makes false: the hold keeps 2:2
