@@ -37,6 +37,8 @@ def run_sweeps(cfg, cost, names: list[str]) -> dict:
                 row[n] = {"tok_s_per_device": steady_tok_s(res.records) / devices,
                           "run_tok_s_per_device": p["prefill_tok_s"] / devices, "ttft_mean_s": p["ttft_mean_s"],
                           "completed": p["completed"], "sim_busy": p["sim_busy"]}
+                if "sim_split" in p:  # dep: what a rank does when it does not compute (all-to-all, barrier wait)
+                    row[n]["sim_split"] = p["sim_split"]
             row["ratios"] = {f"{a}/{b}": row[a]["tok_s_per_device"] / row[b]["tok_s_per_device"] for a, b in pairs}
             rows.append(row)
         out[field] = rows
