@@ -31,8 +31,9 @@ def seed_cases(text: str) -> dict:
             if table:
                 out[table] = {"source": f"{m.group(1)}, docs/results/sim/seed_tables.md", "within": 0, "compared": 0}
             continue
-        if table and line.startswith("|") and line.rstrip().endswith("| prediction |"):
-            v = _cells(line)[3]
+        cells = _cells(line) if line.startswith("|") else []
+        if table and len(cells) > 4 and cells[4] == "prediction":  # the verdict, then what the row is
+            v = cells[3]
             if v in ("within", "MISS"):
                 out[table]["compared"] += 1
                 out[table]["within"] += v == "within"
