@@ -73,16 +73,16 @@ def experts_split(cost, ep: int, tokens: int) -> str:
             f"read at {cross} tokens")
 
 
-def dwdp_point(row: dict, dep: str = "dep4_dedup", dwdp: str = "dwdp4") -> str:
-    """A saturation point of DEP4 against DWDP4: what a DEP rank does besides computing, and how much
-    of its time a DWDP rank's copy engine pulls and the rank waits on it."""
+def dwdp_point(row: dict, dep: str = "dep4_dedup", dwdp: str = "dwdp4", ranks: int = 4) -> str:
+    """A saturation point of DEP against DWDP: what a DEP rank does besides computing, and how much of
+    its time a DWDP rank's copy engine pulls and the rank waits on it."""
     a, b = row[dep], row[dwdp]
     s = a.get("sim_split")
-    dep_txt = (f"DEP4 rank: computes {pct(s['attention'] + s['ffn'])}, all-to-all {pct(s['transport'])}, "
-               f"barrier wait {pct(s['wait'])}" if s else f"DEP4 rank computes {pct(a['sim_busy']['rank'])}")
+    dep_txt = (f"DEP{ranks} rank: computes {pct(s['attention'] + s['ffn'])}, all-to-all {pct(s['transport'])}, "
+               f"barrier wait {pct(s['wait'])}" if s else f"DEP{ranks} rank computes {pct(a['sim_busy']['rank'])}")
     bb = b["sim_busy"]
-    return (f"{dep_txt}; DWDP4 rank computes {pct(bb['rank'])}, its copy engine pulls {pct(bb['copy_engine'])}, "
-            f"waits on pulls {pct(bb['pull_wait'])}")
+    return (f"{dep_txt}; DWDP{ranks} rank computes {pct(bb['rank'])}, its copy engine pulls "
+            f"{pct(bb['copy_engine'])}, waits on pulls {pct(bb['pull_wait'])}")
 
 
 def roofline_split(points: list[dict], isls: tuple[int, ...]) -> str:
