@@ -243,7 +243,7 @@ def main(out: str) -> None:
                       for n in ("asap_cm384", "dwdp_gb200", "afd_gb200")})
     text = ["# Every seed result, paper against the simulator", "",
             "Written by `docs/results/sim/seed_tables.py` from the simulator's results (`make seed-tables`; "
-            f"simulated on commit {', '.join(commits)}; DWDP Fig. 1 and Table 3b and ASAP Fig. 5 are computed by "
+            f"simulated on commit {', '.join(commits)}; DWDP Fig. 1, Tables 3b and 3d and Table 4's case in the text, ASAP Fig. 5 and Fig. 3b are computed by "
             "the script itself). Analytic costs: no machine enters these numbers.", ""]
     sections = (("ASAP on CloudMatrix384 (configs/asap-cm384.yaml)", asap_rows()),
                 ("DWDP on GB200 (configs/dwdp-gb200.yaml)", dwdp_rows()),
