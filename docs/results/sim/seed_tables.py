@@ -13,6 +13,7 @@ import json
 import sys
 
 from moeflow.experiment.serve import load_experiment
+from moeflow.measure.provenance import provenance
 from moeflow.sim.attention_cost import batch_ratio
 from moeflow.sim.paper_inputs import echoed
 from moeflow.sim.run import build_cost
@@ -241,10 +242,12 @@ def main(out: str) -> None:
             "measured split (where the simulated time goes) |", "|---|---|---|---|---|---|"]
     commits = sorted({(_load(n).get("provenance") or {}).get("commit", "?")[:7]
                       for n in ("asap_cm384", "dwdp_gb200", "afd_gb200")})
+    here = provenance()
     text = ["# Every seed result, paper against the simulator", "",
             "Written by `docs/results/sim/seed_tables.py` from the simulator's results (`make seed-tables`; "
-            f"simulated on commit {', '.join(commits)}; DWDP Fig. 1, Tables 3b and 3d and Table 4's case in the text, ASAP Fig. 5 and Fig. 3b are computed by "
-            "the script itself). Analytic costs: no machine enters these numbers.", ""]
+            f"simulated on commit {', '.join(commits)}; DWDP Fig. 1, Tables 3b and 3d and Table 4's case in the "
+            f"text, ASAP Fig. 5 and Fig. 3b are computed by the script itself, run on commit {here['commit'][:7]}"
+            f"{' (dirty)' if here['dirty'] else ''}). Analytic costs: no machine enters these numbers.", ""]
     sections = (("ASAP on CloudMatrix384 (configs/asap-cm384.yaml)", asap_rows()),
                 ("DWDP on GB200 (configs/dwdp-gb200.yaml)", dwdp_rows()),
                 ("FastAFD on GB200 (configs/afd-gb200.yaml)", afd_rows()))
