@@ -52,22 +52,22 @@ def block_split(cost, total: int = 32768, n: int = 32) -> str:
                      if one[k] or many[k]) + f" (1x{total // 1024}k / {n}x{total // n // 1024}k)"
 
 
-def experts_split(cost, ep: int, tokens: int) -> str:
-    """One MoE layer on one of ``ep`` expert devices for a batch of ``tokens`` (top-k routed, uniform):
-    the weights' read against the FLOPs (the cost model's roofline takes the longer), and the batch at
-    which the FLOPs pass the read."""
+def experts_split(cost, ep: int, tokens: int, per_rank: bool = False) -> str:
+    """One MoE layer on one of ``ep`` expert devices for a batch of ``tokens`` (top-k routed, uniform;
+    ``per_rank``: ``tokens`` on every one of the ``ep`` ranks): the weights' read against the FLOPs (the
+    cost model's roofline takes the longer), and the batch at which the FLOPs pass the read."""
     m, hw, roof = cost.model, cost.hw, cost.roof
     local = m.num_experts // ep
 
     def parts(s: int) -> tuple[float, float]:
-        routed = max(1, round(s * m.top_k / ep))
+        routed = max(1, round(s * m.top_k / (1 if per_rank else ep)))
         active = local * (1 - (1 - 1 / local) ** routed)
         nbytes = active * m.expert_bytes + routed * m.hidden_size * (m.act_bytes + 2)
         flops = 2 * routed * m.expert_params
         return (roof.op_s(0.0, nbytes, cost.expert_low, fp4=cost.expert_fp4) - hw.launch_s,
                 roof.op_s(flops, 0.0, cost.expert_low, fp4=cost.expert_fp4) - hw.launch_s)
     read, comp = parts(tokens)
-    cross = next((s for s in range(tokens, 1 << 20, 64) if parts(s)[1] >= parts(s)[0]), None)
+    cross = next((s for s in range(tokens, 1 << 20, 1 if per_rank else 64) if parts(s)[1] >= parts(s)[0]), None)
     return (f"at {tokens} tokens: the weights' read {read * 1e6:.0f} µs, the FLOPs {comp * 1e6:.0f} µs "
             f"(at gemm_eff {hw.gemm_eff:g} of the peak), launch {hw.launch_s * 1e6:.0f} µs; the FLOPs pass the "
             f"read at {cross} tokens")
