@@ -54,7 +54,7 @@ def kv_layout(name: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The per-token, per-layer entries of ``name``'s model (from its Hugging Face config)."""
     from moeflow.model.attention import attention_for
     from moeflow.model.family import family_for, load_families
-    from moeflow.sim.model_spec import DEEPSEEK_R1_HF, DEEPSEEK_V32_HF, QWEN3_235B_A22B_HF
+    from moeflow.sim.hf_configs import DEEPSEEK_R1_HF, DEEPSEEK_V32_HF, QWEN3_235B_A22B_HF
 
     hf = {"gqa": QWEN3_235B_A22B_HF, "mla": DEEPSEEK_R1_HF, "dsa": DEEPSEEK_V32_HF}[name]
     load_families()

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from moeflow.config import ModelConfig
+from moeflow.sim.hf_configs import DEEPSEEK_R1_HF, DEEPSEEK_V32_HF, MINIMAX_M2_HF, QWEN3_235B_A22B_HF
 
 
 @dataclass(frozen=True)
@@ -216,36 +217,6 @@ class ModelSpec:
         return 3 * self.hidden_size * self.dense_intermediate_size
 
 
-# Qwen/Qwen3-235B-A22B config.json on the Hugging Face Hub (bf16), the fields the spec reads.
-QWEN3_235B_A22B_HF = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
-    "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
-    "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
-}
-
-
-# deepseek-ai/DeepSeek-V3.2-Exp config.json on the Hugging Face Hub, the fields the spec reads.
-DEEPSEEK_V32_HF = {
-    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-    "first_k_dense_replace": 3, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
-    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
-    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "index_n_heads": 64, "index_head_dim": 128,
-    "index_topk": 2048, "rms_norm_eps": 1e-6, "max_position_embeddings": 163840,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "rope_theta": 10000, "torch_dtype": "bfloat16",
-}
-
-
-# deepseek-ai/DeepSeek-R1 config.json on the Hugging Face Hub (DeepSeek-V3's architecture, no indexer).
-DEEPSEEK_R1_HF = {k: v for k, v in DEEPSEEK_V32_HF.items() if not k.startswith("index_")} | {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc"}
-
 # NVFP4 (NVIDIA's 4-bit format): 16 FP4 elements share one FP8 scale, 4.5 bits per weight.
 NVFP4_BYTES = 4.5 / 8
 
@@ -260,7 +231,11 @@ TINY_GATE_CV = 0.66
 
 
 def _derived() -> dict[str, ModelSpec]:
+    from moeflow.model.family import FAMILIES, load_families
     from moeflow.model.tiny_config import TINY_HF_CONFIG, TINY_MLA_HF_CONFIG
+
+    load_families()
+    mixtral = FAMILIES["MixtralForCausalLM"]
 
     return {"qwen3-235b-a22b": ModelSpec.from_hf_config("qwen3-235b-a22b", QWEN3_235B_A22B_HF),
             # Served W8A8 on Ascend (CloudMatrix384 paper, §4): int8 weights and int8 dispatch.
@@ -280,6 +255,12 @@ def _derived() -> dict[str, ModelSpec]:
             # note states no KV dtype; FlashMLA as released reads a bf16 cache)
             "deepseek-r1-fp8": ModelSpec.from_hf_config("deepseek-r1-fp8", DEEPSEEK_R1_HF, weight_bytes=1.0,
                                                         act_bytes=1.0, gate_load_cv=DEEPSEEK_GATE_CV),
+            # MiniMaxAI/MiniMax-M2.5 (FastAFD §6's second model) as released: FP8 weights, KV in bf16 as
+            # Qwen3's above. moeflow's engine has no MiniMax family; its config carries Mixtral's fields
+            # (num_local_experts, intermediate_size per expert, every layer MoE, GQA), and what differs
+            # (QK norm, partial RoPE, a sigmoid router) costs nothing the simulator prices
+            "minimax-m2.5-fp8": ModelSpec.from_model_config("minimax-m2.5-fp8", mixtral.to_model_config(MINIMAX_M2_HF),
+                                                            weight_bytes=1.0, act_bytes=1.0),
             # moeflow's embedded models (moeflow/model/tiny_config.py)
             "tiny": ModelSpec.from_hf_config("tiny", TINY_HF_CONFIG, gate_load_cv=TINY_GATE_CV),
             "tiny-mla": ModelSpec.from_hf_config("tiny-mla", TINY_MLA_HF_CONFIG, gate_load_cv=TINY_GATE_CV)}

@@ -186,19 +186,24 @@ def dwdp_rows() -> list[str]:
     return out
 
 
-def afd_rows() -> list[str]:
-    d = _load("afd_gb200")
-    out = []
+def section6(d: dict, model: str = "") -> list[str]:
+    """FastAFD §6's 1.35-1.45x: 28A4F over dep4 and over the best colocated EP size, at 8K and 16K."""
+    out, res = [], d["results"]
     for ctx in ("8192", "16384"):
         pair = next(r for r in d["compare"]["afd_28a4f/dep4"] if str(r["context"]) == ctx)
         r = pair["simulated"]["tok_s_ratio"]
-        res = d["results"]
-        out.append(row(f"§6: 28A4F over dep4, tokens/s per GPU, {int(ctx) // 1024}K", "1.35-1.45", f"{r:.2f}",
+        out.append(row(f"§6: {model}28A4F over dep4, tokens/s per GPU, {int(ctx) // 1024}K", "1.35-1.45", f"{r:.2f}",
                        verdict(r, 1.35, 1.45), sp.three_factors(res["afd_28a4f"][ctx], res["dep4"][ctx])))
         best = next(b for b in d.get("against_best", {}).get("afd_28a4f", []) if str(b["context"]) == ctx)
-        out.append(row(f"§6: 28A4F over the best colocated ({best['best']}), {int(ctx) // 1024}K", "1.35-1.45",
-                       f"{best['tok_s_ratio']:.2f}", verdict(best["tok_s_ratio"], 1.35, 1.45),
+        out.append(row(f"§6: {model}28A4F over the best colocated ({best['best']}), {int(ctx) // 1024}K",
+                       "1.35-1.45", f"{best['tok_s_ratio']:.2f}", verdict(best["tok_s_ratio"], 1.35, 1.45),
                        sp.three_factors(res["afd_28a4f"][ctx], res[best["best"]][ctx])))
+    return out
+
+
+def afd_rows() -> list[str]:
+    d = _load("afd_gb200")
+    out = section6(d) + section6(_load("afd_minimax_gb200"), "MiniMax-M2.5, ")
     res = d["results"]
     for name, paper in (("afd_12a4f", (38.2, 36.2, 30.8, 30.7)), ("afd_28a4f", (34.8, 33.9, 43.3, 42.2))):
         for m, p in zip((1, 2, 3, 4), paper):
@@ -228,11 +233,8 @@ def afd_rows() -> list[str]:
         out.append(row(f"§2: MoE FFN MFU, colocated dep4, context {ctx // 1024}K (B = {batch})", f"{paper:g}%",
                        f"{mfu:.2f}%", verdict(mfu, paper), f"{sp.experts_split(cost, 4, batch, per_rank=True)}; "
                        f"at dep8: {moe_mfu(cost, 8, batch) * 100:.2f}%"))
-    for what, paper in (("§4: MegaMoE fusion, MoE latency", "-44%, -42%"),
-                        ("§6: MiniMax-M2.5 over the vLLM baseline", "1.35-1.45")):
-        why = {"§4": "not modelled (no fused dispatch+GEMM operator)",
-               "§6": "not simulated (no MiniMax-M2.5 preset)"}[what[:2]]
-        out.append(row(what, paper, why, "-"))
+    out.append(row("§4: MegaMoE fusion, MoE latency", "-44%, -42%", "not modelled (no fused dispatch+GEMM operator)",
+                   "-"))
     return out
 
 
@@ -242,7 +244,8 @@ EARLIER = (("before the symmetry rule (ASAP's baselines split attention by heads
            ("before the NVIDIA streaming rates (msmodeling's 0.6 of HBM for every memory-bound op)", "f309302",
             18, 50),
            ("before DWDP's Table 3d and Table 4's one case in the text were simulated", "ab573c4", 24, 50),
-           ("before FastAFD's MoE MFU curve was read off the cost model", "2075804", 26, 53))
+           ("before FastAFD's MoE MFU curve was read off the cost model", "2075804", 26, 53),
+           ("before MiniMax-M2.5 was simulated (FastAFD §6's second model)", "5aa8c02", 27, 57))
 
 
 def tally(rows: list[str]) -> tuple[int, int, int, int]:
@@ -257,7 +260,7 @@ def main(out: str) -> None:
     head = ["| result | paper | simulated | ±15% (TTFTs, Fig. 5, TPOT ±20%; ablations ±50%) | prediction or echo | "
             "measured split (where the simulated time goes) |", "|---|---|---|---|---|---|"]
     commits = sorted({(_load(n).get("provenance") or {}).get("commit", "?")[:7]
-                      for n in ("asap_cm384", "dwdp_gb200", "afd_gb200")})
+                      for n in ("asap_cm384", "dwdp_gb200", "afd_gb200", "afd_minimax_gb200")})
     here = provenance()
     text = ["# Every seed result, paper against the simulator", "",
             "Written by `docs/results/sim/seed_tables.py` from the simulator's results (`make seed-tables`; "
