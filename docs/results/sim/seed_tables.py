@@ -144,7 +144,9 @@ def dwdp_rows() -> list[str]:
                    verdict(copy, 34.0), sp.copy_split(cost)))
     for what, paper in (("Table 3a: DWDP4 / DEP4 TTFT speed-up, ISL 1K-32K", "1.11-1.27"),
                         ("Table 3b: DWDP4 / DEP4 TTFT speed-up over MNT", "1.07-1.16")):
-        out.append(row(what, paper, "not simulated (the sweeps measure steady throughput, not TTFT under load)", "-"))
+        out.append(row(what, paper, "not simulated (the paper's median TTFT includes queueing under an arrival "
+                       "process it does not give; under the sweeps' reading, every request at once, a median TTFT's "
+                       "ratio is the throughput's: not a prediction of its own)", "-"))
     (_, r3, s3), (_, r4, _) = table3d()
     out.append(row("Table 3d: DWDP3 / DEP3 against DWDP4 / DEP4 TPS/GPU, ISL 16K, MNT 32K", "nearly equal (1)",
                    f"{r3:.3f} / {r4:.3f} = {r3 / r4:.3f}", verdict(r3 / r4, 1.0), s3))
