@@ -62,6 +62,8 @@ seed-tables: $(STAMP)
 	$(SIMULATE) --config configs/afd-gb200.yaml --json docs/results/sim/afd_gb200.json > docs/results/sim/afd_gb200.txt
 	$(SIMULATE) --config configs/afd-minimax-gb200.yaml --json docs/results/sim/afd_minimax_gb200.json \
 	    > docs/results/sim/afd_minimax_gb200.txt
+	$(SIMULATE) --config configs/dwdp-e2e-gb200.yaml --json docs/results/dwdp/e2e_gb200.json \
+	    --plot docs/results/dwdp/e2e_gb200.png > docs/results/dwdp/e2e_gb200.txt
 	$(PY) docs/results/sim/seed_tables.py docs/results/sim/seed_tables.md
 	$(PY) docs/results/plan/accuracy.py  # what moeflow plan prints beside its pick
 	$(PY) docs/results/sim/anchors.py docs/results/sim/anchors.md

@@ -54,6 +54,14 @@ def asap_rows() -> list[str]:
     if "asap-no-super-kernel" in slo:
         saved = (ttft("asap-no-super-kernel", 1) - ttft("asap", 1)) * 1e3
         out.append(row("§5.5: super kernel, TTFT saved at 1 rps", "13 ms", f"{saved:.0f} ms", verdict(saved, 13, tol=0.5)))
+    if "asap-no-dual-batch" in slo:
+        more = (ttft("asap", 1) / ttft("asap-no-dual-batch", 1) - 1) * 100
+        out.append(row("§5.5: dual-batch interleaving, TTFT added at low load (1 rps)", "~6.5%", f"{more:+.1f}%",
+                       verdict(more, 6.5, tol=0.5), f"{ttft('asap', 1) * 1e3:.0f} ms against "
+                       f"{ttft('asap-no-dual-batch', 1) * 1e3:.0f} ms"))
+    share, split = moe_over_attention(cost, cfg.systems["asap"].layout, 16384)
+    out.append(row("§3.3.2 (Fig. 3): MoE over attention latency, one 16K prompt", "< 15%", f"{share * 100:.1f}%",
+                   "within" if share < 0.15 else "MISS", split))
     asap4 = next(p for p in d["asap"]["points"] if p["rps"] == 4)["buckets"][0]
     cut = (1 - (asap4["ttft_mean_s"] - asap4["compute_mean_s"]) / (dep4["ttft_mean_s"] - dep4["compute_mean_s"])) * 100
     out.append(row("§5.3 Fig. 15: ASAP's non-kernel delay cut vs Default, prompts < 512, 4 rps", "up to 80%",
@@ -83,3 +91,16 @@ def inflection(cost, ep: int) -> float:
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if t(mid) <= 1.2 * floor else (lo, mid)
     return hi
+
+
+def moe_over_attention(cost, layout, tokens: int) -> tuple[float, str]:
+    """One MoE layer's expert time for a prompt of ``tokens`` on ``layout``'s MoE workers (evenly routed)
+    over its attention block's time on one attention group (ASAP Fig. 3's two curves at batch one)."""
+    from moeflow.sim.attention_cost import attention_parts
+    from moeflow.sim.shape import AttnShape
+
+    m = cost.model
+    attn = sum(attention_parts(cost, AttnShape.of([(0, tokens, True)], m.index_topk), layout.attn_tp, False).values())
+    moe = cost.experts_s(round(tokens * m.top_k / layout.moe_workers), m.num_experts // layout.moe_workers)
+    return moe / attn, (f"attention block {attn * 1e3:.2f} ms on TP{layout.attn_tp}; experts {moe * 1e3:.2f} ms "
+                        f"on each of {layout.moe_workers} MoE workers")

@@ -8,6 +8,7 @@ tolerance. Verdicts: "within" (inside the tolerance), "MISS", or "-" (no number 
 """
 from __future__ import annotations
 
+import json
 import sys
 
 from moeflow.measure.provenance import provenance
@@ -15,7 +16,7 @@ from moeflow.measure.provenance import provenance
 from seed_afd import afd_rows  # noqa: E402  (beside this script)
 from seed_asap import asap_rows  # noqa: E402
 from seed_common import _load  # noqa: E402
-from seed_dwdp import dwdp_rows  # noqa: E402
+from seed_dwdp import E2E, dwdp_rows  # noqa: E402
 
 
 # earlier tallies of these tables, each from the file as committed then: (what changed, commit, within, compared)
@@ -25,7 +26,9 @@ EARLIER = (("before the symmetry rule (ASAP's baselines split attention by heads
             18, 50),
            ("before DWDP's Table 3d and Table 4's one case in the text were simulated", "ab573c4", 24, 50),
            ("before FastAFD's MoE MFU curve was read off the cost model", "2075804", 26, 53),
-           ("before MiniMax-M2.5 was simulated (FastAFD §6's second model)", "5aa8c02", 27, 57))
+           ("before MiniMax-M2.5 was simulated (FastAFD §6's second model)", "5aa8c02", 27, 57),
+           ("before DWDP's end-to-end rows (§5.3, Table 6) and ASAP's dual-batch and Fig. 3 claims joined", "8fda7e6",
+            29, 61))
 
 
 def tally(rows: list[str]) -> tuple[int, int, int, int]:
@@ -39,13 +42,15 @@ def tally(rows: list[str]) -> tuple[int, int, int, int]:
 def main(out: str) -> None:
     head = ["| result | paper | simulated | ±15% (TTFTs, Fig. 5, TPOT ±20%; ablations ±50%) | prediction or echo | "
             "measured split (where the simulated time goes) |", "|---|---|---|---|---|---|"]
-    commits = sorted({(_load(n).get("provenance") or {}).get("commit", "?")[:7]
-                      for n in ("asap_cm384", "dwdp_gb200", "afd_gb200", "afd_minimax_gb200")})
+    sources = [_load(n) for n in ("asap_cm384", "dwdp_gb200", "afd_gb200", "afd_minimax_gb200")]
+    with open(E2E) as f:
+        sources.append(json.load(f))
+    commits = sorted({(d.get("provenance") or {}).get("commit", "?")[:7] for d in sources})
     here = provenance()
     text = ["# Every seed result, paper against the simulator", "",
             "Written by `docs/results/sim/seed_tables.py` from the simulator's results (`make seed-tables`; "
             f"simulated on commit {', '.join(commits)}; DWDP Fig. 1, Tables 3b and 3d and Table 4's case in the "
-            f"text, ASAP Fig. 5 and Fig. 3b are computed by the script itself, run on commit {here['commit'][:7]}"
+            f"text, ASAP Figs. 3, 3b and 5 and FastAFD's MFU are computed by the script itself, run on commit {here['commit'][:7]}"
             f"{' (dirty)' if here['dirty'] else ''}). Analytic costs: no machine enters these numbers.", ""]
     sections = (("ASAP on CloudMatrix384 (configs/asap-cm384.yaml)", asap_rows()),
                 ("DWDP on GB200 (configs/dwdp-gb200.yaml)", dwdp_rows()),
