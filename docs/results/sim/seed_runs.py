@@ -3,6 +3,7 @@ configs/dwdp-gb200.yaml's systems at one workload each, outside its sweeps."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 from moeflow.experiment.serve import load_experiment
 from moeflow.measure.workload import generate_requests
@@ -29,6 +30,21 @@ def fig1_sync_overhead(cv: float, n: int = 400, steady: bool = False) -> float:
     sim = make_system(spec, build_cost(cfg))
     sim.run(generate_requests(dataclasses.replace(cfg.workload, rate_rps=cfg.saturation_rps)))
     return sim.split_s["wait"] / sum(sim.split_s.values())
+
+
+def caption_workload_spread() -> tuple[float, float]:
+    """DEP4 (DeepEP layout) on Fig. 1's stated workload (ISL 8K, ratio 0.8, MNT 32K; the Table 3a point):
+    the median over steps of the ranks' prompt-token CV, and the share of a rank's time at barriers."""
+    cfg = _dwdp_cfg(isl=8192, num_requests=1536)
+    sim = make_system(cfg.systems["dep4_dedup"], build_cost(cfg))
+    sim.step_log = []
+    sim.run(generate_requests(dataclasses.replace(cfg.workload, rate_rps=cfg.saturation_rps)))
+    cvs = []
+    for _, works, _ in sim.step_log:
+        tokens = [sum(s.num_tokens for b in w.batches for s in b.seqs) for w in works]
+        if len(tokens) == cfg.systems["dep4_dedup"].layout.dp and all(tokens):
+            cvs.append(statistics.pstdev(tokens) / statistics.mean(tokens))
+    return statistics.median(cvs), sim.split_s["wait"] / sum(sim.split_s.values())
 
 
 def _ratio(cfg, cost, a: str, b: str, **layout) -> tuple[float, str]:
