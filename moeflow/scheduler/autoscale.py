@@ -49,11 +49,10 @@ the two alternate). Every decision carries its inputs and its prediction.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from moeflow.autoscale_config import AutoscalePolicy
-from moeflow.scheduler.autoscale_pd import kv_need
+from moeflow.scheduler.growth import kv_growth, kv_need, prompt_wait, ttft_growth
 
 
 @dataclass(frozen=True)
@@ -162,20 +161,21 @@ class Controller:
         p, full = self.policy, m.queue > 0 and m.kv_free < 0.05
         k, reason = 0, ""
         if full or need > m.attention * (1 - p.band):  # before the residents' growth fills the caches
-            k, reason = max(1, min(p.max_step, math.ceil(need / (1 - p.band) - m.attention))), "kv_room"
-        wait = max(m.queue_wait_s, m.ttft_p90_s if m.queue > 0 and m.ttft_p90_s is not None else 0.0)
+            k, reason = kv_growth(need, m.attention, p.band, p.max_step), "kv_room"
+        wait = prompt_wait(m)
         if p.ttft_slo_s is not None and wait > p.ttft_slo_s and not full:
-            t = min(p.max_step, max(1, math.ceil(m.attention * (wait / p.ttft_slo_s - 1))))
+            t = ttft_growth(wait, m.attention, p.ttft_slo_s, p.max_step)
             k, reason = (t, "ttft") if t > k else (k, reason)
         a = min(m.attention + k, p.max_attention, p.budget - m.ffn)
         if a <= m.attention:
             return None
+        if m.tpot_p90_s is None:
+            return (a, m.ffn), reason, float("nan")
         f = m.ffn
-        if m.tpot_p90_s is not None and m.tpot_p90_s > p.tpot_slo_s and f < p.max_ffn and a + f < p.budget:
-            tp = lambda n: predicted_tpot(m, m.tpot_p90_s, a, n, p.wait_eps)  # noqa: E731
-            f = f + 1 if tp(f + 1) < tp(f) * (1 - p.band) else f
-        known = m.tpot_p90_s is not None
-        return (a, f), reason, predicted_tpot(m, m.tpot_p90_s, a, f, p.wait_eps) if known else float("nan")
+        tp = lambda n: predicted_tpot(m, m.tpot_p90_s, a, n, p.wait_eps)  # noqa: E731
+        if m.tpot_p90_s > p.tpot_slo_s and f < p.max_ffn and a + f < p.budget and tp(f + 1) < tp(f) * (1 - p.band):
+            f += 1
+        return (a, f), reason, tp(f)
 
     def _decide(self, s: Sample, m: Sample, pick: tuple[int, int], reason: str, predicted: float,
                 need: float) -> Decision:

@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 from moeflow.autoscale_config import EpAutoscalePolicy
 from moeflow.errors import ConfigError
 from moeflow.layout.expert_map import ExpertMap
-from moeflow.scheduler.autoscale_pd import averages, fit_step, kv_need
+from moeflow.scheduler.autoscale_pd import averages, fit_step
 from moeflow.scheduler.eplb import resize, resized_counts
+from moeflow.scheduler.growth import kv_growth, kv_need, prompt_wait, ttft_growth
 
 _UP = ("ttft", "over_slo", "kv_room")  # decisions that leave a membership short
 
@@ -167,10 +168,10 @@ class EpController:
             return r - 1, "idle"
         need = kv_need(self.kv, p.interval_s)
         if (m.queue > 0 and m.kv_free < 0.05) or need > r * (1 - p.band):  # before the residents' growth preempts them
-            return self._grow(m, fit, max(1, min(p.max_step, math.ceil(need / (1 - p.band) - r)))), "kv_room"
-        wait = max(m.queue_wait_s, m.ttft_p90_s if m.queue > 0 and m.ttft_p90_s is not None else 0.0)
+            return self._grow(m, fit, kv_growth(need, r, p.band, p.max_step)), "kv_room"
+        wait = prompt_wait(m)
         if p.ttft_slo_s is not None and wait > p.ttft_slo_s:
-            return self._grow(m, fit, min(p.max_step, max(1, math.ceil(r * (wait / p.ttft_slo_s - 1))))), "ttft"
+            return self._grow(m, fit, ttft_growth(wait, r, p.ttft_slo_s, p.max_step)), "ttft"
         if m.tpot_p90_s is None:
             return r, ""
         if m.tpot_p90_s > p.tpot_slo_s:

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, field
 
 from moeflow.autoscale_config import PdAutoscalePolicy
+from moeflow.scheduler.growth import prompt_wait
 
 _UP = ("ttft", "prefill_rate_up", "over_slo", "kv_room")  # decisions that leave a membership short
 
@@ -137,7 +138,7 @@ class PdController:
     def _prefill(self, m: PdSample) -> tuple[int, str]:
         p, x = self.policy, m.prefill
         need = math.ceil(x * m.prefill_busy / p.target_utilization * (1 - 1e-9))  # rate matching's count
-        wait = max(m.queue_wait_s, m.ttft_p90_s if m.queue > 0 and m.ttft_p90_s is not None else 0.0)
+        wait = prompt_wait(m)
         if wait > p.ttft_slo_s and not self._decode_full(m):  # prompts that wait on a full decode side: its to fix
             k = max(1, math.ceil(x * (wait / p.ttft_slo_s - 1)), need - x)
             return min(p.max_prefill, x + min(k, p.max_step)), "ttft"
@@ -202,14 +203,6 @@ def averages(samples: list) -> tuple:
         xs = [getattr(x, k) for x in samples if getattr(x, k) is not None]
         return sum(xs) / len(xs) if xs else None
     return avg, avg_known
-
-
-def kv_need(kv: list[tuple[float, float]], interval_s: float) -> float:
-    """The KV in use by ``interval_s`` from now, at the rate it grew over ``kv`` ((time, KV in use in
-    members' worth), oldest first); never less than now. Members' worth (members x the share in use)
-    does not change with the membership, so a trend crosses a change."""
-    (t0, u0), (t1, u1) = kv[0], kv[-1]
-    return u1 + max(0.0, (u1 - u0) / (t1 - t0)) * interval_s if t1 > t0 else u1
 
 
 def _mean(samples: list[PdSample]) -> PdSample:
