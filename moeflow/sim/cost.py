@@ -129,10 +129,15 @@ class Roofline:
     def op_s(self, flops: float, nbytes: float, low_precision: bool = False, attention: bool = False,
              fp4: bool = False) -> float:
         hw = self.hw
-        peak = hw.flops_fp4 if fp4 and hw.flops_fp4 else hw.flops_int8 if low_precision or fp4 else hw.flops
+        peak = self.peak(low_precision, fp4)
         eff = hw.attn_eff if attention else hw.gemm_eff
         mem_eff = (hw.attn_mem_eff or hw.mem_eff) if attention else hw.mem_eff
         return hw.launch_s + max(flops / (peak * eff), nbytes / (hw.mem_bw_Bps * mem_eff))
+
+    def peak(self, low_precision: bool = False, fp4: bool = False) -> float:
+        """The FLOP/s peak an operator of that precision runs at (4-bit falls back to the 8-bit peak)."""
+        hw = self.hw
+        return hw.flops_fp4 if fp4 and hw.flops_fp4 else hw.flops_int8 if low_precision or fp4 else hw.flops
 
 
 @dataclass(frozen=True)
@@ -179,24 +184,26 @@ class AnalyticCost(CostModel):
             return 0.0
         return sum(attention_parts(self, shape, tp, dense_layer).values())
 
+    def experts_work(self, num_routed, num_local_experts):
+        """(FLOPs, bytes) of one MoE layer's experts on one device for ``num_routed`` (token, expert) pairs,
+        a number or an array: the experts that receive at least one of the uniformly routed pairs read
+        their weights."""
+        m = self.model
+        active = num_local_experts * (1 - (1 - 1 / num_local_experts) ** num_routed)
+        return (2 * num_routed * m.expert_params,
+                active * m.expert_bytes + num_routed * m.hidden_size * (m.act_bytes + 2))
+
     def experts_s(self, num_routed, num_local_experts):
         if num_routed <= 0:
             return 0.0
-        m = self.model
-        # experts that receive at least one of num_routed uniformly routed pairs read their weights
-        active = num_local_experts * (1 - (1 - 1 / num_local_experts) ** num_routed)
-        flops = 2 * num_routed * m.expert_params
-        nbytes = active * m.expert_bytes + num_routed * m.hidden_size * (m.act_bytes + 2)
-        return self.roof.op_s(flops, nbytes, self.expert_low, fp4=self.expert_fp4)
+        return self.roof.op_s(*self.experts_work(num_routed, num_local_experts), self.expert_low, fp4=self.expert_fp4)
 
     def experts_s_many(self, num_routed, num_local_experts):
         # experts_s over an array, the same formula (a unit test holds them equal)
-        m, hw = self.model, self.hw
+        hw = self.hw
         n = np.asarray(num_routed, dtype=float)
-        active = num_local_experts * (1 - (1 - 1 / num_local_experts) ** n)
-        flops = 2 * n * m.expert_params
-        nbytes = active * m.expert_bytes + n * m.hidden_size * (m.act_bytes + 2)
-        peak = hw.flops_fp4 if self.expert_fp4 and hw.flops_fp4 else hw.flops_int8 if self.expert_low else hw.flops
+        flops, nbytes = self.experts_work(n, num_local_experts)
+        peak = self.roof.peak(self.expert_low, self.expert_fp4)
         t = hw.launch_s + np.maximum(flops / (peak * hw.gemm_eff), nbytes / (hw.mem_bw_Bps * hw.mem_eff))
         return np.where(n > 0, t, 0.0)
 

@@ -12,10 +12,10 @@ def moe_mfu(cost, ep: int, batch: int) -> float:
     """FastAFD §2's MoE FFN MFU (FLOPs done over the time taken, as a share of the peak) of one decode step
     of a colocated rank of ``ep`` holding ``batch`` requests: every rank's tokens routed evenly, so a
     rank's experts take ``batch`` x top_k (token, expert) pairs; the peak is the experts' precision's."""
-    m, hw = cost.model, cost.hw
-    routed = batch * m.top_k
-    peak = hw.flops_fp4 if cost.expert_fp4 else hw.flops_int8 if cost.expert_low else hw.flops
-    return 2 * routed * m.expert_params / (cost.experts_s(routed, m.num_experts // ep) * peak)
+    m = cost.model
+    routed, local = batch * m.top_k, m.num_experts // ep
+    flops, _ = cost.experts_work(routed, local)
+    return flops / (cost.experts_s(routed, local) * cost.roof.peak(cost.expert_low, cost.expert_fp4))
 
 
 def section6(d: dict, model: str = "") -> list[str]:

@@ -60,10 +60,7 @@ def experts_split(cost, ep: int, tokens: int, per_rank: bool = False) -> str:
     local = m.num_experts // ep
 
     def parts(s: int) -> tuple[float, float]:
-        routed = max(1, round(s * m.top_k / (1 if per_rank else ep)))
-        active = local * (1 - (1 - 1 / local) ** routed)
-        nbytes = active * m.expert_bytes + routed * m.hidden_size * (m.act_bytes + 2)
-        flops = 2 * routed * m.expert_params
+        flops, nbytes = cost.experts_work(max(1, round(s * m.top_k / (1 if per_rank else ep))), local)
         return (roof.op_s(0.0, nbytes, cost.expert_low, fp4=cost.expert_fp4) - hw.launch_s,
                 roof.op_s(flops, 0.0, cost.expert_low, fp4=cost.expert_fp4) - hw.launch_s)
     read, comp = parts(tokens)
