@@ -99,11 +99,10 @@ def inflection(cost, ep: int) -> float:
 def moe_over_attention(cost, layout, tokens: int) -> tuple[float, str]:
     """One MoE layer's expert time for a prompt of ``tokens`` on ``layout``'s MoE workers (evenly routed)
     over its attention block's time on one attention group (ASAP Fig. 3's two curves at batch one)."""
-    from moeflow.sim.attention_cost import attention_parts
     from moeflow.sim.shape import AttnShape
 
     m = cost.model
-    attn = sum(attention_parts(cost, AttnShape.of([(0, tokens, True)], m.index_topk), layout.attn_tp, False).values())
+    attn = cost.attention_s(AttnShape.of([(0, tokens, True)], m.index_topk), layout.attn_tp, False)
     moe = cost.experts_s(round(tokens * m.top_k / layout.moe_workers), m.num_experts // layout.moe_workers)
     return moe / attn, (f"attention block {attn * 1e3:.2f} ms on TP{layout.attn_tp}; experts {moe * 1e3:.2f} ms "
                         f"on each of {layout.moe_workers} MoE workers")
