@@ -14,6 +14,7 @@ per-step work (``host_step_s``); without it every step pays it (FastAFD §5's ab
 """
 from __future__ import annotations
 
+from moeflow.sim.ports import Ports
 from moeflow.sim.shape import AttnShape
 from moeflow.sim.step_system import StepSystem
 
@@ -63,12 +64,18 @@ class AfdSystem(StepSystem):
         share = [1 / len(f) for f in self.ffns]  # "all": a daemon gets its 1/N of each token's experts
         ffn = [[cf.experts_s(round(sum(tokens[i][u] * m.top_k * share[i] for i in srv)), self.local[j])
                 for u in range(nub)] for j, srv in enumerate(self.served)]
-        move = [[cl.transfer_s(self._sent_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]  # per micro-batch
-        back = [[cl.transfer_s(self._back_bytes(i, t)) for t in ts] for i, ts in enumerate(tokens)]
+        # every message crosses two ports (its sender's out, its receiver's in), each FIFO: a daemon
+        # takes M instances' rows through one link, as dep's all-to-all waits for its busiest endpoint
+        lat = cl.transfer_s(0.0)
+        out = [[cl.transfer_s(self._sent_bytes(i, t) / len(self.ffns[i])) - lat for t in ts]
+               for i, ts in enumerate(tokens)]  # one message to one daemon, per micro-batch
+        back = [[cl.transfer_s(self._back_bytes(i, t) / len(self.ffns[i])) - lat for t in ts]
+                for i, ts in enumerate(tokens)]
         sa, sf = self.slow_attn, self.slow_ffn  # (layer, u) waits for the slowest instance / daemon
         inst = [now] * len(ubs)  # when each instance is free
         ready = [[now] * nub for _ in ubs]  # when (layer, u)'s input is back on the instance
         daemon = [now] * len(ffn)
+        ports = Ports(len(ubs), len(ffn), now)
         before = None
         for layer in range(m.num_layers):
             is_dense = layer < m.num_dense_layers
@@ -76,17 +83,19 @@ class AfdSystem(StepSystem):
             for u in range(nub):
                 for i in range(len(ubs)):
                     inst[i] = self.finish_at(max(inst[i], ready[i][u]), (dense[i][u] if is_dense else attn[i][u]) * sa)
-                    sent[i][u] = inst[i] + (0.0 if is_dense else move[i][u])
+                    sent[i][u] = inst[i]
                     if is_dense:
                         ready[i][u] = inst[i]
             if is_dense:
                 continue
             for u in range(nub):
+                arrive = ports.dispatch([s[u] for s in sent], self.ffns, [o[u] for o in out], lat)
                 for j, srv in enumerate(self.served):
-                    daemon[j] = self.finish_at(max([daemon[j]] + [sent[i][u] for i in srv]), ffn[j][u] * sf)
+                    daemon[j] = self.finish_at(max(daemon[j], arrive[j]), ffn[j][u] * sf)
+                got = ports.combine(daemon, self.served, [b[u] for b in back], lat)
                 for i in range(len(ubs)):
-                    ready[i][u] = max(daemon[j] for j in self.ffns[i]) + back[i][u]
-            state = [*inst, *(x for r in ready for x in r), *daemon]
+                    ready[i][u] = got[i]
+            state = [*inst, *(x for r in ready for x in r), *daemon, *ports.state()]
             # the core calendar (sim/cores.py) is state the shift does not see: walk every layer there
             shift = None if self.cores is not None else _uniform_shift(before, state)
             if shift is not None:  # periodic: every later MoE layer moves all of it by the same shift
