@@ -23,25 +23,23 @@ class Ports:
     def dispatch(self, ready: list[float], to: list[list[int]], secs: list[float], latency: float) -> list[float]:
         """Instance i's rows, ready at ``ready[i]``, one message of ``secs[i]`` to each daemon of
         ``to[i]``: when each daemon has every message it was sent (``-inf``: none)."""
-        arrive = [float("-inf")] * len(self.daemon_in)
-        out, din = self.inst_out, self.daemon_in
-        for i in sorted(range(len(ready)), key=ready.__getitem__):
-            for j in to[i]:
-                end = max(ready[i], out[i], din[j]) + secs[i]
-                out[i] = din[j] = end
-                if end + latency > arrive[j]:
-                    arrive[j] = end + latency
-        return arrive
+        return _exchange(ready, to, lambda i, j: secs[i], self.inst_out, self.daemon_in, latency)
 
     def combine(self, done: list[float], to: list[list[int]], secs: list[float], latency: float) -> list[float]:
         """Daemon j, done at ``done[j]``, answers each instance of ``to[j]`` with a message of that
         instance's ``secs[i]``: when each instance has all its answers (``-inf``: none)."""
-        got = [float("-inf")] * len(self.inst_in)
-        out, iin = self.daemon_out, self.inst_in
-        for j in sorted(range(len(done)), key=done.__getitem__):
-            for i in to[j]:
-                end = max(done[j], out[j], iin[i]) + secs[i]
-                out[j] = iin[i] = end
-                if end + latency > got[i]:
-                    got[i] = end + latency
-        return got
+        return _exchange(done, to, lambda j, i: secs[i], self.daemon_out, self.inst_in, latency)
+
+
+def _exchange(ready, to, secs, out, inn, latency) -> list[float]:
+    """Sender a's messages (ready at ``ready[a]``, to each b of ``to[a]``, ``secs(a, b)`` each) through
+    the senders' ``out`` and the receivers' ``inn`` ports, in the order they are ready: when each
+    receiver has its last one."""
+    got = [float("-inf")] * len(inn)
+    for a in sorted(range(len(ready)), key=ready.__getitem__):
+        for b in to[a]:
+            end = max(ready[a], out[a], inn[b]) + secs(a, b)
+            out[a] = inn[b] = end
+            if end + latency > got[b]:
+                got[b] = end + latency
+    return got
