@@ -98,6 +98,22 @@ def test_micro_batch_table_shape():
     assert _decode("afd_28a4f_m4", quiet=True)["busy"]["ffn"] > 0.95
 
 
+@pytest.mark.parametrize("name", ["afd_12a4f_m1", "afd_12a4f", "afd_12a4f_m4"])
+def test_a_daemon_reads_its_experts_again_for_every_micro_batch(name):
+    """Decode's FFN is bound by reading the weights: m micro-batches read them m times, so a
+    daemon's seconds per step are the layers x the sum of its experts op over the micro-batches."""
+    r = _decode(name, quiet=True)
+    lay, m = BENCH.systems[name].layout, COST.model
+    b, nub = r["batch_per_group"], lay.micro_batches
+    tokens = [b // nub + (u < b % nub) for u in range(nub)]  # the scheduler's near-even split
+    local = m.num_experts // lay.ffn_workers
+    per_step = m.num_moe_layers * sum(COST.experts_s(round(lay.attn_workers * t * m.top_k / lay.ffn_workers), local)
+                                      for t in tokens)
+    assert r["busy"]["ffn"] * r["tpot_s"] == pytest.approx(per_step, rel=1e-9)
+    one_read = COST.experts_s(round(lay.attn_workers * b * m.top_k / lay.ffn_workers), local)
+    assert per_step > 0.9 * nub * m.num_moe_layers * one_read  # memory-bound: nearly m whole reads
+
+
 def test_without_overlap_scheduling_each_step_pays_the_host_work():
     on, off = _decode("afd_28a4f"), _decode("afd_28a4f_no_overlap_scheduling")
     assert off["tpot_s"] - on["tpot_s"] == pytest.approx(COST.hw.host_step_s, rel=0.02)

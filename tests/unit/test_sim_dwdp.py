@@ -106,6 +106,28 @@ def test_the_merge_copies_every_expert_of_a_layer_before_its_experts_run():
     assert times[True] - times[False] == pytest.approx(m.num_moe_layers * per_layer, rel=1e-9)
 
 
+@pytest.mark.parametrize("link_bw", [1e18, 2e10])
+def test_each_moe_layer_takes_the_longer_of_its_compute_and_its_own_pull(link_bw):
+    """DWDP §3: per layer max(compute, prefetch). Pulls go one layer ahead into two slots, so with
+    pulls longer than a layer's compute the copy engine never rests and layer k's experts start
+    when pull k is in, (k + 1) pulls after the batch; with instant pulls nothing waits."""
+    s = _system("qwen3-235b-a22b", "h200", over={"link_bw_Bps": link_bw, "link_latency_s": 0}, dp=2)
+    n = 2048
+    rec = s.run([WorkloadRequest(0.0, n, 1)]).records[0]
+    m, c = s.model, s.cost
+    shape = AttnShape.of([(0, n, True)])
+    attn, experts = c.attention_s(shape, 1, False), c.experts_s(n * m.top_k, m.num_experts)
+    pull, head = s.pull_time_s(0), c.head_s(shape, 1)
+    assert s.slowdown == 1.0  # h200: no copy-engine slowdown to fold in
+    assert pull == pytest.approx(c.transfer_s(m.num_experts // 2 * m.expert_bytes))  # the peer's half
+    dense = m.num_dense_layers * c.attention_s(shape, 1, True)
+    if pull < attn:
+        assert rec.ttft_s == pytest.approx(dense + m.num_moe_layers * (attn + experts) + head, rel=1e-9)
+    else:
+        assert pull > attn + experts and dense < pull
+        assert rec.ttft_s == pytest.approx(m.num_moe_layers * pull + experts + head, rel=1e-9)
+
+
 def _stepped(windows, t, d, f, dt=1e-5):
     """Oracle for ``_compute``: advance in small steps, at 1/f speed inside a pull window."""
     while d > 1e-12:

@@ -29,7 +29,9 @@ EARLIER = (("before the symmetry rule (ASAP's baselines split attention by heads
            ("before MiniMax-M2.5 was simulated (FastAFD §6's second model)", "5aa8c02", 27, 57),
            ("before DWDP's end-to-end rows (§5.3, Table 6) and ASAP's dual-batch and Fig. 3 claims joined", "8fda7e6",
             29, 61),
-           ("before ASAP's async-dispatch latency (§5.4) joined", "16610bf", 33, 67))
+           ("before ASAP's async-dispatch latency (§5.4) joined", "16610bf", 33, 67),
+           ("before afd's ports (a daemon took its M instances' rows as if each came over a link of its own)",
+            "6514333", 34, 68))
 
 
 def tally(rows: list[str]) -> tuple[int, int, int, int]:
