@@ -84,6 +84,23 @@ def test_cost_model_limits():
     assert cost.attention_s(AttnShape.of([(0, 8192, True)], 2048), 4, False) < one / 4
 
 
+def test_the_experts_inflection_is_where_their_flops_pass_their_weights_read():
+    """The MoE efficiency curve (ASAP §2.2.2): flat while every local expert's weights are read
+    for few tokens, linear once the FLOPs at the cited peak x gemm_eff take longer than that read
+    at the HBM's cited rate; the bend sits where the two are equal, nothing fitted."""
+    cost = AnalyticCost(model_preset("deepseek-v3.2"), hardware_preset("ascend-910c-die"))
+    m, hw, local = cost.model, cost.hw, 8  # EP32: 256 experts, 8 per die
+    flops_per_pair = 2 * m.expert_params / (cost.roof.peak(cost.expert_low) * hw.gemm_eff)
+    bytes_per_pair = m.hidden_size * (m.act_bytes + 2) / (hw.mem_bw_Bps * hw.mem_eff)
+    weights = local * m.expert_bytes / (hw.mem_bw_Bps * hw.mem_eff)
+    ridge = weights / (flops_per_pair - bytes_per_pair)  # routed pairs on the die (all 8 experts active)
+    assert 2500 < ridge < 3500  # ~ 11.4k tokens of a batch at top-8 over 32 dies: the row's 11.7k
+    below, above = int(ridge * 0.9), int(ridge * 1.1)
+    assert cost.experts_s(below, local) == pytest.approx(hw.launch_s + cost.experts_work(below, local)[1]
+                                                         / (hw.mem_bw_Bps * hw.mem_eff), rel=1e-12)
+    assert cost.experts_s(above, local) == pytest.approx(hw.launch_s + above * flops_per_pair, rel=1e-12)
+
+
 def test_a_lone_request_takes_the_closed_form_time():
     cfg = _cfg()
     cost = build_cost(cfg)
