@@ -108,7 +108,11 @@ def three_factors(afd: dict, dep: dict) -> str:
 
 
 def afd_busy(r: dict) -> str:
-    return f"instances computing {pct(r['busy']['attention'])}, daemons {pct(r['busy']['ffn'])}"
+    """Who computes how much of a step; a daemon's seconds are its experts op, once per micro-batch
+    (decode reads every weight each time), so they bound the step from below."""
+    daemon_ms = r["busy"]["ffn"] * r["tpot_s"] * 1e3
+    return (f"instances computing {pct(r['busy']['attention'])}, daemons {pct(r['busy']['ffn'])} "
+            f"(a daemon's experts: {daemon_ms:.1f} ms a step)")
 
 
 def kv_split(r: dict, ctx: int) -> str:
