@@ -66,11 +66,10 @@ class AfdSystem(StepSystem):
                 for u in range(nub)] for j, srv in enumerate(self.served)]
         # every message crosses two ports (its sender's out, its receiver's in), each FIFO: a daemon
         # takes M instances' rows through one link, as dep's all-to-all waits for its busiest endpoint
-        lat = cl.transfer_s(0.0)
-        out = [[cl.transfer_s(self._sent_bytes(i, t) / len(self.ffns[i])) - lat for t in ts]
+        lat, bw = cl.transfer_s(0.0), cl.link_bw_Bps
+        out = [[self._sent_bytes(i, t) / len(self.ffns[i]) / bw for t in ts]
                for i, ts in enumerate(tokens)]  # one message to one daemon, per micro-batch
-        back = [[cl.transfer_s(self._back_bytes(i, t) / len(self.ffns[i])) - lat for t in ts]
-                for i, ts in enumerate(tokens)]
+        back = [[self._back_bytes(i, t) / len(self.ffns[i]) / bw for t in ts] for i, ts in enumerate(tokens)]
         sa, sf = self.slow_attn, self.slow_ffn  # (layer, u) waits for the slowest instance / daemon
         inst = [now] * len(ubs)  # when each instance is free
         ready = [[now] * nub for _ in ubs]  # when (layer, u)'s input is back on the instance
